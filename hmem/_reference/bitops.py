@@ -1,0 +1,103 @@
+"""Plain-Python twins of hmem._native._bitops, written for clarity.
+
+They are the executable specification the tests compare the native kernels
+against, and the implementation used when ``HMEM_KERNELS=reference``.  They
+loop bit by bit on purpose; never use them on a hot path.
+
+Layout: bit i is in byte i // 8 under mask 1 << (i % 8).  A presence map of
+G groups, C chunks and R ranks has bit g*C*R + j*R + r (group-major) or
+j*G*R + g*R + r (chunk-major).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+PATH_NAMES = ("reference",)
+
+
+def best_path() -> int:
+    return 0
+
+
+def select_path(limit: int) -> int:
+    return 0
+
+
+def active_path() -> int:
+    return 0
+
+
+def _get(buf, i: int) -> int:
+    return (buf[i >> 3] >> (i & 7)) & 1
+
+
+def _put(buf: bytearray, i: int, value: int) -> None:
+    if value:
+        buf[i >> 3] |= 1 << (i & 7)
+    else:
+        buf[i >> 3] &= ~(1 << (i & 7)) & 0xFF
+
+
+def popcount(buf, nbits: int) -> int:
+    return sum(_get(buf, i) for i in range(nbits))
+
+
+def highest_set_bit(buf, nbits: int) -> int:
+    for i in range(nbits - 1, -1, -1):
+        if _get(buf, i):
+            return i
+    return -1
+
+
+def next_bit(buf, start: int, end: int, want: int) -> int:
+    for i in range(start, end):
+        if _get(buf, i) == want:
+            return i
+    return end
+
+
+def set_range(buf: bytearray, start: int, end: int) -> None:
+    for i in range(start, end):
+        _put(buf, i, 1)
+
+
+def clear_range(buf: bytearray, start: int, end: int) -> None:
+    for i in range(start, end):
+        _put(buf, i, 0)
+
+
+def _cell_index(g: int, j: int, r: int, C: int, R: int, G: int, chunk_major: bool) -> int:
+    return j * G * R + g * R + r if chunk_major else g * C * R + j * R + r
+
+
+def fold_into(found, C: int, R: int, windows: Sequence[int], chunk_major: bool, out: bytearray) -> None:
+    """Bit j of `out` = every group can serve a prefix of length j + 1.
+
+    A group with window w serves length L when its last min(w, L) chunks
+    before L are present (all L chunks for full attention, w <= 0), i.e. when
+    the run of present chunks ending at chunk L - 1 is that long.
+    """
+    G = len(windows)
+    servable = [True] * C
+    for g, w in enumerate(windows):
+        run = 0
+        for j in range(C):
+            present = all(_get(found, _cell_index(g, j, r, C, R, G, chunk_major)) for r in range(R))
+            run = run + 1 if present else 0
+            need = j + 1 if w <= 0 else min(w, j + 1)
+            if run < need:
+                servable[j] = False
+    for j in range(C):
+        if servable[j]:
+            _put(out, j, 1)
+
+
+def unfold_into(hit: int, C: int, R: int, windows: Sequence[int], chunk_major: bool, out: bytearray) -> None:
+    """Set every rank bit of chunks [lo_g, hit) of each group g."""
+    G = len(windows)
+    for g, w in enumerate(windows):
+        lo = 0 if w <= 0 else max(0, hit - w)
+        for j in range(lo, hit):
+            for r in range(R):
+                _put(out, _cell_index(g, j, r, C, R, G, chunk_major), 1)

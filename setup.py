@@ -1,0 +1,37 @@
+"""Build of hmem's compiled kernels.
+
+All compiler settings live here.  The kernels are compiled for a portable
+baseline of the target architecture (no -march=native): faster instruction
+paths (hardware popcount, AVX-512 VPOPCNTDQ) are compiled as separate
+functions with per-function target attributes in ``hmem/_native/bitops.h``
+and chosen at run time from the CPU's feature flags.
+"""
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+COMPILE_ARGS = ["-O3", "-fno-strict-aliasing", "-Wno-unused-function"]
+
+extensions = [
+    Extension(
+        f"hmem._native.{name}",
+        [f"hmem/_native/{name}.pyx"],
+        depends=["hmem/_native/bitops.h"],
+        include_dirs=["hmem/_native"],
+        extra_compile_args=COMPILE_ARGS,
+    )
+    for name in ("_bitops",)
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        language_level=3,
+        compiler_directives={
+            "boundscheck": False,
+            "wraparound": False,
+            "cdivision": True,
+            "initializedcheck": False,
+        },
+    )
+)
