@@ -62,15 +62,19 @@ def _int(value: object, name: str) -> int:
 
 def _windows(windows: Sequence[int] | Iterable[int]) -> tuple[int, ...]:
     try:
-        ws = tuple(_int(w, "every window") for w in windows)
+        ws = tuple(windows)
     except TypeError:
         raise InvalidArgumentError(f"windows must be a sequence of integers, got {windows!r}") from None
     if not ws:
         raise InvalidArgumentError("windows is empty: give one window per object group")
+    if not all(type(w) is int for w in ws):  # exact ints pass without a per-item call
+        ws = tuple(_int(w, "every window") for w in ws)
     return ws
 
 
 def _layout(layout: Layout | str) -> Layout:
+    if isinstance(layout, Layout):
+        return layout
     try:
         return Layout(layout)
     except ValueError:
@@ -159,8 +163,17 @@ def fold_unfold_ranked(
     layout: Layout | str = Layout.GROUP_MAJOR,
 ) -> tuple[int, Bitmap]:
     """(hit, retain mask): fold, then highest_set_bit + 1, then unfold."""
-    hit = fold(found, num_chunks, num_ranks, windows, layout).highest_set_bit() + 1
-    return hit, unfold(hit, num_chunks, num_ranks, windows, layout)
+    # The same steps as fold() and unfold(), validated once: on small
+    # requests the argument checks cost more than the kernels.
+    C, R, ws = _shape(num_chunks, num_ranks, windows)
+    _check_found(found, C, R, len(ws))
+    chunk_major = _layout(layout) is Layout.CHUNK_MAJOR
+    servable = Bitmap(C)
+    bitops.fold_into(found.buffer, C, R, ws, chunk_major, servable.buffer)
+    hit = servable.highest_set_bit() + 1
+    mask = Bitmap(len(found))
+    bitops.unfold_into(hit, C, R, ws, chunk_major, mask.buffer)
+    return hit, mask
 
 
 def fold_unfold(

@@ -1,0 +1,5 @@
+"""``python -m hmem`` runs the command line."""
+
+from hmem.cli import main
+
+main()

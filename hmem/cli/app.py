@@ -1,0 +1,130 @@
+"""The ``hmem`` Typer application: global options, error handling, and the
+registration of one module per command."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperGroup
+
+from hmem import HmemError, __version__, kernels
+from hmem.cli import cmd_prefix_hit
+from hmem.cli.exit_codes import ExitCode, exit_code_for
+from hmem.cli.output import error_line
+
+DEBUG_ENV = "HMEM_DEBUG"
+
+
+class _Session:
+    """Per-invocation settings the error handler needs after parsing ends."""
+
+    debug = False
+
+
+def _print_error(message: str, hint: str | None = None) -> None:
+    sys.stderr.write(error_line(message, hint) + "\n")
+    sys.stderr.flush()
+
+
+class HmemGroup(TyperGroup):
+    """Runs a command and turns every outcome into one exit code.
+
+    Library errors print one line (what happened, what to do) and exit with
+    the code of docs/cli.md; a traceback only with --debug or HMEM_DEBUG=1.
+    This lives in ``main`` so that the console script, ``python -m hmem`` and
+    the test runner all take the same path.
+    """
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        _Session.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+        try:
+            rv = super().main(args=args, prog_name=prog_name or "hmem", complete_var=complete_var,
+                              standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else ExitCode.OK
+        except HmemError as exc:
+            code = self._report(exc, exc.message, exc.hint)
+        except typer.Abort:
+            _print_error("aborted")
+            code = ExitCode.FAILURE
+        except KeyboardInterrupt:
+            _print_error("interrupted")
+            code = ExitCode.INTERRUPTED
+        except Exception as exc:  # noqa: BLE001 - the last line of defence
+            code = self._report_other(exc)
+        if standalone_mode:
+            sys.exit(int(code))
+        return int(code)
+
+    @staticmethod
+    def _report(exc: BaseException, message: str, hint: str | None) -> ExitCode:
+        if _Session.debug:
+            traceback.print_exception(exc)
+        _print_error(message, hint)
+        return exit_code_for(exc)
+
+    @staticmethod
+    def _report_other(exc: Exception) -> int:
+        # Typer's own usage errors (missing option, bad type) carry an exit
+        # code and a message; anything else is a bug in hmem.
+        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+            if type(exc).__name__ == "NoArgsIsHelpError":
+                return ExitCode.USAGE  # the help text is already printed
+            ctx = getattr(exc, "ctx", None)
+            hint = f"see '{ctx.command_path} --help'" if ctx is not None else "see 'hmem --help'"
+            if _Session.debug:
+                traceback.print_exception(exc)
+            _print_error(exc.format_message(), hint)
+            return int(exc.exit_code)
+        traceback_hint = "run with --debug for the traceback and report it"
+        if _Session.debug:
+            traceback.print_exception(exc)
+        _print_error(f"internal error: {type(exc).__name__}: {exc}", traceback_hint)
+        return ExitCode.FAILURE
+
+
+app = typer.Typer(
+    cls=HmemGroup,
+    name="hmem",
+    help="hmem: persistent, exact K/V memory on disk for LLM inference.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def version_text() -> str:
+    return f"hmem {__version__} ({kernels.describe()})"
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(version_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def _global_options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", "-V", callback=_version, is_eager=True,
+                     help="Print the version and the kernel path in use, then exit."),
+    ] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show tracebacks of errors (or set HMEM_DEBUG=1).")
+    ] = False,
+) -> None:
+    if debug:
+        _Session.debug = True
+
+
+app.command("prefix-hit")(cmd_prefix_hit.prefix_hit)
+
+
+def main() -> None:
+    app()
