@@ -153,7 +153,10 @@ class Bitmap:
 
     @property
     def buffer(self) -> bytearray:
-        """The packed bytes, shared (kernels write into it)."""
+        """The packed bytes, shared with the kernels that write into it.
+
+        Writers must keep the bits past the length zero.
+        """
         return self._buf
 
     # ---- single bits and ranges ------------------------------------------
@@ -264,6 +267,7 @@ class Bitmap:
         return self._nbits == other._nbits and self._buf == other._buf
 
     __hash__ = None  # mutable: see the module docstring
+    __array_ufunc__ = None  # numpy must not treat a Bitmap as a sequence of bits
 
     def __reduce__(self):
         return (Bitmap.from_bytes, (bytes(self._buf), self._nbits))

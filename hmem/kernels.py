@@ -1,9 +1,11 @@
 """The one place that chooses between the native kernels and their
 pure-Python reference twins.
 
-- ``HMEM_KERNELS=native`` (the default) loads the compiled Cython kernels.
-  When they are missing, importing hmem fails with KernelUnavailableError:
-  hmem never falls back to the slow path on its own.
+- ``HMEM_KERNELS=native`` (the default) uses the compiled Cython kernels.
+  When they are missing, the first use of a kernel raises
+  KernelUnavailableError: hmem never falls back to the slow path on its own.
+  (Loading happens on first use so that ``import hmem`` and the command
+  line can still start and report the problem in one line.)
 - ``HMEM_KERNELS=reference`` uses hmem._reference, explicitly and slowly.
 - ``HMEM_CPU=portable|popcnt|avx512-vpopcntdq`` caps the native CPU path
   (the fastest one the CPU supports is used otherwise); tests use it to run
@@ -12,50 +14,72 @@ pure-Python reference twins.
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
+from typing import Any
 
 from hmem.errors import KernelUnavailableError
 
 KERNELS_ENV = "HMEM_KERNELS"
 CPU_ENV = "HMEM_CPU"
+KERNEL_SETS = ("native", "reference")
 
-_mode = os.environ.get(KERNELS_ENV, "native").strip().lower() or "native"
+KERNEL_SET: str = os.environ.get(KERNELS_ENV, "native").strip().lower() or "native"
 
-if _mode == "reference":
-    from hmem._reference import bitops
-elif _mode == "native":
+
+def _import(name: str) -> ModuleType:
+    if KERNEL_SET == "reference":
+        return importlib.import_module(f"hmem._reference.{name}")
+    if KERNEL_SET != "native":
+        raise KernelUnavailableError(
+            f"unknown {KERNELS_ENV}={KERNEL_SET!r}", hint="use 'native' or 'reference'"
+        )
     try:
-        from hmem._native import _bitops as bitops
+        module = importlib.import_module(f"hmem._native._{name}")
     except ImportError as exc:  # the extension was not built or cannot load
         raise KernelUnavailableError(
             f"hmem's compiled kernels cannot be loaded ({exc})",
             hint="reinstall with 'pip install .' on a machine with gcc, "
             f"or set {KERNELS_ENV}=reference to run the slow pure-Python kernels",
         ) from exc
-else:
-    raise KernelUnavailableError(
-        f"unknown {KERNELS_ENV}={_mode!r}", hint="use 'native' or 'reference'"
-    )
-
-KERNEL_SET: str = _mode
+    _apply_cpu_env(module)
+    return module
 
 
-def _select_cpu_path() -> None:
+def _apply_cpu_env(module: ModuleType) -> None:
     wanted = os.environ.get(CPU_ENV, "").strip().lower()
-    if KERNEL_SET != "native" or not wanted:
+    names = module.PATH_NAMES
+    if not wanted:
+        module.select_path(len(names) - 1)
         return
-    if wanted not in bitops.PATH_NAMES:
-        raise KernelUnavailableError(
-            f"unknown {CPU_ENV}={wanted!r}", hint="use one of " + ", ".join(bitops.PATH_NAMES)
-        )
-    bitops.select_path(bitops.PATH_NAMES.index(wanted))
+    if wanted not in names:
+        raise KernelUnavailableError(f"unknown {CPU_ENV}={wanted!r}", hint="use one of " + ", ".join(names))
+    module.select_path(names.index(wanted))
+
+
+class _KernelModule:
+    """Stands for one kernel module; loads it on first attribute access and
+    then holds its functions as plain attributes (no per-call indirection)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        module = _import(self.__dict__["_name"])
+        for key in dir(module):
+            if not key.startswith("__"):
+                self.__dict__[key] = getattr(module, key)
+        return getattr(module, attr)
+
+
+bitops: Any = _KernelModule("bitops")
 
 
 def select_cpu_path(name: str | None) -> str:
     """Cap the CPU path at `name` (None: the fastest supported); returns the path in use."""
-    if KERNEL_SET == "native":
-        limit = len(bitops.PATH_NAMES) - 1 if name is None else bitops.PATH_NAMES.index(name)
-        bitops.select_path(limit)
+    names = bitops.PATH_NAMES
+    bitops.select_path(len(names) - 1 if name is None else names.index(name))
     return cpu_path()
 
 
@@ -66,13 +90,9 @@ def cpu_path() -> str:
 
 def available_cpu_paths() -> tuple[str, ...]:
     """Every CPU path this machine can run, slowest first."""
-    return bitops.PATH_NAMES[: bitops.best_path() + 1]
+    return tuple(bitops.PATH_NAMES[: bitops.best_path() + 1])
 
 
 def describe() -> str:
     """One line for --version and stats: which kernels and CPU path run."""
     return f"kernels: {KERNEL_SET}, cpu path: {cpu_path()}"
-
-
-select_cpu_path(None)
-_select_cpu_path()

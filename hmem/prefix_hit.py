@@ -93,6 +93,14 @@ def _shape(num_chunks: int, num_ranks: int, windows) -> tuple[int, int, tuple[in
     return C, R, _windows(windows)
 
 
+def _kernel_windows(ws: tuple[int, ...], C: int) -> tuple[int, ...]:
+    """Windows as the kernels take them (C longs): a window of C or more
+    chunks needs every chunk, exactly like full attention."""
+    if max(ws) <= C and min(ws) >= FULL_ATTENTION_WINDOW:
+        return ws
+    return tuple(FULL_ATTENTION_WINDOW if w <= 0 or w >= C else w for w in ws)
+
+
 def presence_bits(num_chunks: int, num_ranks: int, windows: Sequence[int]) -> int:
     """N = G * C * R, the length of a presence map and of a retain mask."""
     C, R, ws = _shape(num_chunks, num_ranks, windows)
@@ -123,7 +131,7 @@ def fold(
     C, R, ws = _shape(num_chunks, num_ranks, windows)
     _check_found(found, C, R, len(ws))
     out = Bitmap(C)
-    bitops.fold_into(found.buffer, C, R, ws, _layout(layout) is Layout.CHUNK_MAJOR, out.buffer)
+    bitops.fold_into(found.buffer, C, R, _kernel_windows(ws, C), _layout(layout) is Layout.CHUNK_MAJOR, out.buffer)
     return out
 
 
@@ -151,7 +159,7 @@ def unfold(
         raise InvalidArgumentError(f"hit must be >= 0, got {hit}")
     hit = min(hit, C)
     out = Bitmap(len(ws) * C * R)
-    bitops.unfold_into(hit, C, R, ws, _layout(layout) is Layout.CHUNK_MAJOR, out.buffer)
+    bitops.unfold_into(hit, C, R, _kernel_windows(ws, C), _layout(layout) is Layout.CHUNK_MAJOR, out.buffer)
     return out
 
 
@@ -169,10 +177,10 @@ def fold_unfold_ranked(
     _check_found(found, C, R, len(ws))
     chunk_major = _layout(layout) is Layout.CHUNK_MAJOR
     servable = Bitmap(C)
-    bitops.fold_into(found.buffer, C, R, ws, chunk_major, servable.buffer)
+    bitops.fold_into(found.buffer, C, R, _kernel_windows(ws, C), chunk_major, servable.buffer)
     hit = servable.highest_set_bit() + 1
     mask = Bitmap(len(found))
-    bitops.unfold_into(hit, C, R, ws, chunk_major, mask.buffer)
+    bitops.unfold_into(hit, C, R, _kernel_windows(ws, C), chunk_major, mask.buffer)
     return hit, mask
 
 

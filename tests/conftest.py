@@ -30,7 +30,7 @@ _COMMON = dict(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
-settings.register_profile("ci", max_examples=60, database=None, **_COMMON)
+settings.register_profile("ci", max_examples=150, database=None, **_COMMON)
 settings.register_profile("dev", max_examples=20, **_COMMON)
 settings.register_profile("thorough", max_examples=2000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
@@ -47,6 +47,12 @@ def _native_paths() -> tuple[str, ...]:
     return _bitops.PATH_NAMES[: _bitops.best_path() + 1]
 
 
+def _current() -> str:
+    if kernels.KERNEL_SET == "native":
+        return kernels.cpu_path()  # loads the kernels (and applies HMEM_CPU) if not yet done
+    return _bitops.PATH_NAMES[_bitops.active_path()]
+
+
 def _select(name: str) -> str:
     if kernels.KERNEL_SET == "native":
         return kernels.select_cpu_path(name)
@@ -56,7 +62,7 @@ def _select(name: str) -> str:
 @contextmanager
 def _on_cpu_path(name: str) -> Iterator[str]:
     """Run the native kernels on CPU path `name`, then restore the path in use before."""
-    before = _bitops.PATH_NAMES[_bitops.active_path()]
+    before = _current()
     used = _select(name)
     assert used == name, f"asked for CPU path {name!r}, got {used!r}"
     assert _bitops.PATH_NAMES[_bitops.active_path()] == name
@@ -97,7 +103,7 @@ def on_every_cpu_path(cpu_paths) -> Callable[[Callable[[], object]], dict[str, o
 @pytest.fixture(scope="module", autouse=True)
 def _restore_cpu_path() -> Iterator[None]:
     """Whatever a test module does to the CPU path, the next module starts from the same one."""
-    before = _bitops.PATH_NAMES[_bitops.active_path()]
+    before = _current()
     yield
     _select(before)
-    assert _bitops.PATH_NAMES[_bitops.active_path()] == before
+    assert _current() == before

@@ -44,6 +44,14 @@ def active_path():
     return hm_path
 
 
+cdef inline uint64_t hm_popcount_byte(unsigned x) noexcept nogil:
+    cdef uint64_t n = 0
+    while x:
+        x &= x - 1
+        n += 1
+    return n
+
+
 cdef inline const uint8_t *_rptr(const unsigned char[::1] buf):
     return &buf[0] if buf.shape[0] > 0 else NULL
 
@@ -55,8 +63,13 @@ cdef inline uint8_t *_wptr(unsigned char[::1] buf):
 # ---- bit primitives -------------------------------------------------------
 
 def popcount(const unsigned char[::1] buf, Py_ssize_t nbits):
-    """Number of set bits in [0, nbits).  Pad bits past nbits must be zero."""
-    return hm_popcount(_rptr(buf), <size_t>((nbits + 7) >> 3))
+    """Number of set bits in [0, nbits); bits past nbits are not counted."""
+    cdef size_t whole = <size_t>(nbits >> 3)
+    cdef unsigned tail = <unsigned>(nbits & 7)
+    cdef uint64_t total = hm_popcount(_rptr(buf), whole)
+    if tail:
+        total += hm_popcount_byte(buf[whole] & ((1u << tail) - 1))
+    return total
 
 
 def highest_set_bit(const unsigned char[::1] buf, Py_ssize_t nbits):

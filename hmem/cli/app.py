@@ -46,6 +46,8 @@ class HmemGroup(TyperGroup):
             rv = super().main(args=args, prog_name=prog_name or "hmem", complete_var=complete_var,
                               standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else ExitCode.OK
+            if code == ExitCode.INTERRUPTED:  # Typer turns Ctrl-C into Exit(130)
+                _print_error("interrupted")
         except HmemError as exc:
             code = self._report(exc, exc.message, exc.hint)
         except typer.Abort:

@@ -1,0 +1,135 @@
+"""The application shell: version, entry points, error handling, colour."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+import hmem
+from hmem import kernels
+from hmem.cli import app as app_module
+from hmem.cli.app import app
+from hmem.cli.exit_codes import ERROR_EXIT_CODES, ExitCode, exit_code_for
+from hmem.errors import HmemError, InvalidArgumentError, KernelUnavailableError
+
+
+def test_version_names_kernel_path():
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"hmem {hmem.__version__} (kernels: {kernels.KERNEL_SET}, cpu path: {kernels.cpu_path()})"
+
+
+def test_python_dash_m_and_exit_code_pass_through():
+    proc = subprocess.run(
+        [sys.executable, "-m", "hmem", "prefix-hit", "-c", "2", "-w", "x"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == ExitCode.USAGE
+    assert proc.stderr.startswith("error: --windows")
+    proc = subprocess.run([sys.executable, "-m", "hmem", "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("hmem ")
+
+
+def test_no_arguments_prints_help_with_usage_code():
+    result = CliRunner().invoke(app, [])
+    assert result.exit_code == ExitCode.USAGE
+    assert "prefix-hit" in result.output
+
+
+def test_exit_codes_are_stable():
+    # Scripts depend on these numbers: changing one is a breaking change.
+    assert {c.name: c.value for c in ExitCode} == {
+        "OK": 0, "FAILURE": 1, "USAGE": 2, "PARTIAL": 3, "PROBLEMS_FOUND": 4,
+        "NOT_A_STORE": 5, "LOCKED": 6, "UNSUPPORTED_FORMAT": 7, "INTERRUPTED": 130,
+    }
+    assert exit_code_for(InvalidArgumentError("x")) == ExitCode.USAGE
+    assert exit_code_for(KernelUnavailableError("x")) == ExitCode.FAILURE
+    assert exit_code_for(RuntimeError("x")) == ExitCode.FAILURE
+    assert all(issubclass(cls, BaseException) for cls, _ in ERROR_EXIT_CODES)
+
+
+def _app_raising(exc: BaseException) -> typer.Typer:
+    probe = typer.Typer(cls=app_module.HmemGroup)
+
+    @probe.command()
+    def boom() -> None:
+        raise exc
+
+    @probe.command()
+    def other() -> None:
+        pass
+
+    return probe
+
+
+@pytest.mark.parametrize(
+    "exc, code, line",
+    [
+        (HmemError("it broke", hint="do this"), ExitCode.FAILURE, "error: it broke (do this)"),
+        (KeyboardInterrupt(), ExitCode.INTERRUPTED, "error: interrupted"),
+        (ZeroDivisionError("bad"), ExitCode.FAILURE, "error: internal error: ZeroDivisionError: bad"),
+    ],
+)
+def test_errors_become_one_line_and_exit_code(exc, code, line):
+    result = CliRunner().invoke(_app_raising(exc), ["boom"])
+    assert result.exit_code == code
+    assert result.stderr.startswith(line)
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_debug_shows_traceback(monkeypatch):
+    monkeypatch.setenv("HMEM_DEBUG", "1")
+    result = CliRunner().invoke(_app_raising(HmemError("it broke")), ["boom"])
+    assert result.exit_code == ExitCode.FAILURE
+    assert "Traceback" in result.stderr
+    assert result.stderr.strip().endswith("error: it broke")
+
+
+def test_no_ansi_when_not_a_terminal_or_no_color(monkeypatch):
+    args = ["prefix-hit", "-c", "4", "-w", "-1", "-g", "0-2"]
+    plain = CliRunner().invoke(app, args)
+    assert "\x1b[" not in plain.stdout
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("FORCE_COLOR", "")
+    env = {**os.environ, "NO_COLOR": "1", "TERM": "xterm-256color"}
+    proc = subprocess.run([sys.executable, "-m", "hmem", *args], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0
+    assert "\x1b[" not in proc.stdout
+
+
+def test_missing_kernels_is_a_clear_error():
+    # A checkout without the compiled extension: importing hmem from the
+    # source tree with the native kernels asked for must fail loudly.
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'hmem._native._bitops': raise ImportError('no compiled module')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from hmem.cli import main\n"
+        "sys.argv = ['hmem', '--version']\n"
+        "main()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "HMEM_KERNELS": "native"})
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: hmem's compiled kernels cannot be loaded")
+    assert "HMEM_KERNELS=reference" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_reference_kernels_are_explicit():
+    proc = subprocess.run([sys.executable, "-m", "hmem", "--version"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "HMEM_KERNELS": "reference"})
+    assert proc.returncode == 0
+    assert "kernels: reference" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "hmem", "--version"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "HMEM_KERNELS": "bogus"})
+    assert proc.returncode == 1
+    assert "unknown HMEM_KERNELS" in proc.stderr
