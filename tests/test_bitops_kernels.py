@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import sys
 
 import numpy as np
@@ -19,6 +20,10 @@ from hmem._reference import bitops as ref
 
 # ---- helpers and strategies ------------------------------------------------------
 
+
+# Subprocesses start outside the checkout so that they import the installed
+# hmem (with its compiled kernels), not the source tree on sys.path[0].
+OUTSIDE_CHECKOUT = tempfile.gettempdir()
 
 def nbytes(nbits: int) -> int:
     return (nbits + 7) // 8
@@ -104,7 +109,8 @@ def test_native_kernels_are_the_default():
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k not in (kernels.KERNELS_ENV, kernels.CPU_ENV)}
     full.update(env)
-    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-c", code], cwd=OUTSIDE_CHECKOUT, env=full,
+                          capture_output=True, text=True, timeout=60)
 
 
 def test_environment_switches():

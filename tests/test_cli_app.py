@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -18,6 +19,15 @@ from hmem.cli.exit_codes import ERROR_EXIT_CODES, ExitCode, exit_code_for
 from hmem.errors import HmemError, InvalidArgumentError, KernelUnavailableError
 
 
+# Subprocesses start outside the checkout so that they import the installed
+# hmem (with its compiled kernels), not the source tree on sys.path[0].
+OUTSIDE_CHECKOUT = tempfile.gettempdir()
+
+
+def run_python(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=OUTSIDE_CHECKOUT, capture_output=True,
+                          text=True, timeout=60, env=env)
+
 def test_version_names_kernel_path():
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0
@@ -25,13 +35,10 @@ def test_version_names_kernel_path():
 
 
 def test_python_dash_m_and_exit_code_pass_through():
-    proc = subprocess.run(
-        [sys.executable, "-m", "hmem", "prefix-hit", "-c", "2", "-w", "x"],
-        capture_output=True, text=True, timeout=60,
-    )
+    proc = run_python("-m", "hmem", "prefix-hit", "-c", "2", "-w", "x")
     assert proc.returncode == ExitCode.USAGE
     assert proc.stderr.startswith("error: --windows")
-    proc = subprocess.run([sys.executable, "-m", "hmem", "--version"], capture_output=True, text=True, timeout=60)
+    proc = run_python("-m", "hmem", "--version")
     assert proc.returncode == 0 and proc.stdout.startswith("hmem ")
 
 
@@ -98,7 +105,7 @@ def test_no_ansi_when_not_a_terminal_or_no_color(monkeypatch):
     monkeypatch.setenv("NO_COLOR", "1")
     monkeypatch.setenv("FORCE_COLOR", "")
     env = {**os.environ, "NO_COLOR": "1", "TERM": "xterm-256color"}
-    proc = subprocess.run([sys.executable, "-m", "hmem", *args], capture_output=True, text=True, env=env, timeout=60)
+    proc = run_python("-m", "hmem", *args, env=env)
     assert proc.returncode == 0
     assert "\x1b[" not in proc.stdout
 
@@ -116,8 +123,7 @@ def test_missing_kernels_is_a_clear_error():
         "sys.argv = ['hmem', '--version']\n"
         "main()\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "HMEM_KERNELS": "native"})
+    proc = run_python("-c", code, env={**os.environ, "HMEM_KERNELS": "native"})
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: hmem's compiled kernels cannot be loaded")
     assert "HMEM_KERNELS=reference" in proc.stderr
@@ -125,11 +131,9 @@ def test_missing_kernels_is_a_clear_error():
 
 
 def test_reference_kernels_are_explicit():
-    proc = subprocess.run([sys.executable, "-m", "hmem", "--version"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "HMEM_KERNELS": "reference"})
+    proc = run_python("-m", "hmem", "--version", env={**os.environ, "HMEM_KERNELS": "reference"})
     assert proc.returncode == 0
     assert "kernels: reference" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "hmem", "--version"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "HMEM_KERNELS": "bogus"})
+    proc = run_python("-m", "hmem", "--version", env={**os.environ, "HMEM_KERNELS": "bogus"})
     assert proc.returncode == 1
     assert "unknown HMEM_KERNELS" in proc.stderr
