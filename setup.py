@@ -4,23 +4,27 @@ All compiler settings live here.  The kernels are compiled for a portable
 baseline of the target architecture (no -march=native): faster instruction
 paths (hardware popcount, AVX-512 VPOPCNTDQ) are compiled as separate
 functions with per-function target attributes in ``hmem/_native/bitops.h``
-and chosen at run time from the CPU's feature flags.
+and chosen at run time from the CPU's feature flags.  -ffp-contract=off
+keeps the compiler from fusing a multiply and an add: the signature
+projection must give the same bits as its numpy reference.
 """
+
+from glob import glob
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-COMPILE_ARGS = ["-O3", "-fno-strict-aliasing", "-Wno-unused-function"]
+COMPILE_ARGS = ["-O3", "-fno-strict-aliasing", "-ffp-contract=off", "-Wno-unused-function"]
 
 extensions = [
     Extension(
         f"hmem._native.{name}",
         [f"hmem/_native/{name}.pyx"],
-        depends=["hmem/_native/bitops.h"],
+        depends=sorted(glob("hmem/_native/*.h")),
         include_dirs=["hmem/_native"],
         extra_compile_args=COMPILE_ARGS,
     )
-    for name in ("_bitops",)
+    for name in ("_bitops", "_checksum", "_hamming", "_projection")
 ]
 
 setup(

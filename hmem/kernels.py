@@ -7,9 +7,9 @@ pure-Python reference twins.
   (Loading happens on first use so that ``import hmem`` and the command
   line can still start and report the problem in one line.)
 - ``HMEM_KERNELS=reference`` uses hmem._reference, explicitly and slowly.
-- ``HMEM_CPU=portable|popcnt|avx512-vpopcntdq`` caps the native CPU path
-  (the fastest one the CPU supports is used otherwise); tests use it to run
-  every path against the reference.
+- ``HMEM_CPU=portable|popcnt|avx512-vpopcntdq`` caps the native CPU path of
+  every kernel module (the fastest one the CPU supports is used otherwise);
+  tests use it to run every path against the reference.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class _KernelModule:
 
     def __init__(self, name: str) -> None:
         self._name = name
+        _MODULES.append(self)
 
     def __getattr__(self, attr: str) -> Any:
         module = _import(self.__dict__["_name"])
@@ -73,13 +74,22 @@ class _KernelModule:
         return getattr(module, attr)
 
 
+_MODULES: list[_KernelModule] = []
+
 bitops: Any = _KernelModule("bitops")
+checksum: Any = _KernelModule("checksum")
+hamming: Any = _KernelModule("hamming")
+projection: Any = _KernelModule("projection")
 
 
 def select_cpu_path(name: str | None) -> str:
-    """Cap the CPU path at `name` (None: the fastest supported); returns the path in use."""
-    names = bitops.PATH_NAMES
-    bitops.select_path(len(names) - 1 if name is None else names.index(name))
+    """Cap the CPU path at `name` (None: the fastest supported); returns the path in use.
+
+    Applies to every kernel module (loading any not loaded yet): each native
+    extension has its own copy of the path switch."""
+    for module in _MODULES:
+        names = module.PATH_NAMES
+        module.select_path(len(names) - 1 if name is None else names.index(name))
     return cpu_path()
 
 

@@ -1,0 +1,110 @@
+# cython: language_level=3
+"""Native Hamming distances and top-k search over binary signatures.
+
+Data layout (stated once): a signature is hdc_dim bits packed LSB-first in
+nbytes = hdc_dim / 8 bytes, a positive multiple of 8.  `sigs` is a
+C-contiguous uint8 matrix of shape (n, nbytes), one signature per row;
+`alive` is None or one uint8 (or bool) per row, 0 = skip the row.
+
+topk orders results by (distance ascending, row ascending); that tie rule is
+part of hmem's documented query order.  The twin is hmem._reference.hamming.
+"""
+
+import operator
+
+import numpy as np
+
+from libc.stdint cimport uint8_t, int32_t, int64_t
+
+cdef extern from "hamming.h" nogil:
+    void hm_distances(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nbytes,
+                      int32_t *out)
+    size_t hm_topk(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nbytes,
+                   const uint8_t *alive, size_t cap, int32_t *dists, int64_t *rows)
+    int hm_best_path()
+    int hm_select_path(int limit)
+    int hm_path
+
+PATH_NAMES = ("portable", "popcnt", "avx512-vpopcntdq")
+
+hm_select_path(len(PATH_NAMES) - 1)
+
+
+def best_path():
+    """Index in PATH_NAMES of the fastest path this CPU supports."""
+    return hm_best_path()
+
+
+def select_path(int limit):
+    """Use the fastest supported path not above `limit`; returns the index used."""
+    return hm_select_path(limit)
+
+
+def active_path():
+    return hm_path
+
+
+cdef Py_ssize_t _check_shapes(const unsigned char[::1] query,
+                              const unsigned char[:, ::1] sigs) except -1:
+    cdef Py_ssize_t nbytes = sigs.shape[1]
+    if query.shape[0] != nbytes:
+        raise ValueError(f"the query has {query.shape[0]} bytes but the signatures have {nbytes}")
+    if nbytes <= 0 or nbytes % 8 or nbytes > (1 << 28):
+        raise ValueError(f"a signature must be a positive multiple of 8 bytes (at most 2**28), got {nbytes}")
+    return nbytes
+
+
+def _check_k(k):
+    try:
+        k = operator.index(k)
+    except TypeError:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}") from None
+    if k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k}")
+    return k
+
+
+def distances(const unsigned char[::1] query, const unsigned char[:, ::1] sigs):
+    """Hamming distance of each row of `sigs` to `query`: int32 array [n]."""
+    cdef Py_ssize_t nbytes = _check_shapes(query, sigs)
+    cdef Py_ssize_t n = sigs.shape[0]
+    out = np.empty(n, dtype=np.int32)
+    cdef int32_t[::1] o = out
+    if n > 0:
+        with nogil:
+            hm_distances(&query[0], &sigs[0, 0], <size_t>n, <size_t>nbytes, &o[0])
+    return out
+
+
+def topk(const unsigned char[::1] query, const unsigned char[:, ::1] sigs, alive, k):
+    """The min(k, live rows) rows nearest to `query`, by (distance, row).
+
+    Returns (rows: int64 array [m], dists: int32 array [m]).  `alive` is None
+    (every row is live) or a uint8/bool array of one entry per row.
+    """
+    cdef Py_ssize_t nbytes = _check_shapes(query, sigs)
+    cdef Py_ssize_t n = sigs.shape[0]
+    k = _check_k(k)
+    cdef const unsigned char[::1] live
+    cdef const uint8_t *live_ptr = NULL
+    if alive is not None:
+        if getattr(alive, "dtype", None) == np.bool_:
+            alive = alive.view(np.uint8)
+        live = alive
+        if live.shape[0] != n:
+            raise ValueError(f"alive has {live.shape[0]} entries for {n} signatures")
+        if n > 0:
+            live_ptr = &live[0]
+    cdef Py_ssize_t cap = min(k, n)
+    rows = np.empty(cap, dtype=np.int64)
+    dists = np.empty(cap, dtype=np.int32)
+    cdef int64_t[::1] r = rows
+    cdef int32_t[::1] d = dists
+    cdef size_t m = 0
+    if cap > 0:
+        with nogil:
+            m = hm_topk(&query[0], &sigs[0, 0], <size_t>n, <size_t>nbytes, live_ptr,
+                        <size_t>cap, &d[0], &r[0])
+    if m < <size_t>cap:  # dead rows: fewer results than room
+        return rows[:m].copy(), dists[:m].copy()
+    return rows, dists

@@ -1,0 +1,119 @@
+# cython: language_level=3
+"""Native signature projection: SplitMix64 sign bits + fast Walsh-Hadamard
+rounds.  The on-disk format fixes every output bit forever; the twin
+hmem._reference.projection is its executable definition, and the two agree
+bit for bit on every CPU path.
+
+Data layout (stated once):
+- splitmix64(seed, count): outputs k = 0 .. count-1 of SplitMix64 seeded
+  with `seed` (uint64 array);
+- signs_table(seed, m, rounds, blocks): blocks*rounds*m sign bits as one
+  stream, the little-endian bytes of splitmix64(seed, blocks*rounds*m/64);
+  bit p = (b*rounds + r)*m + i negates element i in round r of block b;
+- signature(rows, signs, m, rounds, hdc_dim, out): rows float32 (n, d),
+  1 <= d <= m, m a power of two >= 64; out receives hdc_dim bits packed
+  LSB-first (hdc_dim / 8 bytes), bit b*m + i = element i of block b > 0.
+"""
+
+import operator
+
+import numpy as np
+
+from libc.stdint cimport uint8_t, uint64_t
+
+cdef extern from "projection.h" nogil:
+    void hm_projection_init()
+    const char *hm_signature_variant()
+    int hm_signature(const float *rows, size_t n, size_t d, const uint8_t *signs,
+                     size_t m, size_t rounds, size_t hdc_dim, uint8_t *out)
+    void hm_splitmix64(uint64_t seed, size_t count, uint64_t *out)
+    int hm_best_path()
+    int hm_select_path(int limit)
+    int hm_path
+
+PATH_NAMES = ("portable", "popcnt", "avx512-vpopcntdq")
+
+hm_projection_init()
+hm_select_path(len(PATH_NAMES) - 1)
+
+
+def best_path():
+    """Index in PATH_NAMES of the fastest path this CPU supports."""
+    return hm_best_path()
+
+
+def select_path(int limit):
+    """Use the fastest supported path not above `limit`; returns the index used."""
+    return hm_select_path(limit)
+
+
+def active_path():
+    return hm_path
+
+
+def variant():
+    """The code signature() runs on the current path: baseline, avx2 or avx512f."""
+    return hm_signature_variant().decode()
+
+
+def _index(name, value, lo):
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return value
+
+
+def _check_m(m):
+    m = _index("m", m, 64)
+    if m & (m - 1):
+        raise ValueError(f"m must be a power of two >= 64, got {m}")
+    return m
+
+
+def splitmix64(seed, count):
+    """Outputs 0 .. count-1 of SplitMix64 seeded with `seed` (0 <= seed < 2**64)."""
+    seed = _index("seed", seed, 0)
+    if seed >= 1 << 64:
+        raise ValueError(f"seed must be below 2**64, got {seed}")
+    count = _index("count", count, 0)
+    out = np.empty(count, dtype=np.uint64)
+    cdef uint64_t[::1] o = out
+    if count > 0:
+        hm_splitmix64(<uint64_t>seed, <size_t>count, &o[0])
+    return out
+
+
+def signs_table(seed, m, rounds, blocks):
+    """The blocks*rounds*m sign bits, packed LSB-first: blocks*rounds*m/8 bytes."""
+    m = _check_m(m)
+    rounds = _index("rounds", rounds, 1)
+    blocks = _index("blocks", blocks, 1)
+    return splitmix64(seed, blocks * rounds * m // 64).astype("<u8").view(np.uint8)
+
+
+def signature(const float[:, ::1] rows, const unsigned char[::1] signs, m, rounds, hdc_dim,
+              unsigned char[::1] out):
+    """Write the hdc_dim-bit signature of the token sum of `rows` into `out`."""
+    m = _check_m(m)
+    rounds = _index("rounds", rounds, 1)
+    hdc_dim = _index("hdc_dim", hdc_dim, 8)
+    cdef Py_ssize_t n = rows.shape[0], d = rows.shape[1]
+    if n < 1 or d < 1 or d > m:
+        raise ValueError(f"rows must be (n_tokens >= 1, d) with 1 <= d <= m = {m}, got ({n}, {d})")
+    if hdc_dim % 8:
+        raise ValueError(f"hdc_dim must be a multiple of 8, got {hdc_dim}")
+    blocks = -(-hdc_dim // m)
+    if signs.shape[0] != blocks * rounds * m // 8:
+        raise ValueError(f"signs has {signs.shape[0]} bytes; m={m}, rounds={rounds}, "
+                         f"hdc_dim={hdc_dim} need {blocks * rounds * m // 8}")
+    if out.shape[0] != hdc_dim // 8:
+        raise ValueError(f"out has {out.shape[0]} bytes; hdc_dim={hdc_dim} needs {hdc_dim // 8}")
+    cdef size_t cm = m, crounds = rounds, cdim = hdc_dim
+    cdef int rc
+    with nogil:
+        rc = hm_signature(&rows[0, 0], <size_t>n, <size_t>d, &signs[0], cm, crounds, cdim, &out[0])
+    if rc != 0:
+        raise MemoryError()

@@ -1,0 +1,291 @@
+/*
+ * The signature projection: random signs + fast Walsh-Hadamard rounds.
+ *
+ * Data layout:
+ * - rows: n float32 vectors of d values, row after row (token order);
+ * - signs: one bit stream, bit p in byte p / 8 under mask 1 << (p % 8); the
+ *   sign of element i of round r of block b is bit (b * rounds + r) * m + i,
+ *   1 meaning "negate";
+ * - out: hdc_dim bits packed LSB-first; bit b * m + i comes from element i
+ *   of block b.
+ *
+ * The on-disk format fixes the result bit for bit, so the arithmetic is the
+ * reference's exactly: the token sum is a float64 sum in token order
+ * starting from +0.0, a sign flip is an IEEE negation (a flip of the sign
+ * bit), and every transform output is one IEEE double add or subtract of the
+ * same two operands as in the stage-by-stage definition.  Vector units
+ * compute the same operations lane by lane, and nothing here multiplies, so
+ * no fused multiply-add can creep in (the build also passes
+ * -ffp-contract=off).  Two transform stages are done per pass over the
+ * vector (radix 4) to halve the memory traffic; each value still goes
+ * through the same stages in the same order.
+ *
+ * CPU paths: the body is compiled three times (baseline, AVX2, AVX-512F) so
+ * the compiler vectorises the stage loops at each width.  The first pass of
+ * a round (sign flip + stages 1 and 2) and the bit packing work inside a
+ * vector, where the compiler's code is slow, so the AVX2 and AVX-512 bodies
+ * use hand-written versions of those two.  hm_path "portable" runs the
+ * baseline, "popcnt" AVX2 when the CPU has it, "avx512-vpopcntdq" AVX-512F.
+ */
+#ifndef HMEM_PROJECTION_H
+#define HMEM_PROJECTION_H
+
+#include <stdlib.h>
+
+#include "bitops.h"
+
+#define HM_PROJ_INLINE static inline __attribute__((always_inline))
+
+/* Sign-bit masks of four doubles for each nibble of sign bits. */
+static uint64_t hm_nibble_signs[16][4];
+
+/* ---- the generic pieces (every path) ---------------------------------- */
+
+/* s[i] = sum over tokens of rows[t][i] (i < d), +0.0 for d <= i < m. */
+HM_PROJ_INLINE void hm_proj_sum(double *restrict s, const float *restrict rows, size_t n,
+                                size_t d, size_t m)
+{
+    for (size_t i = 0; i < m; i++)
+        s[i] = 0.0;
+    for (size_t t = 0; t < n; t++) {
+        const float *row = rows + t * d;
+        for (size_t i = 0; i < d; i++)
+            s[i] += (double)row[i];
+    }
+}
+
+/* Stages h and 2h on each block of 4h values: with quarters a, b, c, d,
+   stage h maps (a, b) and (c, d), stage 2h then (a, c) and (b, d). */
+HM_PROJ_INLINE void hm_fwht_radix4(double *v, size_t m, size_t h)
+{
+    for (size_t i = 0; i < m; i += 4 * h) {
+        double *a = v + i, *b = a + h, *c = b + h, *d = c + h;
+#pragma GCC ivdep
+        for (size_t j = 0; j < h; j++) {
+            double y0 = a[j] + b[j], y1 = a[j] - b[j];
+            double y2 = c[j] + d[j], y3 = c[j] - d[j];
+            a[j] = y0 + y2;
+            b[j] = y1 + y3;
+            c[j] = y0 - y2;
+            d[j] = y1 - y3;
+        }
+    }
+}
+
+/* First pass of a round: negate v[i] where sign bit i of `signs` (m / 8
+   bytes) is 1, then transform stages 1 and 2. */
+HM_PROJ_INLINE void hm_round_first(double *v, const uint8_t *signs, size_t m)
+{
+    uint64_t *u = (uint64_t *)v; /* the build has -fno-strict-aliasing */
+    for (size_t i = 0; i < m; i += 8) {
+        const uint64_t *lo = hm_nibble_signs[signs[i >> 3] & 15];
+        const uint64_t *hi = hm_nibble_signs[signs[i >> 3] >> 4];
+        for (unsigned k = 0; k < 4; k++) {
+            u[i + k] ^= lo[k];
+            u[i + 4 + k] ^= hi[k];
+        }
+    }
+    hm_fwht_radix4(v, m, 1);
+}
+
+/* Stages 4, 8, ..., m / 2 of the unnormalised Walsh-Hadamard transform in
+   Sylvester order (stage h maps each pair (v[j], v[j+h]), j in the first
+   half of a block of 2h, to (a + c, a - c)); m is a power of two >= 64. */
+HM_PROJ_INLINE void hm_round_rest(double *v, size_t m)
+{
+    hm_fwht_radix4(v, m, 4); /* a constant h: the inner loop unrolls */
+    size_t h = 16;
+    for (; 4 * h <= m; h *= 4)
+        hm_fwht_radix4(v, m, h);
+    if (h < m) { /* an odd number of stages leaves the last one, h = m / 2 */
+        double *a = v, *b = v + h;
+#pragma GCC ivdep
+        for (size_t j = 0; j < h; j++) {
+            double x = a[j], y = b[j];
+            a[j] = x + y;
+            b[j] = x - y;
+        }
+    }
+}
+
+/* Bits [0, nbits) of out (nbits a multiple of 8): bit i = v[i] > 0. */
+HM_PROJ_INLINE void hm_pack(uint8_t *out, const double *v, size_t nbits)
+{
+    for (size_t i = 0; i < nbits; i += 8) {
+        unsigned byte = 0;
+        for (unsigned k = 0; k < 8; k++)
+            byte |= (unsigned)(v[i + k] > 0.0) << k;
+        out[i >> 3] = (uint8_t)byte;
+    }
+}
+
+typedef void (*hm_first_fn)(double *, const uint8_t *, size_t);
+typedef void (*hm_pack_fn)(uint8_t *, const double *, size_t);
+
+/* s and v are workspaces of m doubles each.  `first` and `pack` are
+   constants in each caller, so they are inlined. */
+HM_PROJ_INLINE void hm_signature_body(const float *rows, size_t n, size_t d,
+                                      const uint8_t *signs, size_t m, size_t rounds,
+                                      size_t hdc_dim, uint8_t *out, double *s, double *v,
+                                      hm_first_fn first, hm_pack_fn pack)
+{
+    hm_proj_sum(s, rows, n, d, m);
+    size_t blocks = (hdc_dim + m - 1) / m;
+    for (size_t b = 0; b < blocks; b++) {
+        memcpy(v, s, m * sizeof(double));
+        for (size_t r = 0; r < rounds; r++) {
+            first(v, signs + (b * rounds + r) * m / 8, m);
+            hm_round_rest(v, m);
+        }
+        size_t nbits = hdc_dim - b * m < m ? hdc_dim - b * m : m;
+        pack(out + b * m / 8, v, nbits);
+    }
+}
+
+static void hm_signature_baseline(const float *rows, size_t n, size_t d, const uint8_t *signs,
+                                  size_t m, size_t rounds, size_t hdc_dim, uint8_t *out,
+                                  double *s, double *v)
+{
+    hm_signature_body(rows, n, d, signs, m, rounds, hdc_dim, out, s, v, hm_round_first, hm_pack);
+}
+
+/* ---- x86: AVX2 and AVX-512F -------------------------------------------- */
+
+#if HM_X86
+/* Per four values [x0, x1, x2, x3]: stage 1 gives [x0+x1, x0-x1, x2+x3,
+   x2-x3] from the pairs (even, odd) duplicated across lanes, stage 2 the
+   same on (low half, high half). */
+__attribute__((target("avx2"))) HM_PROJ_INLINE
+void hm_round_first_avx2(double *v, const uint8_t *signs, size_t m)
+{
+    for (size_t i = 0; i < m; i += 4) {
+        __m256d flip = _mm256_loadu_pd((const double *)hm_nibble_signs[(signs[i >> 3] >> (i & 4)) & 15]);
+        __m256d x = _mm256_xor_pd(_mm256_loadu_pd(v + i), flip);
+        __m256d a = _mm256_movedup_pd(x), c = _mm256_permute_pd(x, 0xF);
+        __m256d y = _mm256_blend_pd(_mm256_add_pd(a, c), _mm256_sub_pd(a, c), 0xA);
+        a = _mm256_permute2f128_pd(y, y, 0x00);
+        c = _mm256_permute2f128_pd(y, y, 0x11);
+        _mm256_storeu_pd(v + i, _mm256_blend_pd(_mm256_add_pd(a, c), _mm256_sub_pd(a, c), 0xC));
+    }
+}
+
+__attribute__((target("avx2"))) HM_PROJ_INLINE
+void hm_pack_avx2(uint8_t *out, const double *v, size_t nbits)
+{
+    const __m256d zero = _mm256_setzero_pd();
+    for (size_t i = 0; i < nbits; i += 8) {
+        unsigned lo = (unsigned)_mm256_movemask_pd(_mm256_cmp_pd(_mm256_loadu_pd(v + i), zero, _CMP_GT_OQ));
+        unsigned hi = (unsigned)_mm256_movemask_pd(_mm256_cmp_pd(_mm256_loadu_pd(v + i + 4), zero, _CMP_GT_OQ));
+        out[i >> 3] = (uint8_t)(lo | hi << 4);
+    }
+}
+
+__attribute__((target("avx2")))
+static void hm_signature_avx2(const float *rows, size_t n, size_t d, const uint8_t *signs,
+                              size_t m, size_t rounds, size_t hdc_dim, uint8_t *out,
+                              double *s, double *v)
+{
+    hm_signature_body(rows, n, d, signs, m, rounds, hdc_dim, out, s, v,
+                      hm_round_first_avx2, hm_pack_avx2);
+}
+
+/* As the AVX2 version on eight values; a byte of sign bits is the mask of
+   the negation, and a masked subtract replaces add + sub + blend. */
+__attribute__((target("avx512f"))) HM_PROJ_INLINE
+void hm_round_first_avx512(double *v, const uint8_t *signs, size_t m)
+{
+    const __m512i sign = _mm512_set1_epi64((long long)(1ULL << 63));
+    for (size_t i = 0; i < m; i += 8) {
+        __m512i bits = _mm512_loadu_si512(v + i);
+        __m512d x = _mm512_castsi512_pd(_mm512_mask_xor_epi64(bits, (__mmask8)signs[i >> 3], bits, sign));
+        __m512d a = _mm512_movedup_pd(x), c = _mm512_permute_pd(x, 0xFF);
+        __m512d y = _mm512_mask_sub_pd(_mm512_add_pd(a, c), 0xAA, a, c);
+        a = _mm512_permutex_pd(y, 0x44);
+        c = _mm512_permutex_pd(y, 0xEE);
+        _mm512_storeu_pd(v + i, _mm512_mask_sub_pd(_mm512_add_pd(a, c), 0xCC, a, c));
+    }
+}
+
+__attribute__((target("avx512f"))) HM_PROJ_INLINE
+void hm_pack_avx512(uint8_t *out, const double *v, size_t nbits)
+{
+    const __m512d zero = _mm512_setzero_pd();
+    for (size_t i = 0; i < nbits; i += 8)
+        out[i >> 3] = (uint8_t)_mm512_cmp_pd_mask(_mm512_loadu_pd(v + i), zero, _CMP_GT_OQ);
+}
+
+__attribute__((target("avx512f")))
+static void hm_signature_avx512(const float *rows, size_t n, size_t d, const uint8_t *signs,
+                                size_t m, size_t rounds, size_t hdc_dim, uint8_t *out,
+                                double *s, double *v)
+{
+    hm_signature_body(rows, n, d, signs, m, rounds, hdc_dim, out, s, v,
+                      hm_round_first_avx512, hm_pack_avx512);
+}
+#endif
+
+/* ---- dispatch ----------------------------------------------------------- */
+
+static int hm_proj_has_avx2 = 0;
+
+static void hm_projection_init(void)
+{
+    for (unsigned n = 0; n < 16; n++)
+        for (unsigned k = 0; k < 4; k++)
+            hm_nibble_signs[n][k] = (uint64_t)((n >> k) & 1) << 63;
+#if HM_X86
+    __builtin_cpu_init();
+    hm_proj_has_avx2 = __builtin_cpu_supports("avx2") != 0;
+#endif
+}
+
+/* Name of the code the current path runs. */
+static const char *hm_signature_variant(void)
+{
+#if HM_X86
+    if (hm_path == HM_PATH_AVX512)
+        return "avx512f";
+    if (hm_path == HM_PATH_POPCNT && hm_proj_has_avx2)
+        return "avx2";
+#endif
+    return "baseline";
+}
+
+/*
+ * The signature of the n x d float32 rows (n >= 1, d <= m; m a power of two
+ * >= 64; hdc_dim a positive multiple of 8) into out (hdc_dim / 8 bytes,
+ * every byte written).  Returns 0, or -1 when the workspace cannot be
+ * allocated.
+ */
+static int hm_signature(const float *rows, size_t n, size_t d, const uint8_t *signs,
+                        size_t m, size_t rounds, size_t hdc_dim, uint8_t *out)
+{
+    double *s = (double *)aligned_alloc(64, 2 * m * sizeof(double));
+    if (s == NULL)
+        return -1;
+    double *v = s + m;
+#if HM_X86
+    if (hm_path == HM_PATH_AVX512)
+        hm_signature_avx512(rows, n, d, signs, m, rounds, hdc_dim, out, s, v);
+    else if (hm_path == HM_PATH_POPCNT && hm_proj_has_avx2)
+        hm_signature_avx2(rows, n, d, signs, m, rounds, hdc_dim, out, s, v);
+    else
+#endif
+        hm_signature_baseline(rows, n, d, signs, m, rounds, hdc_dim, out, s, v);
+    free(s);
+    return 0;
+}
+
+/* ---- SplitMix64: the generator the format fixes ----------------------- */
+
+static void hm_splitmix64(uint64_t seed, size_t count, uint64_t *out)
+{
+    for (size_t k = 0; k < count; k++) {
+        uint64_t z = seed + (uint64_t)(k + 1) * 0x9E3779B97F4A7C15ULL;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        out[k] = z ^ (z >> 31);
+    }
+}
+
+#endif /* HMEM_PROJECTION_H */

@@ -1,0 +1,90 @@
+"""Plain-Python twin of hmem._native._checksum: CRC-32C (Castagnoli).
+
+Reflected polynomial 0x82F63B78, initial value 0xFFFFFFFF, final xor
+0xFFFFFFFF; crc32c(b"123456789") == 0xE3069283.  One table lookup per byte:
+correct and slow (about a MB per second), for tests and HMEM_KERNELS=reference.
+
+Data layout: the bytes of a C-contiguous buffer in memory order (bytes,
+bytearray, memoryview, or a numpy array of any plain dtype).
+crc32c(b, crc32c(a)) == crc32c(a + b).  crc32c_rows checksums each row of a
+uint8 matrix (n, row_bytes) on its own, without the bytes [skip_start,
+skip_end) of the row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PATH_NAMES = ("reference",)
+
+POLY = 0x82F63B78
+
+
+def best_path() -> int:
+    return 0
+
+
+def select_path(limit: int) -> int:
+    return 0
+
+
+def active_path() -> int:
+    return 0
+
+
+def _make_table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ POLY if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_TABLE = _make_table()
+
+
+def _byte_view(data) -> memoryview:
+    """The bytes of any C-contiguous buffer, without a copy."""
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(
+            f"crc32c needs a buffer (bytes, bytearray, memoryview, numpy array), not {type(data).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise ValueError("crc32c needs a C-contiguous buffer")
+    try:
+        return view.cast("B")
+    except TypeError:  # a format memoryview cannot cast (numpy structured dtypes)
+        return memoryview(np.frombuffer(view, dtype=np.uint8))
+
+
+def crc32c(data, crc: int = 0) -> int:
+    """CRC-32C of the bytes of `data`, continuing from the checksum `crc`
+    of the bytes before it (0 to start)."""
+    if not 0 <= crc <= 0xFFFFFFFF:
+        raise ValueError(f"crc must be a 32-bit unsigned value, got {crc}")
+    state = crc ^ 0xFFFFFFFF
+    table = _TABLE
+    for byte in _byte_view(data):
+        state = table[(state ^ byte) & 0xFF] ^ (state >> 8)
+    return state ^ 0xFFFFFFFF
+
+
+def crc32c_rows(rows, skip_start: int, skip_end: int) -> np.ndarray:
+    """Per row of a 2-d uint8 array: CRC-32C of bytes [0, skip_start)
+    followed by bytes [skip_end, row length), as a uint32 array [n]."""
+    matrix = np.asarray(rows)
+    if matrix.dtype != np.uint8 or matrix.ndim != 2:
+        raise ValueError(f"rows must be a 2-d uint8 array, got {matrix.ndim}-d {matrix.dtype}")
+    width = matrix.shape[1]
+    if not 0 <= skip_start <= skip_end <= width:
+        raise ValueError(
+            f"skip range [{skip_start}, {skip_end}) is outside rows of {width} bytes "
+            f"(need 0 <= skip_start <= skip_end <= {width})"
+        )
+    return np.array(
+        [crc32c(row[skip_end:].tobytes(), crc32c(row[:skip_start].tobytes())) for row in matrix], dtype=np.uint32
+    )

@@ -1,0 +1,72 @@
+"""Plain-numpy twin of hmem._native._hamming: Hamming distances and top-k.
+
+Layout: a signature is hdc_dim bits packed LSB-first in nbytes = hdc_dim / 8
+bytes, a positive multiple of 8; `sigs` is a C-contiguous uint8 matrix
+(n, nbytes); `alive` is None or one uint8/bool per row (0 = skip).
+
+topk orders by (distance ascending, row ascending), computed here with a
+full stable sort: clear, and slow for large n.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+PATH_NAMES = ("reference",)
+
+
+def best_path() -> int:
+    return 0
+
+
+def select_path(limit: int) -> int:
+    return 0
+
+
+def active_path() -> int:
+    return 0
+
+
+def _check_shapes(query, sigs) -> tuple[np.ndarray, np.ndarray]:
+    q = np.asarray(query)
+    s = np.asarray(sigs)
+    if q.dtype != np.uint8 or s.dtype != np.uint8:
+        raise ValueError("query and signatures must be uint8 arrays")
+    if q.ndim != 1 or s.ndim != 2:
+        raise ValueError(f"need a 1-d query and a 2-d signature matrix, got {q.ndim}-d and {s.ndim}-d")
+    nbytes = s.shape[1]
+    if q.shape[0] != nbytes:
+        raise ValueError(f"the query has {q.shape[0]} bytes but the signatures have {nbytes}")
+    if nbytes <= 0 or nbytes % 8 or nbytes > (1 << 28):
+        raise ValueError(f"a signature must be a positive multiple of 8 bytes (at most 2**28), got {nbytes}")
+    return q, s
+
+
+def distances(query, sigs) -> np.ndarray:
+    """Hamming distance of each row of `sigs` to `query`: int32 array [n]."""
+    q, s = _check_shapes(query, sigs)
+    return np.bitwise_count(s ^ q).sum(axis=1, dtype=np.int64).astype(np.int32)
+
+
+def topk(query, sigs, alive, k) -> tuple[np.ndarray, np.ndarray]:
+    """The min(k, live rows) rows nearest to `query`, by (distance, row):
+    (rows int64 [m], dists int32 [m])."""
+    q, s = _check_shapes(query, sigs)
+    try:
+        k = operator.index(k)
+    except TypeError:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}") from None
+    if k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k}")
+    n = s.shape[0]
+    rows = np.arange(n, dtype=np.int64)
+    if alive is not None:
+        live = np.asarray(alive)
+        if live.ndim != 1 or live.shape[0] != n:
+            raise ValueError(f"alive has {live.size} entries for {n} signatures")
+        rows = rows[live.astype(bool)]
+    dists = distances(q, s)[rows]
+    order = np.lexsort((rows, dists))[:k]  # last key sorts first: distance, then row
+    return rows[order], dists[order]

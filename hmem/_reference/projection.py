@@ -1,0 +1,135 @@
+"""Plain-numpy twin of hmem._native._projection, and the executable
+definition of hmem's signature projection (the on-disk format fixes it).
+
+- splitmix64(seed, count): outputs k = 0 .. count-1 of SplitMix64:
+  z = seed + (k+1) * 0x9E3779B97F4A7C15; z = (z ^ z>>30) * 0xBF58476D1CE4E5B9;
+  z = (z ^ z>>27) * 0x94D049BB133111EB; out = z ^ z>>31 (all mod 2**64).
+- signs_table(seed, m, rounds, blocks): the blocks*rounds*m sign bits as one
+  stream, bit p in byte p // 8 under mask 1 << (p % 8): the little-endian
+  bytes of splitmix64(seed, blocks*rounds*m/64).  Bit (b*rounds + r)*m + i
+  set means "negate element i in round r of block b".
+- signature(rows, signs, m, rounds, hdc_dim, out): s = the float64 sum of the
+  float32 rows (n_tokens, d) in token order, zero-padded to m (d <= m, m a
+  power of two >= 64).  For each of blocks = ceil(hdc_dim / m) blocks: v = s;
+  `rounds` times: negate where the sign bit is set, then the unnormalised
+  fast Walsh-Hadamard transform (Sylvester order).  Bit b*m + i of the
+  hdc_dim-bit output (packed LSB-first) is v[i] > 0.0.
+
+Every step is an IEEE double addition, subtraction or negation in a fixed
+order, so any correct implementation gives the same bits.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+PATH_NAMES = ("reference",)
+
+_MASK64 = (1 << 64) - 1
+
+
+def best_path() -> int:
+    return 0
+
+
+def select_path(limit: int) -> int:
+    return 0
+
+
+def active_path() -> int:
+    return 0
+
+
+def _index(name: str, value, lo: int) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return value
+
+
+def _check_m(m) -> int:
+    m = _index("m", m, 64)
+    if m & (m - 1):
+        raise ValueError(f"m must be a power of two >= 64, got {m}")
+    return m
+
+
+def splitmix64(seed, count) -> np.ndarray:
+    """Outputs 0 .. count-1 of SplitMix64 seeded with `seed` (0 <= seed < 2**64)."""
+    seed = _index("seed", seed, 0)
+    if seed > _MASK64:
+        raise ValueError(f"seed must be below 2**64, got {seed}")
+    count = _index("count", count, 0)
+    k = np.arange(1, count + 1, dtype=np.uint64)
+    z = np.uint64(seed) + k * np.uint64(0x9E3779B97F4A7C15)  # uint64 arrays wrap mod 2**64
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def signs_table(seed, m, rounds, blocks) -> np.ndarray:
+    """The blocks*rounds*m sign bits, packed LSB-first: blocks*rounds*m/8 bytes."""
+    m = _check_m(m)
+    rounds = _index("rounds", rounds, 1)
+    blocks = _index("blocks", blocks, 1)
+    return splitmix64(seed, blocks * rounds * m // 64).astype("<u8").view(np.uint8)
+
+
+def fwht(v: np.ndarray) -> None:
+    """Unnormalised Walsh-Hadamard transform in Sylvester order, in place:
+    stage h = 1, 2, 4, ... maps each pair (v[j], v[j+h]) with j in the first
+    half of a block of 2h to (a + c, a - c)."""
+    m = v.shape[0]
+    h = 1
+    while h < m:
+        w = v.reshape(-1, 2, h)  # [block, half, j]
+        a = w[:, 0, :].copy()
+        c = w[:, 1, :].copy()
+        w[:, 0, :] = a + c
+        w[:, 1, :] = a - c
+        h *= 2
+
+
+def signature(rows, signs, m, rounds, hdc_dim, out) -> None:
+    """Write the hdc_dim-bit signature of the token sum of `rows` into `out`."""
+    m = _check_m(m)
+    rounds = _index("rounds", rounds, 1)
+    hdc_dim = _index("hdc_dim", hdc_dim, 8)
+    x = np.asarray(rows)
+    if x.dtype != np.float32 or x.ndim != 2:
+        raise ValueError(f"rows must be a 2-d float32 array, got {x.ndim}-d {x.dtype}")
+    n, d = x.shape
+    if n < 1 or d < 1 or d > m:
+        raise ValueError(f"rows must be (n_tokens >= 1, d) with 1 <= d <= m = {m}, got ({n}, {d})")
+    if hdc_dim % 8:
+        raise ValueError(f"hdc_dim must be a multiple of 8, got {hdc_dim}")
+    blocks = -(-hdc_dim // m)
+    sign_bytes = np.frombuffer(signs, dtype=np.uint8)
+    if sign_bytes.shape[0] != blocks * rounds * m // 8:
+        raise ValueError(
+            f"signs has {sign_bytes.shape[0]} bytes; m={m}, rounds={rounds}, "
+            f"hdc_dim={hdc_dim} need {blocks * rounds * m // 8}"
+        )
+    target = np.frombuffer(out, dtype=np.uint8)
+    if target.shape[0] != hdc_dim // 8:
+        raise ValueError(f"out has {target.shape[0]} bytes; hdc_dim={hdc_dim} needs {hdc_dim // 8}")
+
+    s = np.zeros(m, dtype=np.float64)
+    for t in range(n):  # token order, one float64 addition per element and token
+        s[:d] += x[t].astype(np.float64)
+    negate = np.unpackbits(sign_bytes, bitorder="little").astype(bool)
+    bits = np.zeros(blocks * m, dtype=bool)
+    for b in range(blocks):
+        v = s.copy()
+        for r in range(rounds):
+            p = (b * rounds + r) * m
+            flip = negate[p : p + m]
+            v[flip] = -v[flip]
+            fwht(v)
+        bits[b * m : (b + 1) * m] = v > 0.0
+    target[:] = np.packbits(bits[:hdc_dim], bitorder="little")
