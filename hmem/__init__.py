@@ -5,7 +5,22 @@ The public names of the library; everything else is internal.
 
 from hmem._version import __version__
 from hmem.bitmap import Bitmap
-from hmem.errors import HmemError, InvalidArgumentError, KernelUnavailableError
+from hmem.config import StoreConfig
+from hmem.errors import (
+    CorruptStoreError,
+    EntryTooLargeError,
+    HmemError,
+    InvalidArgumentError,
+    InvalidTensorError,
+    KernelUnavailableError,
+    NotAStoreError,
+    ReadOnlyStoreError,
+    StoreChangedError,
+    StoreClosedError,
+    StoreExistsError,
+    StoreLockedError,
+    UnsupportedFormatError,
+)
 from hmem.prefix_hit import (
     FULL_ATTENTION_WINDOW,
     GroupHit,
@@ -26,8 +41,26 @@ from hmem.prefix_hit import (
     unfold,
     unfold_range,
 )
+from hmem.results import QueryResult, ShardStats, StoreStats
+from hmem.store import Entry, Store
 
 __all__ = [
+    "CorruptStoreError",
+    "Entry",
+    "EntryTooLargeError",
+    "InvalidTensorError",
+    "NotAStoreError",
+    "QueryResult",
+    "ReadOnlyStoreError",
+    "ShardStats",
+    "Store",
+    "StoreChangedError",
+    "StoreClosedError",
+    "StoreConfig",
+    "StoreExistsError",
+    "StoreLockedError",
+    "StoreStats",
+    "UnsupportedFormatError",
     "FULL_ATTENTION_WINDOW",
     "Bitmap",
     "GroupHit",

@@ -26,3 +26,43 @@ class InvalidArgumentError(HmemError, ValueError):
 
 class KernelUnavailableError(HmemError, ImportError):
     """hmem's compiled kernels are missing or an unknown kernel set was asked for."""
+
+
+class NotAStoreError(HmemError):
+    """The path holds no hmem store (no readable index.json)."""
+
+
+class StoreExistsError(HmemError):
+    """A store (or other files) already exists where a new store was asked for."""
+
+
+class UnsupportedFormatError(HmemError):
+    """The store was written in a format version or with settings this hmem cannot honour."""
+
+
+class CorruptStoreError(HmemError):
+    """A store file fails its checks; `verify` reports every problem, `verify --repair` salvages."""
+
+
+class StoreLockedError(HmemError):
+    """Another process holds the store's write lock."""
+
+
+class StoreChangedError(HmemError):
+    """A writer changed the store while a reader was loading it; open it again."""
+
+
+class StoreClosedError(HmemError):
+    """The store was closed; open it again to use it."""
+
+
+class ReadOnlyStoreError(HmemError):
+    """A write was asked of a store opened read-only."""
+
+
+class InvalidTensorError(InvalidArgumentError):
+    """A K/V or query tensor has the wrong type, dtype, shape or non-finite values."""
+
+
+class EntryTooLargeError(InvalidArgumentError):
+    """An entry can never fit the store's limits."""

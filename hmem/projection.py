@@ -1,0 +1,56 @@
+"""Signatures: a structured random projection of pooled keys to hdc_dim bits.
+
+The projection is fixed by the store's seed forever (docs/format.md gives
+every step): keys are summed over tokens in float64 (the sign of a
+projection does not depend on the scale, so this is the mean's signature),
+zero-padded to m = the power of two >= max(embed_dim, 64), and each of
+ceil(hdc_dim / m) blocks applies ROUNDS rounds of random signs followed by
+an unnormalised fast Walsh-Hadamard transform.  Output bit i of block b is 1
+iff coordinate i ends up > 0.  The signs come from SplitMix64 seeded with
+the store's seed, a generator whose outputs the format fixes.
+
+Why this family: it estimates angles as well as a dense Gaussian matrix
+(P[bit differs] = angle / pi), measured in tests/test_kernels_store.py, at
+O(m log m) time and m bits of memory instead of embed_dim x hdc_dim floats.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hmem.kernels import projection as projection_kernels
+
+FAMILY = "srht"
+GENERATOR = "splitmix64"
+ROUNDS = 3
+
+
+def block_size(embed_dim: int) -> int:
+    return max(64, 1 << (embed_dim - 1).bit_length())
+
+
+class Projector:
+    """Maps [n_tokens, embed_dim] float32 rows to packed hdc_dim-bit signatures."""
+
+    def __init__(self, embed_dim: int, hdc_dim: int, seed: int) -> None:
+        self.embed_dim = embed_dim
+        self.hdc_dim = hdc_dim
+        self.seed = seed
+        self.m = block_size(embed_dim)
+        self.blocks = -(-hdc_dim // self.m)
+        self.signs = projection_kernels.signs_table(seed, self.m, ROUNDS, self.blocks)
+
+    def describe(self) -> dict:
+        """What index.json records of the projection."""
+        return {"family": FAMILY, "generator": GENERATOR, "rounds": ROUNDS, "block": self.m, "blocks": self.blocks}
+
+    def signature(self, rows: np.ndarray) -> np.ndarray:
+        """Packed signature (hdc_dim / 8 bytes) of C-contiguous float32 rows."""
+        out = np.zeros(self.hdc_dim // 8, dtype=np.uint8)
+        projection_kernels.signature(rows, self.signs, self.m, ROUNDS, self.hdc_dim, out)
+        return out
+
+
+def similarity(hamming: np.ndarray | int, hdc_dim: int) -> np.ndarray | float:
+    """1 - hamming / hdc_dim, in [0, 1]."""
+    return 1.0 - np.asarray(hamming, dtype=np.float64) / hdc_dim

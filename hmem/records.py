@@ -1,0 +1,139 @@
+"""entries.bin: one fixed-size record per entry, defined once here.
+
+Record layout (little-endian, packed, 40 bytes + hdc_dim/8):
+
+    offset  field          type
+         0  entry_id       u64
+         8  layer_idx      u32
+        12  n_tokens       u32
+        16  importance     f32
+        20  timestamp      u64   nanoseconds since the Unix epoch
+        28  access_count   u32
+        32  shard_idx      u32   0xFFFFFFFF once the entry is evicted
+        36  checksum       u32   the seed's padding word: CRC-32C of bytes
+                                 0-35 followed by the signature
+        40  signature      hdc_dim/8 bytes, bit j in byte j//8, mask 1<<(j%8)
+
+Records are in ascending entry_id order.  Only access_count, shard_idx and
+checksum of a committed record ever change, and they are adjacent (bytes
+28-39), so an update is one 12-byte write.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from hmem.errors import CorruptStoreError
+from hmem.kernels import checksum as checksum_kernels
+
+ENTRIES_FILE = "entries.bin"
+HEADER_BYTES = 40
+CHECKSUM_OFFSET = 36
+MUTABLE_OFFSET = 28  # access_count, shard_idx, checksum
+MUTABLE_BYTES = 12
+EVICTED = 0xFFFFFFFF
+
+HEADER_FIELDS = [
+    ("entry_id", "<u8"),
+    ("layer_idx", "<u4"),
+    ("n_tokens", "<u4"),
+    ("importance", "<f4"),
+    ("timestamp", "<u8"),
+    ("access_count", "<u4"),
+    ("shard_idx", "<u4"),
+    ("checksum", "<u4"),
+]
+
+# A committed record's new mutable fields, as carried in index.json until
+# they are written in place (see hmem.manifest).
+UPDATE_DTYPE = np.dtype([("position", "<u8"), ("access_count", "<u4"), ("shard_idx", "<u4"), ("checksum", "<u4")])
+
+
+def record_dtype(signature_bytes: int) -> np.dtype:
+    dtype = np.dtype([*HEADER_FIELDS, ("signature", "u1", (signature_bytes,))])
+    assert dtype.itemsize == HEADER_BYTES + signature_bytes
+    return dtype
+
+
+def empty(count: int, signature_bytes: int) -> np.ndarray:
+    return np.zeros(count, dtype=record_dtype(signature_bytes))
+
+
+def _rows(records: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(records).view(np.uint8).reshape(len(records), records.dtype.itemsize)
+
+
+def checksums(records: np.ndarray) -> np.ndarray:
+    """The checksum each record should carry (uint32 per record)."""
+    return checksum_kernels.crc32c_rows(_rows(records), CHECKSUM_OFFSET, HEADER_BYTES)
+
+
+def seal(records: np.ndarray) -> None:
+    """Set the checksum field of every record (in place)."""
+    if len(records):
+        records["checksum"] = checksums(records)
+
+
+def damaged(records: np.ndarray) -> np.ndarray:
+    """Positions of records whose checksum does not match their bytes."""
+    if not len(records):
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(checksums(records) != records["checksum"])
+
+
+def read(path: Path, count: int, signature_bytes: int) -> np.ndarray:
+    """The first `count` records of entries.bin (bytes past them are ignored)."""
+    dtype = record_dtype(signature_bytes)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        if count == 0:
+            return empty(0, signature_bytes)
+        raise CorruptStoreError(f"{path} is missing but the store commits {count} records",
+                                hint="run 'hmem verify' to see what can be saved") from None
+    if size < count * dtype.itemsize:
+        raise CorruptStoreError(
+            f"{path} holds {size // dtype.itemsize} whole records but the store commits {count}",
+            hint="run 'hmem verify' to see what can be saved",
+        )
+    records = np.fromfile(path, dtype=dtype, count=count)
+    return records
+
+
+def updates_for(records: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Update rows carrying the current mutable fields of `positions`."""
+    out = np.zeros(len(positions), dtype=UPDATE_DTYPE)
+    out["position"] = positions
+    for field in ("access_count", "shard_idx", "checksum"):
+        out[field] = records[field][positions]
+    return out
+
+
+def merge_updates(older: np.ndarray, newer: np.ndarray) -> np.ndarray:
+    """One update row per position, the newer winning, ordered by position."""
+    both = np.concatenate([older, newer])
+    if not len(both):
+        return both
+    # np.unique keeps the first occurrence: look from the newest end.
+    _, last = np.unique(both["position"][::-1], return_index=True)
+    return both[::-1][last]
+
+
+def apply_updates(records: np.ndarray, updates: np.ndarray) -> None:
+    """Apply update rows to records in memory (positions past the end are ignored)."""
+    updates = updates[updates["position"] < len(records)]
+    positions = updates["position"].astype(np.int64)
+    for field in ("access_count", "shard_idx", "checksum"):
+        records[field][positions] = updates[field]
+
+
+def update_pieces(updates: np.ndarray, record_size: int) -> list[tuple[int, bytes]]:
+    """(file offset, 12 bytes) writes that put update rows in place."""
+    mutable = np.zeros(len(updates), dtype=[("access_count", "<u4"), ("shard_idx", "<u4"), ("checksum", "<u4")])
+    for field in ("access_count", "shard_idx", "checksum"):
+        mutable[field] = updates[field]
+    raw = mutable.tobytes()
+    offsets = updates["position"].astype(np.int64) * record_size + MUTABLE_OFFSET
+    return [(int(off), raw[i * MUTABLE_BYTES:(i + 1) * MUTABLE_BYTES]) for i, off in enumerate(offsets)]

@@ -1,0 +1,135 @@
+"""The in-memory signature index: one contiguous signature matrix per layer.
+
+A query scans only its layer's matrix (1/L of the data with L layers).
+Rows are kept in record order, which is ascending entry id, so the kernel's
+tie rule (equal Hamming distance: lower row first) means lower entry id
+first.  Evicted rows are masked out at once and dropped from the matrix
+when they reach a quarter of it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hmem.kernels import hamming as hamming_kernels
+
+_MIN_CAPACITY = 64
+
+
+class LayerIndex:
+    """Signatures of the live entries of one layer."""
+
+    def __init__(self, signature_bytes: int) -> None:
+        self.sigs = np.zeros((_MIN_CAPACITY, signature_bytes), dtype=np.uint8)
+        self.positions = np.zeros(_MIN_CAPACITY, dtype=np.int64)
+        self.alive = np.ones(_MIN_CAPACITY, dtype=np.uint8)
+        self.n = 0
+        self.dead = 0
+
+    @property
+    def live(self) -> int:
+        return self.n - self.dead
+
+    def _reserve(self, extra: int) -> None:
+        need = self.n + extra
+        if need <= len(self.positions):
+            return
+        cap = max(need, 2 * len(self.positions))
+        sigs = np.zeros((cap, self.sigs.shape[1]), dtype=np.uint8)
+        sigs[: self.n] = self.sigs[: self.n]
+        positions = np.zeros(cap, dtype=np.int64)
+        positions[: self.n] = self.positions[: self.n]
+        alive = np.ones(cap, dtype=np.uint8)
+        alive[: self.n] = self.alive[: self.n]
+        self.sigs, self.positions, self.alive = sigs, positions, alive
+
+    def append(self, sigs: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Add rows; returns their row numbers."""
+        k = len(positions)
+        self._reserve(k)
+        rows = np.arange(self.n, self.n + k, dtype=np.int64)
+        self.sigs[self.n : self.n + k] = sigs
+        self.positions[self.n : self.n + k] = positions
+        self.alive[self.n : self.n + k] = 1
+        self.n += k
+        return rows
+
+    def kill(self, rows: np.ndarray) -> None:
+        rows = rows[self.alive[rows] == 1]
+        self.alive[rows] = 0
+        self.dead += len(rows)
+
+    def pack(self) -> np.ndarray | None:
+        """Drop dead rows when they pass a quarter of the matrix; returns the
+        positions of the surviving rows (now rows 0..n-1), or None."""
+        if self.dead * 4 <= self.n:
+            return None
+        keep = np.flatnonzero(self.alive[: self.n])
+        self.sigs[: len(keep)] = self.sigs[keep]
+        self.positions[: len(keep)] = self.positions[keep]
+        self.alive[:] = 1
+        self.n, self.dead = len(keep), 0
+        return self.positions[: self.n]
+
+    def topk(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(record positions, Hamming distances) of the k nearest live rows."""
+        if self.live == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        alive = self.alive[: self.n] if self.dead else None
+        rows, dists = hamming_kernels.topk(query, self.sigs[: self.n], alive, k)
+        return self.positions[rows], dists
+
+
+class SearchIndex:
+    """Per-layer LayerIndex plus the row of every record position."""
+
+    def __init__(self, signature_bytes: int) -> None:
+        self.signature_bytes = signature_bytes
+        self.layers: dict[int, LayerIndex] = {}
+        self._row_of = np.full(_MIN_CAPACITY, -1, dtype=np.int64)
+
+    def _track(self, positions: np.ndarray, rows: np.ndarray) -> None:
+        top = int(positions.max()) + 1 if len(positions) else 0
+        if top > len(self._row_of):
+            grown = np.full(max(top, 2 * len(self._row_of)), -1, dtype=np.int64)
+            grown[: len(self._row_of)] = self._row_of
+            self._row_of = grown
+        self._row_of[positions] = rows
+
+    def _layer(self, layer_idx: int) -> LayerIndex:
+        layer = self.layers.get(layer_idx)
+        if layer is None:
+            layer = self.layers[layer_idx] = LayerIndex(self.signature_bytes)
+        return layer
+
+    def add_records(self, records: np.ndarray, positions: np.ndarray) -> None:
+        """Index the live records among records[positions] (vectorised per layer)."""
+        live = positions[records["shard_idx"][positions] != 0xFFFFFFFF]
+        layers = records["layer_idx"][live]
+        order = np.argsort(layers, kind="stable")  # keeps position order within a layer
+        live, layers = live[order], layers[order]
+        bounds = np.flatnonzero(np.diff(layers)) + 1
+        for group in np.split(live, bounds):
+            if len(group):
+                layer = self._layer(int(records["layer_idx"][group[0]]))
+                self._track(group, layer.append(records["signature"][group], group))
+
+    def remove(self, records: np.ndarray, positions: np.ndarray) -> None:
+        """Take records out of the search (eviction)."""
+        layers = records["layer_idx"][positions]
+        for layer_idx in np.unique(layers):
+            layer = self.layers[int(layer_idx)]
+            mine = positions[layers == layer_idx]
+            layer.kill(self._row_of[mine])
+            survivors = layer.pack()
+            if survivors is not None:
+                self._track(survivors, np.arange(len(survivors), dtype=np.int64))
+
+    def search(self, layer_idx: int, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        layer = self.layers.get(layer_idx)
+        if layer is None:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        return layer.topk(query, k)
+
+    def layer_counts(self) -> dict[int, int]:
+        return {idx: layer.live for idx, layer in sorted(self.layers.items()) if layer.live}

@@ -1,0 +1,614 @@
+"""Store: the persistent tier-3 K/V memory (SPEC §2).
+
+Write path.  ``put`` validates and converts its input, computes the
+signature and pooled key, and keeps the entry's tensors in the open shard
+(in memory) and its record in memory.  When the open shard would pass
+shard_max_bytes it is sealed into its file.  ``flush`` makes everything
+durable in this order, each step fsynced before the next:
+
+  1. seal the open shard into shard_NNNN.safetensors;
+  2. append the new records to entries.bin;
+  3. commit index.json (record count, shards, next id, and the new mutable
+     fields of older records as pending updates);
+  4. write those mutable fields in place in entries.bin.
+
+A crash before 3 leaves the previous state (leftover shards and records
+past the commit are ignored, then removed by the next writer); a crash after
+3 leaves the new state, and the next writer finishes step 4 from index.json.
+
+Entry ids are handed out from a range reserved in index.json before use, so
+an id given to a put that a crash then loses is never given again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hmem import _io, kernels, lock, manifest, records, shards
+from hmem.config import StoreConfig
+from hmem.errors import (
+    CorruptStoreError,
+    InvalidArgumentError,
+    InvalidTensorError,
+    ReadOnlyStoreError,
+    StoreChangedError,
+    StoreClosedError,
+    StoreExistsError,
+    UnsupportedFormatError,
+)
+from hmem.manifest import Manifest, Pending, ShardInfo
+from hmem.projection import Projector, similarity
+from hmem.records import ENTRIES_FILE, EVICTED
+from hmem.results import QueryResult, ShardStats, StoreStats, as_framework
+from hmem.search import SearchIndex
+from hmem.tensors import as_rows, importance_value, layer_index, top_k_value
+
+ID_LEASE = 4096  # ids reserved per index.json write
+_READ_RETRIES = 5
+_U32_MAX = 0xFFFFFFFF
+FRAMEWORKS = ("numpy", "torch")
+
+
+class Entry(NamedTuple):
+    """One put of a batch (``Store.put_many``)."""
+
+    keys: Any
+    values: Any
+    layer_idx: int = 0
+    importance: float = 1.0
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """A validated put, ready to be stored."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    layer_idx: int
+    importance: float
+    signature: np.ndarray
+    pooled: np.ndarray
+
+    @property
+    def n_tokens(self) -> int:
+        return self.keys.shape[0]
+
+
+class Store:
+    """A store directory opened for writing (one process at a time) or reading.
+
+    Use ``Store.create`` or ``Store.open``; close it (or use ``with``) so that
+    everything put is flushed and the write lock is released.  A Store object
+    may be shared between threads: calls are serialised.
+    """
+
+    # ---- lifecycle -----------------------------------------------------------
+
+    def __init__(self, path: Path, mf: Manifest, *, writer: lock.WriterLock | None,
+                 verify_reads: bool, index_bytes: bytes, loaded: np.ndarray) -> None:
+        self.path = path
+        self._lock = writer
+        self._mutex = threading.RLock()
+        self._verify_reads = verify_reads
+        self._closed = False
+        self._committed = mf  # what index.json says now
+        self._index_bytes = index_bytes
+        cfg = mf.config
+        self.config = cfg
+        self._projector = Projector(cfg.embed_dim, cfg.hdc_dim, cfg.seed)
+        if mf.projection != self._projector.describe():
+            raise UnsupportedFormatError(
+                f"{path} was written with projection {mf.projection}, which this hmem cannot reproduce",
+                hint="use the hmem release that wrote it",
+            )
+        self._record_size = 40 + cfg.signature_bytes
+        self._records = loaded
+        self._n = len(loaded)
+        self._committed_n = self._n
+        self._dirty: set[int] = set()
+        self._next_id = mf.next_entry_id
+        self._id_limit = mf.next_entry_id  # ids below this are reserved in index.json
+        self._sealed: list[ShardInfo] = []  # sealed since the last commit
+        self._builder: shards.ShardBuilder | None = None
+        self._arenas = (shards.Arena(), shards.Arena())  # reused by every open shard
+        self._cache = shards.ShardCache(cfg.max_open_shards)
+        self._index = SearchIndex(cfg.signature_bytes)
+        self._index.add_records(self._records, np.arange(self._n, dtype=np.int64))
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, config: StoreConfig | None = None, **settings: Any) -> Store:
+        """Create a new store at `path` (a missing or empty directory) and open it for writing."""
+        if config is None:
+            config = StoreConfig(**settings)
+        elif settings:
+            raise InvalidArgumentError("give either a StoreConfig or settings, not both")
+        elif not isinstance(config, StoreConfig):
+            raise InvalidArgumentError(f"config must be a StoreConfig, got {type(config).__name__}")
+        root = Path(path)
+        if (root / manifest.INDEX_FILE).exists():
+            raise StoreExistsError(f"{root} already holds an hmem store", hint="open it instead")
+        if root.exists() and (not root.is_dir() or any(root.iterdir())):
+            raise StoreExistsError(f"{root} exists and is not an empty directory",
+                                   hint="choose a new path for the store")
+        _io.make_dir(root)
+        writer = lock.WriterLock(root)
+        try:
+            mf = Manifest(config=config, projection=Projector(config.embed_dim, config.hdc_dim, config.seed).describe())
+            _io.write_file(root / ENTRIES_FILE, [])
+            data = manifest.write(root, mf)
+        except BaseException:
+            writer.release()
+            raise
+        return cls(root, mf, writer=writer, verify_reads=True, index_bytes=data,
+                   loaded=records.empty(0, config.signature_bytes))
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, read_only: bool = False, verify_reads: bool = True,
+             lock_wait: float = 0.0) -> Store:
+        """Open an existing store.
+
+        A writer takes the store's lock (waiting up to `lock_wait` seconds),
+        finishes what an interrupted writer left and removes its leftovers.
+        A reader (`read_only`) takes no lock and sees the last commit.
+        With `verify_reads`, every tensor's checksum is checked the first
+        time it is read.
+        """
+        root = Path(path)
+        if read_only:
+            return cls._open_reader(root, verify_reads)
+        manifest.read_bytes(root)  # "not a store" before any lock file is made
+        writer = lock.WriterLock(root, wait_seconds=lock_wait)
+        try:
+            data = manifest.read_bytes(root)
+            mf = manifest.parse(root, data)
+            _finish_pending(root, mf)
+            _remove_leftovers(root, mf)
+            loaded = _load_records(root, mf, resolve=False)
+            return cls(root, mf, writer=writer, verify_reads=verify_reads, index_bytes=data, loaded=loaded)
+        except BaseException:
+            writer.release()
+            raise
+
+    @classmethod
+    def _open_reader(cls, root: Path, verify_reads: bool) -> Store:
+        # Load, then check index.json did not change meanwhile; a writer that
+        # committed in between may have rewritten what was read.
+        for _ in range(_READ_RETRIES):
+            data = manifest.read_bytes(root)
+            mf = manifest.parse(root, data)
+            loaded = _load_records(root, mf, resolve=True)
+            if manifest.read_bytes(root) == data:
+                return cls(root, mf, writer=None, verify_reads=verify_reads, index_bytes=data, loaded=loaded)
+            time.sleep(0.01)
+        raise StoreChangedError(f"{root} kept changing while it was being opened", hint="try again")
+
+    @property
+    def read_only(self) -> bool:
+        return self._lock is None
+
+    def flush(self) -> None:
+        """Make every put and access count so far durable (see the module docstring)."""
+        with self._mutex:
+            self._check_writable()
+            self._flush(exact_ids=False)
+
+    def close(self) -> None:
+        """Flush (a writer), release the lock and drop the memory maps.  Idempotent."""
+        with self._mutex:
+            if self._closed:
+                return
+            try:
+                if not self.read_only:
+                    self._flush(exact_ids=True)
+            finally:
+                self._closed = True
+                self._cache.drop()
+                if self._lock is not None:
+                    self._lock.release()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Never flush from the garbage collector; just let the lock go.
+        writer = getattr(self, "_lock", None)
+        if writer is not None:
+            writer.release()
+
+    def __repr__(self) -> str:
+        mode = "closed" if self._closed else ("read-only" if self.read_only else "writer")
+        return f"Store({str(self.path)!r}, {mode}, entries={self._live_count()})"
+
+    # ---- put ------------------------------------------------------------------
+
+    def put(self, keys: Any, values: Any, layer_idx: int = 0, importance: float = 1.0) -> int:
+        """Store one entry; returns its id.  Bad input raises and stores nothing."""
+        with self._mutex:
+            self._check_writable()
+            return self._insert([self._prepare(keys, values, layer_idx, importance)])[0]
+
+    def put_many(self, entries: Iterable[Entry | tuple]) -> list[int]:
+        """Store many entries; returns their ids in order.  Every entry is
+        checked before any is stored, so one bad entry stores nothing."""
+        with self._mutex:
+            self._check_writable()
+            prepared = []
+            for i, item in enumerate(entries):
+                entry = Entry(*item)
+                try:
+                    prepared.append(self._prepare(*entry))
+                except InvalidArgumentError as exc:
+                    raise type(exc)(f"entry {i}: {exc.message}", hint=exc.hint) from None
+            return self._insert(prepared)
+
+    def _prepare(self, keys: Any, values: Any, layer_idx: Any, importance: Any) -> _Prepared:
+        dim = self.config.embed_dim
+        k = as_rows(keys, "keys", dim)  # the open shard copies them
+        v = as_rows(values, "values", dim)
+        if k.shape != v.shape:
+            raise InvalidTensorError(f"keys {list(k.shape)} and values {list(v.shape)} differ in shape")
+        if k.shape[0] > _U32_MAX:
+            raise InvalidTensorError(f"an entry holds at most {_U32_MAX} tokens")
+        layer = layer_index(layer_idx)
+        imp = importance_value(importance)
+        pooled = k.mean(axis=0, dtype=np.float64).astype(np.float32)
+        return _Prepared(k, v, layer, imp, self._projector.signature(k), pooled)
+
+    def _insert(self, batch: list[_Prepared]) -> list[int]:
+        if not batch:
+            return []
+        self._reserve_ids(len(batch))
+        quantized = self.config.quantize_stored
+        first_id, start = self._next_id, self._n
+        ids = np.arange(first_id, first_id + len(batch), dtype=np.uint64)
+        shard_of = np.zeros(len(batch), dtype=np.uint32)
+        for i, p in enumerate(batch):  # each entry's own tensors go to the open shard
+            builder = self._builder_for(shards.entry_bytes(p.n_tokens, self.config.embed_dim, quantized))
+            builder.add_entry(_entry_tensors(first_id + i, p, quantized))
+            shard_of[i] = builder.index
+        self._grow(len(batch))
+        rows = self._records[start : start + len(batch)]
+        rows["entry_id"] = ids
+        rows["layer_idx"] = [p.layer_idx for p in batch]
+        rows["n_tokens"] = [p.n_tokens for p in batch]
+        rows["importance"] = [p.importance for p in batch]
+        rows["timestamp"] = time.time_ns()
+        rows["access_count"] = 0
+        rows["shard_idx"] = shard_of
+        rows["signature"] = np.stack([p.signature for p in batch])
+        self._next_id += len(batch)
+        self._n += len(batch)
+        self._index.add_records(self._records, np.arange(start, self._n, dtype=np.int64))
+        return [int(i) for i in ids]
+
+    def _reserve_ids(self, count: int) -> None:
+        if self._next_id + count <= self._id_limit:
+            return
+        # Commit a new reservation (state otherwise unchanged) before use.
+        mf = dataclasses.replace(self._committed, generation=self._committed.generation + 1,
+                                 next_entry_id=self._next_id + count + ID_LEASE)
+        self._commit(mf)
+        self._id_limit = mf.next_entry_id
+
+    def _grow(self, extra: int) -> None:
+        need = self._n + extra
+        if need <= len(self._records):
+            return
+        grown = records.empty(max(need, 2 * len(self._records), 64), self.config.signature_bytes)
+        grown[: self._n] = self._records[: self._n]
+        self._records = grown
+
+    def _next_shard_index(self) -> int:
+        return len(self._committed.shards) + len(self._sealed)
+
+    def _builder_for(self, entry_bytes: int) -> shards.ShardBuilder:
+        """The open shard, sealed first and replaced when this entry would
+        push it past shard_max_bytes (an entry larger than the limit gets a
+        shard of its own)."""
+        b = self._builder
+        if b is not None and b.entries and b.file_bytes_bound() + entry_bytes > self.config.shard_max_bytes:
+            self._seal_builder()
+            b = None
+        if b is None:
+            b = self._builder = shards.ShardBuilder(self._next_shard_index(), uuid.uuid4().hex, self._arenas)
+        return b
+
+    def _seal_builder(self) -> None:
+        b = self._builder
+        if b is None or not b.entries:
+            return
+        name = shards.shard_file(b.index)
+        size = b.seal(self.path / name)
+        self._sealed.append(ShardInfo(file=name, bytes=size, uid=b.uid, entries=b.entries))
+        self._builder = None
+
+    # ---- flush ----------------------------------------------------------------
+
+    def _flush(self, *, exact_ids: bool) -> None:
+        new = self._n - self._committed_n
+        next_id = self._next_id if exact_ids else self._id_limit
+        if not new and not self._dirty and self._builder is None and not self._sealed \
+                and next_id == self._committed.next_entry_id:
+            return
+        self._seal_builder()
+        _io.crash_point("flush.shards_written")
+        entries_path = self.path / ENTRIES_FILE
+        if new:
+            fresh = self._records[self._committed_n : self._n]
+            records.seal(fresh)
+            _io.write_at(entries_path, self._committed_n * self._record_size, [fresh.tobytes()], create=True)
+        _io.crash_point("flush.records_written")
+        dirty = np.array(sorted(self._dirty), dtype=np.int64)
+        if len(dirty):
+            touched = self._records[dirty]
+            records.seal(touched)
+            self._records["checksum"][dirty] = touched["checksum"]
+        # Updates a failed earlier flush could not write in place go again.
+        updates = records.merge_updates(self._committed.pending.record_updates,
+                                        records.updates_for(self._records, dirty))
+        mf = dataclasses.replace(
+            self._committed,
+            generation=self._committed.generation + 1,
+            record_count=self._n,
+            shards=[*self._committed.shards, *self._sealed],
+            next_entry_id=next_id,
+            pending=Pending(record_updates=updates),
+        )
+        self._commit(mf)
+        self._committed_n = self._n
+        self._sealed = []
+        self._dirty.clear()
+        self._id_limit = max(self._id_limit, next_id)
+        _io.crash_point("flush.committed")
+        _io.write_pieces(entries_path, records.update_pieces(updates, self._record_size))
+        _io.crash_point("flush.updates_written")
+        self._committed.pending = Pending()  # applied; the next commit need not repeat them
+
+    def _commit(self, mf: Manifest) -> None:
+        self._index_bytes = manifest.write(self.path, mf)
+        self._committed = mf
+
+    # ---- query ----------------------------------------------------------------
+
+    def query(self, query: Any, layer_idx: int, top_k: int = 5, *, rerank: bool = True,
+              shortlist_factor: int = 4, framework: str = "numpy",
+              count_access: bool = True) -> list[QueryResult]:
+        """The `top_k` entries of layer `layer_idx` most similar to `query`
+        ([n_tokens, embed_dim] or [embed_dim]), best first.
+
+        Entries are ranked by signature similarity; with `rerank`, a
+        shortlist of shortlist_factor * top_k is re-ranked by the exact
+        cosine of pooled keys.  Ties go to the lower entry id.  Each result
+        counts as an access of its entry (persisted by the next flush; a
+        read-only store does not count).
+        """
+        with self._mutex:
+            self._check_open()
+            q = as_rows(query, "query", self.config.embed_dim, allow_vector=True)
+            layer = layer_index(layer_idx)
+            k = top_k_value(top_k)
+            if framework not in FRAMEWORKS:
+                raise InvalidArgumentError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+            factor = top_k_value(shortlist_factor) if rerank else 1
+            positions, dists = self._index.search(layer, self._projector.signature(q), k * factor)
+            sims = similarity(dists, self.config.hdc_dim)
+            cosines = None
+            if rerank and len(positions):
+                cosines = self._cosines(positions, q.mean(axis=0, dtype=np.float64))
+                order = np.lexsort((self._records["entry_id"][positions], -cosines))[:k]
+                positions, sims, cosines = positions[order], sims[order], cosines[order]
+            results = [self._result(int(pos), float(sims[i]), None if cosines is None else float(cosines[i]),
+                                    framework) for i, pos in enumerate(positions)]
+            if count_access and not self.read_only and len(positions):
+                self._count_access(positions)
+                results = [dataclasses.replace(r, access_count=int(self._records["access_count"][pos]))
+                           for r, pos in zip(results, positions)]
+            return results
+
+    def _cosines(self, positions: np.ndarray, target: np.ndarray) -> np.ndarray:
+        pooled = np.stack([self._tensor(int(pos), "p") for pos in positions]).astype(np.float64)
+        norms = np.linalg.norm(pooled, axis=1) * np.linalg.norm(target)
+        dots = pooled @ target
+        return np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0)
+
+    def _count_access(self, positions: np.ndarray) -> None:
+        counts = self._records["access_count"]
+        counts[positions] = np.minimum(counts[positions].astype(np.int64) + 1, _U32_MAX)
+        self._dirty.update(int(p) for p in positions if p < self._committed_n)
+
+    def _result(self, pos: int, sim: float, cosine: float | None, framework: str) -> QueryResult:
+        row = self._records[pos]
+        keys, values = self._kv(pos)
+        return QueryResult(
+            entry_id=int(row["entry_id"]),
+            layer_idx=int(row["layer_idx"]),
+            score=sim if cosine is None else cosine,
+            similarity=sim,
+            cosine=cosine,
+            keys=as_framework(keys, framework),
+            values=as_framework(values, framework),
+            n_tokens=int(row["n_tokens"]),
+            importance=float(row["importance"]),
+            timestamp=int(row["timestamp"]),
+            access_count=int(row["access_count"]),
+            shard_idx=int(row["shard_idx"]),
+        )
+
+    def _kv(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        keys, values = self._tensor(pos, "k"), self._tensor(pos, "v")
+        if self.config.quantize_stored:
+            keys = shards.dequantize_rows(keys, self._tensor(pos, "ks"))
+            values = shards.dequantize_rows(values, self._tensor(pos, "vs"))
+        return keys, values
+
+    def _tensor(self, pos: int, kind: str) -> np.ndarray:
+        """Tensor `kind` (k, v, p, ks, vs) of the record at `pos`, checked."""
+        row = self._records[pos]
+        entry_id, shard_idx = int(row["entry_id"]), int(row["shard_idx"])
+        name = f"{kind}_{entry_id}"
+        if self._builder is not None and shard_idx == self._builder.index:
+            # The open shard's memory is reused after it is sealed: copy.
+            return self._builder.get(name).copy()
+        reader = self._reader(shard_idx)
+        array = reader.tensor(name)
+        expected = _expected_shape(kind, int(row["n_tokens"]), self.config.embed_dim)
+        if array.shape != expected:
+            raise CorruptStoreError(
+                f"entry {entry_id}: tensor {name} in {reader.path.name} has shape {list(array.shape)}, "
+                f"expected {list(expected)}", hint="run 'hmem verify'")
+        if self._verify_reads and name not in reader.verified and not reader.check(name):
+            raise CorruptStoreError(f"entry {entry_id}: tensor {name} in {reader.path.name} fails its checksum",
+                                    hint="run 'hmem verify --full'")
+        return array
+
+    def _reader(self, shard_idx: int) -> shards.ShardReader:
+        committed = self._committed.shards
+        if shard_idx < len(committed):
+            info = committed[shard_idx]
+        elif shard_idx - len(committed) < len(self._sealed):
+            info = self._sealed[shard_idx - len(committed)]
+        else:
+            raise CorruptStoreError(f"a record names shard {shard_idx}, which the store does not have",
+                                    hint="run 'hmem verify'")
+        path = _resolve(self.path, info.file, self._committed.pending)
+        return self._cache.get(shard_idx, path, info.uid, info.bytes)
+
+    # ---- management -------------------------------------------------------------
+
+    def _live_count(self) -> int:
+        return sum(self._index.layer_counts().values())
+
+    def stats(self) -> StoreStats:
+        with self._mutex:
+            self._check_open()
+            evicted = int(np.count_nonzero(self._records["shard_idx"][: self._n] == EVICTED))
+            shard_rows = [ShardStats(i, s.file, s.bytes, s.entries, s.dead_entries, s.dead_bytes, True)
+                          for i, s in enumerate(self._committed.shards)]
+            base = len(shard_rows)
+            shard_rows += [ShardStats(base + i, s.file, s.bytes, s.entries, 0, 0, False)
+                           for i, s in enumerate(self._sealed)]
+            return StoreStats(
+                path=str(self.path),
+                format_version=manifest.FORMAT_VERSION,
+                generation=self._committed.generation,
+                config=self.config,
+                entries=self._live_count(),
+                evicted=evicted,
+                unflushed=self._n - self._committed_n,
+                layers=self._index.layer_counts(),
+                shards=shard_rows,
+                bytes_on_disk=self.size(),
+                next_entry_id=self._next_id,
+                kernels=kernels.describe(),
+            )
+
+    def size(self) -> int:
+        """Bytes on disk: every file in the store directory."""
+        with self._mutex:
+            return sum(e.stat().st_size for e in os.scandir(self.path) if e.is_file(follow_symlinks=False))
+
+    # ---- checks -------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"the store at {self.path} is closed", hint="open it again")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise ReadOnlyStoreError(f"the store at {self.path} is open read-only",
+                                     hint="open it without read_only to write")
+
+
+# ---- helpers of open ---------------------------------------------------------------
+
+
+def _entry_tensors(entry_id: int, p: _Prepared, quantized: bool) -> dict[str, np.ndarray]:
+    if not quantized:
+        return {f"k_{entry_id}": p.keys, f"v_{entry_id}": p.values, f"p_{entry_id}": p.pooled}
+    kq, ks = shards.quantize_rows(p.keys)
+    vq, vs = shards.quantize_rows(p.values)
+    return {f"k_{entry_id}": kq, f"v_{entry_id}": vq, f"p_{entry_id}": p.pooled,
+            f"ks_{entry_id}": ks, f"vs_{entry_id}": vs}
+
+
+def _expected_shape(kind: str, n_tokens: int, embed_dim: int) -> tuple[int, ...]:
+    if kind in ("k", "v"):
+        return (n_tokens, embed_dim)
+    if kind == "p":
+        return (embed_dim,)
+    return (n_tokens,)
+
+
+def _resolve(root: Path, name: str, pending: Pending) -> Path:
+    """Where a file named by the commit is now: the source of a pending
+    rename to it while that rename has not happened yet."""
+    for src, dst in pending.renames:
+        if dst == name and (root / src).exists():
+            return root / src
+    return root / name
+
+
+def _load_records(root: Path, mf: Manifest, *, resolve: bool) -> np.ndarray:
+    path = _resolve(root, ENTRIES_FILE, mf.pending) if resolve else root / ENTRIES_FILE
+    try:
+        loaded = records.read(path, mf.record_count, mf.config.signature_bytes)
+    except CorruptStoreError:
+        if path == root / ENTRIES_FILE:
+            raise
+        loaded = records.read(root / ENTRIES_FILE, mf.record_count, mf.config.signature_bytes)  # renamed meanwhile
+    records.apply_updates(loaded, mf.pending.record_updates)
+    bad = records.damaged(loaded)
+    if len(bad):
+        first = int(bad[0])
+        raise CorruptStoreError(
+            f"{len(bad)} record(s) of {ENTRIES_FILE} fail their checksum (first: record {first}, "
+            f"entry {int(loaded['entry_id'][first])})",
+            hint="run 'hmem verify' for the list, 'hmem verify --repair' to drop them",
+        )
+    return loaded
+
+
+def _finish_pending(root: Path, mf: Manifest) -> None:
+    """Redo the steps the last commit listed (all idempotent): renames first,
+    then record fields in place, then deletions."""
+    for src, dst in mf.pending.renames:
+        if (root / src).exists():
+            _io.rename(root / src, root / dst)
+    updates = mf.pending.record_updates
+    if len(updates):
+        entries = root / ENTRIES_FILE
+        size = 40 + mf.config.signature_bytes
+        _io.write_pieces(entries, records.update_pieces(updates[updates["position"] < mf.record_count], size))
+    for name in mf.pending.deletes:
+        _io.unlink(root / name)
+
+
+def _remove_leftovers(root: Path, mf: Manifest) -> None:
+    """Remove what an interrupted writer left past the commit: temporary
+    files, shards the commit does not name at indices it would use next,
+    and records past the committed count."""
+    named = {s.file for s in mf.shards}
+    for entry in os.scandir(root):
+        if entry.name.startswith(_io.TEMP_PREFIX):
+            _io.unlink(Path(entry.path))
+            continue
+        match = shards.SHARD_NAME.match(entry.name)
+        if match and entry.name not in named and int(match.group(1)) >= len(mf.shards):
+            _io.unlink(Path(entry.path))
+    entries = root / ENTRIES_FILE
+    committed_size = mf.record_count * (40 + mf.config.signature_bytes)
+    if entries.exists() and entries.stat().st_size > committed_size:
+        _io.truncate(entries, committed_size)

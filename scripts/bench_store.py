@@ -1,0 +1,287 @@
+"""Store benchmarks, each beside a baseline measured in the same run.
+
+- write: put + flush of realistic entries (256 tokens x 2560 by default)
+  against the raw durable write of the same bytes (os.write + fsync);
+- open: Store.open of a store with 1M entries over 32 layers against a raw
+  np.fromfile of its entries.bin;
+- query: end-to-end query latency (signature search, re-rank, K/V access)
+  on that store, beside a numpy scan of the same layer's signatures, and on
+  the realistic store from the write benchmark;
+- recall: recall@10 of hmem's ranking against the exact cosine ranking of
+  pooled keys, on clustered keys that share a large mean component (as real
+  transformer keys do), with and without re-rank.
+
+Usage::
+
+    python scripts/bench_store.py                 # everything, default sizes
+    python scripts/bench_store.py --only write    # one section
+    python scripts/bench_store.py --open-entries 100000 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import hmem
+from benchlib import fmt_rate, fmt_seconds, median, print_machine_facts, time_calls
+
+GOAL_WRITE_SHARE = 0.70
+GOAL_RECALL_AT_10 = 0.99
+
+
+def _fresh(root: Path, name: str) -> Path:
+    path = root / name
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def _drop_file(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+# ---- write ------------------------------------------------------------------
+
+
+def raw_durable_write(path: Path, arrays: list[np.ndarray]) -> float:
+    """The baseline: the same bytes written with os.write, then one fsync."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for a in arrays:
+            view = memoryview(a).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def bench_write(root: Path, args, report: dict) -> None:
+    rng = np.random.default_rng(1)
+    n, t, d = args.write_entries, args.tokens, args.embed_dim
+    entries = [(rng.standard_normal((t, d), dtype=np.float32), rng.standard_normal((t, d), dtype=np.float32))
+               for _ in range(n)]
+    payload = sum(k.nbytes + v.nbytes for k, v in entries)
+    flat = [a for pair in entries for a in pair]
+    rows = []
+    for quantize in (False, True):
+        # A writer runs for long: its shard memory is warm after the first
+        # shard.  "cold" is a fresh store (first shard), "steady" the second
+        # batch of the same size in the same store.
+        cold_times, steady_times, raw_times = [], [], []
+        for _ in range(args.repeat):
+            path = _fresh(root, "write-store-i8" if quantize else "write-store")
+            with hmem.Store.create(path, embed_dim=d, quantize_stored=quantize) as store:
+                for times in (cold_times, steady_times):
+                    t0 = time.perf_counter()
+                    for i, (k, v) in enumerate(entries):
+                        store.put(k, v, layer_idx=i % 4)
+                    store.flush()
+                    times.append(time.perf_counter() - t0)
+            raw = root / "raw.bin"
+            raw_times.append(raw_durable_write(raw, flat))
+            _drop_file(raw)
+        cold, steady, base = median(cold_times), median(steady_times), median(raw_times)
+        row = {
+            "stored": "INT8" if quantize else "F32",
+            "entries": n,
+            "shape": [t, d],
+            "payload_bytes": payload,
+            "hmem_cold_seconds": cold,
+            "hmem_steady_seconds": steady,
+            "raw_seconds": base,
+            "share_of_raw_cold": base / cold,
+            "share_of_raw_steady": base / steady,
+            "bytes_on_disk": sum(f.stat().st_size for f in path.iterdir()) / 2,  # two batches
+        }
+        rows.append(row)
+        print(f"write {row['stored']}: {n} entries x {t}x{d} per batch, {payload / 1e6:,.0f} MB of K/V input")
+        print(f"  hmem put+flush, steady  {fmt_seconds(steady)}  {fmt_rate(payload, steady)} of input"
+              f"  ({row['share_of_raw_steady']:.0%} of raw)")
+        print(f"  hmem put+flush, cold    {fmt_seconds(cold)}  {fmt_rate(payload, cold)} of input"
+              f"  ({row['share_of_raw_cold']:.0%} of raw)")
+        print(f"  raw write+fsync         {fmt_seconds(base)}  {fmt_rate(payload, base)}  (same bytes, baseline)")
+        print(f"  on disk per batch       {row['bytes_on_disk'] / 1e6:,.0f} MB")
+    f32, i8 = rows
+    holds = f32["share_of_raw_steady"] >= GOAL_WRITE_SHARE
+    print(f"goal: put+flush >= {GOAL_WRITE_SHARE:.0%} of raw durable write speed (F32, steady): "
+          f"{'holds' if holds else 'FAILS'} ({f32['share_of_raw_steady']:.0%})")
+    print(f"INT8 vs F32: put+flush time x{i8['hmem_steady_seconds'] / f32['hmem_steady_seconds']:.2f}, "
+          f"disk x{i8['bytes_on_disk'] / f32['bytes_on_disk']:.2f}\n")
+    report["write"] = rows
+
+    # Query latency on this realistic store (K/V of 5 MB per entry).
+    path = root / "write-store"
+    with hmem.Store.open(path, read_only=True) as store:
+        q = entries[3][0][:16]
+        first = time.perf_counter()
+        res = store.query(q, layer_idx=3, top_k=5)
+        _ = sum(float(r.keys[-1, -1]) for r in res)
+        first = time.perf_counter() - first
+        samples = time_calls(lambda: [float(r.values[-1, -1]) for r in store.query(q, 3, top_k=5)], min_runs=20)
+    print(f"query on it (F32, top-5, rerank, K/V touched): first {fmt_seconds(first)} "
+          f"(checksums checked), then {fmt_seconds(median(samples))}\n")
+    report["write_store_query"] = {"first_seconds": first, "steady_seconds": median(samples)}
+
+
+# ---- open and query at 1M entries ------------------------------------------------
+
+
+def build_large(path: Path, entries: int, layers: int, dim: int) -> float:
+    rng = np.random.default_rng(2)
+    t0 = time.perf_counter()
+    batch = 20_000
+    with hmem.Store.create(path, embed_dim=dim) as store:
+        done = 0
+        while done < entries:
+            m = min(batch, entries - done)
+            keys = rng.standard_normal((m, 1, dim), dtype=np.float32)
+            store.put_many(hmem.Entry(keys[i], keys[i], (done + i) % layers) for i in range(m))
+            done += m
+            store.flush()
+    return time.perf_counter() - t0
+
+
+def bench_open_query(root: Path, args, report: dict) -> None:
+    n, layers, dim = args.open_entries, 32, 16
+    path = root / f"large-{n}"
+    if not (path / "index.json").exists():
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"building a store of {n:,} entries over {layers} layers (embed_dim {dim}, 1 token) ...")
+        built = build_large(path, n, layers, dim)
+        print(f"  built in {fmt_seconds(built)} ({n / built:,.0f} entries/s with put_many + flush)")
+    entries_bin = path / "entries.bin"
+    size = entries_bin.stat().st_size
+    open_times = time_calls(lambda: hmem.Store.open(path, read_only=True).close(), min_runs=3, min_seconds=0)
+    raw_times = time_calls(lambda: np.fromfile(entries_bin, dtype=np.uint8), min_runs=3, min_seconds=0)
+    print(f"open, {n:,} entries ({size / 1e6:,.0f} MB of records):")
+    print(f"  Store.open        {fmt_seconds(median(open_times))}")
+    print(f"  np.fromfile       {fmt_seconds(median(raw_times))}  (raw read of entries.bin, baseline)")
+    report["open"] = {"entries": n, "entries_bytes": size, "open_seconds": median(open_times),
+                      "raw_read_seconds": median(raw_times)}
+
+    rng = np.random.default_rng(3)
+    with hmem.Store.open(path, read_only=True) as store:
+        layer = 7
+        queries = rng.standard_normal((64, dim), dtype=np.float32)
+        it = iter(range(1 << 30))
+
+        def one(rerank: bool) -> None:
+            q = queries[next(it) % len(queries)]
+            for r in store.query(q, layer, top_k=5, rerank=rerank):
+                float(r.keys[0, 0])
+        with_rr = time_calls(lambda: one(True), min_runs=200)
+        without = time_calls(lambda: one(False), min_runs=200)
+        sigs = store._index.layers[layer].sigs[: store._index.layers[layer].n]  # the same matrix
+        qsig = store._projector.signature(queries[:1])
+
+        def numpy_scan() -> None:
+            d = np.bitwise_count(np.bitwise_xor(sigs, qsig)).sum(axis=1, dtype=np.int32)
+            np.argpartition(d, 5)[:5]
+        scan = time_calls(numpy_scan, min_runs=50)
+    print(f"query end to end, one layer of {len(sigs):,} entries, top-5, K/V touched:")
+    print(f"  hmem, re-rank     {fmt_seconds(median(with_rr))}")
+    print(f"  hmem, signature   {fmt_seconds(median(without))}")
+    print(f"  numpy xor+popcount+argpartition of the layer (search only, baseline) {fmt_seconds(median(scan))}\n")
+    report["query"] = {"layer_entries": len(sigs), "rerank_seconds": median(with_rr),
+                       "signature_seconds": median(without), "numpy_scan_seconds": median(scan)}
+
+
+# ---- recall ----------------------------------------------------------------------------
+
+
+def clustered_keys(rng, n: int, tokens: int, dim: int, clusters: int) -> np.ndarray:
+    """Keys with a shared mean component (pooled keys of unrelated entries
+    have cosine ~0.8) plus a cluster direction plus per-token noise."""
+    common = rng.standard_normal(dim) * 2.0
+    centers = rng.standard_normal((clusters, dim))
+    owner = rng.integers(0, clusters, n)
+    keys = common + centers[owner][:, None, :] + 0.9 * rng.standard_normal((n, tokens, dim))
+    return keys.astype(np.float32)
+
+
+def bench_recall(root: Path, args, report: dict) -> None:
+    rng = np.random.default_rng(4)
+    n, tokens, dim, queries = args.recall_entries, 8, args.recall_dim, 200
+    keys = clustered_keys(rng, n, tokens, dim, clusters=n // 20)
+    pooled = keys.mean(axis=1, dtype=np.float64)
+    unit = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+    pairs = rng.integers(0, n, (2000, 2))
+    unrelated_cos = float(np.mean(np.sum(unit[pairs[:, 0]] * unit[pairs[:, 1]], axis=1)))
+    path = _fresh(root, "recall-store")
+    with hmem.Store.create(path, embed_dim=dim) as store:
+        store.put_many(hmem.Entry(keys[i], keys[i], 0) for i in range(n))
+        targets = rng.integers(0, n, queries)
+        qkeys = keys[targets] + 0.5 * rng.standard_normal((queries, tokens, dim)).astype(np.float32)
+        qmean = qkeys.mean(axis=1, dtype=np.float64)
+        exact = np.argsort(-(qmean / np.linalg.norm(qmean, axis=1, keepdims=True)) @ unit.T, axis=1,
+                           kind="stable")[:, :10] + 1  # entry ids start at 1
+        rows = {}
+        for label, rerank in (("signature only", False), ("re-rank 4x shortlist", True)):
+            hits = 0
+            sims = []
+            for qi in range(queries):
+                res = store.query(qkeys[qi], 0, top_k=10, rerank=rerank, count_access=False)
+                hits += len({r.entry_id for r in res} & set(exact[qi].tolist()))
+                sims.append(res[-1].similarity)
+            rows[label] = hits / (10 * queries)
+        sig_unrelated = np.mean([r.similarity for r in store.query(rng.standard_normal(dim).astype(np.float32)
+                                                                   + keys[0, 0], 0, top_k=50, rerank=False)])
+    print(f"recall@10 against exact pooled-key cosine, {n:,} clustered entries, dim {dim}, {queries} queries")
+    print(f"  unrelated pooled keys: mean cosine {unrelated_cos:.2f}; signature similarity of top-50 ~{sig_unrelated:.2f}")
+    for label, value in rows.items():
+        print(f"  {label:22s} recall@10 = {value:.3f}")
+    holds = rows["re-rank 4x shortlist"] >= GOAL_RECALL_AT_10
+    print(f"goal: recall@10 with re-rank >= {GOAL_RECALL_AT_10}: {'holds' if holds else 'FAILS'}\n")
+    report["recall"] = {"entries": n, "dim": dim, "unrelated_cosine": unrelated_cos, **rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("write", "open", "recall"), action="append")
+    parser.add_argument("--dir", default=None, help="where to build the stores (default: a temp dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the stores (reused by the next run)")
+    parser.add_argument("--write-entries", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--embed-dim", type=int, default=2560)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--open-entries", type=int, default=1_000_000)
+    parser.add_argument("--recall-entries", type=int, default=20_000)
+    parser.add_argument("--recall-dim", type=int, default=256)
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = parser.parse_args(argv)
+    sections = args.only or ["write", "open", "recall"]
+    print_machine_facts()
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hmem-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    report: dict = {}
+    try:
+        if "write" in sections:
+            bench_write(root, args, report)
+        if "open" in sections:
+            bench_open_query(root, args, report)
+        if "recall" in sections:
+            bench_recall(root, args, report)
+    finally:
+        if not args.keep and not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Helpers shared by the benchmark scripts: machine facts and timing."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import hmem
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_facts() -> dict[str, str]:
+    import numpy
+
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "hmem": hmem.__version__,
+        "kernels": hmem.kernels.describe(),
+        "cpu_paths": ", ".join(hmem.kernels.available_cpu_paths()),
+        "cpu": cpu_model(),
+        "cpus": str(os.cpu_count()),
+        "platform": platform.platform(),
+        "numpy": numpy.__version__,
+    }
+
+
+def print_machine_facts() -> None:
+    for key, value in machine_facts().items():
+        print(f"{key:>10}: {value}")
+    print()
+
+
+def time_calls(fn: Callable[[], object], *, min_runs: int = 20, min_seconds: float = 0.2,
+               max_runs: int = 100_000) -> list[float]:
+    """Seconds per call of `fn`, after one warm-up call, garbage collection off."""
+    fn()
+    samples: list[float] = []
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        while len(samples) < max_runs and (len(samples) < min_runs or time.perf_counter() - start < min_seconds):
+            t0 = time.perf_counter_ns()
+            fn()
+            samples.append((time.perf_counter_ns() - t0) / 1e9)
+    finally:
+        if gc_was:
+            gc.enable()
+    return samples
+
+
+def median(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def fmt_seconds(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+def fmt_rate(nbytes: float, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e6:,.0f} MB/s"
