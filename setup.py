@@ -24,7 +24,7 @@ extensions = [
         include_dirs=["hmem/_native"],
         extra_compile_args=COMPILE_ARGS,
     )
-    for name in ("_bitops", "_checksum", "_hamming", "_projection")
+    for name in ("_bitops", "_checksum", "_hamming", "_projection", "_quantize")
 ]
 
 setup(

@@ -80,6 +80,7 @@ bitops: Any = _KernelModule("bitops")
 checksum: Any = _KernelModule("checksum")
 hamming: Any = _KernelModule("hamming")
 projection: Any = _KernelModule("projection")
+quantize: Any = _KernelModule("quantize")
 
 
 def select_cpu_path(name: str | None) -> str:

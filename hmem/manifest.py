@@ -46,8 +46,9 @@ class ShardInfo:
 
     file: str
     bytes: int  # size of the file
-    uid: str  # also in the shard's __metadata__: a replaced file is noticed
+    uid: str  # also in the shard's index and __metadata__: a replaced file is noticed
     entries: int  # entries whose tensors the shard holds
+    index_crc: int  # CRC-32C of the shard's hmem_index tensor
     dead_entries: int = 0  # of those, evicted
     dead_bytes: int = 0  # tensor bytes of the evicted entries (freed by compact)
 
@@ -153,7 +154,7 @@ def parse(store_dir: Path, data: bytes) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise NotAStoreError(f"{where} is not an hmem store index")
     version = doc.get("format_version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:
         raise UnsupportedFormatError(
             f"{store_dir} uses store format version {version!r}; this hmem reads version {FORMAT_VERSION}",
             hint="use the hmem release that wrote it",

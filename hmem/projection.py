@@ -50,6 +50,13 @@ class Projector:
         projection_kernels.signature(rows, self.signs, self.m, ROUNDS, self.hdc_dim, out)
         return out
 
+    def signature_and_mean(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The signature and the float64 mean of the rows, from one pass."""
+        out = np.zeros(self.hdc_dim // 8, dtype=np.uint8)
+        sums = np.zeros(rows.shape[1], dtype=np.float64)
+        projection_kernels.signature(rows, self.signs, self.m, ROUNDS, self.hdc_dim, out, sums)
+        return out, sums / rows.shape[0]
+
 
 def similarity(hamming: np.ndarray | int, hdc_dim: int) -> np.ndarray | float:
     """1 - hamming / hdc_dim, in [0, 1]."""

@@ -53,11 +53,16 @@ class StoreStats:
     generation: int
     config: StoreConfig
     entries: int  # live entries
-    evicted: int  # records of evicted entries still in entries.bin
+    evicted: int  # records of evicted entries still in entries.bin (dropped by compact)
     unflushed: int  # entries put since the last flush
     layers: dict[int, int]  # live entries per layer
     shards: list[ShardStats]
-    bytes_on_disk: int
+    bytes_on_disk: int  # every file in the store directory
+    live_bytes: int  # tensor bytes of the live entries
+    reclaimable_bytes: int  # what compact would free now
+    orphan_files: list[str]  # leftovers hmem made and no commit names (compact removes them)
+    foreign_files: list[str]  # files hmem did not make (never touched)
+    total_accesses: int  # sum of access counts
     next_entry_id: int
     kernels: str
 
@@ -74,3 +79,50 @@ def as_framework(array: np.ndarray, framework: str) -> Any:
     import torch  # framework="torch" was asked for explicitly
 
     return torch.from_numpy(np.array(array, copy=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionPlan:
+    """What evict(target_entries) would remove."""
+
+    target_entries: int
+    entries_before: int
+    entry_ids: tuple[int, ...]  # in eviction order
+    bytes_reclaimable: int  # freed by the compaction that follows
+    lowest_score: float | None
+
+    @property
+    def count(self) -> int:
+        return len(self.entry_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompactionPlan:
+    """What compact() would do."""
+
+    shards_before: int
+    shards_after: int
+    bytes_before: int
+    bytes_after_estimate: int
+    reclaimable_bytes: int
+    reclaimable_share: float  # of bytes_before
+    evicted_records: int  # records compact drops
+    orphan_files: tuple[str, ...]
+    needed: bool  # False: the store is already compact
+
+
+@dataclasses.dataclass(frozen=True)
+class CompactionReport:
+    """What compact() did."""
+
+    performed: bool
+    reason: str
+    shards_before: int
+    shards_after: int
+    bytes_before: int
+    bytes_after: int
+    bytes_freed: int
+    entries: int  # live entries, all kept
+    records_dropped: int
+    orphans_removed: int
+    seconds: float

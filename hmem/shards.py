@@ -7,13 +7,21 @@ A shard is written once, whole, and never modified.  Layout of the file
     N bytes             JSON header, padded with spaces to a multiple of 8
     data                the tensors' bytes, back to back
 
-hmem writes every F32 tensor before every I8 tensor, so F32 data stays
+The data region starts with ``hmem_index``, an I64 tensor of
+[entries + 1, 12]: a header row (magic "HMEMIDX1", version, entry count,
+the shard uid as two 64-bit halves) and one row per entry (entry_id,
+n_tokens, the data offsets of its k, v, p, ks, vs tensors, -1 where absent,
+and the CRC-32C of each).  hmem reads shards through this index, a
+zero-copy view that needs no JSON parsing, so opening a shard costs
+microseconds whatever its number of tensors.  The JSON header still lists
+every tensor, so any safetensors reader opens the file; ``verify`` checks
+that both agree.
+
+After the index come every F32 tensor, then every I8 tensor, so F32 data is
 4-byte aligned and reads as zero-copy numpy views of the memory map.
 ``__metadata__`` holds ``format`` = "hmem-shard", ``format_version`` = "1",
-``shard_uid`` and, per tensor, ``crc32c:<name>`` = 8 hex digits of the
-CRC-32C of the tensor's bytes.  Tensor names per entry are listed in
-docs/format.md (``k_{id}``, ``v_{id}``, ``p_{id}``, and ``ks_{id}`` /
-``vs_{id}`` when quantized).
+``shard_uid`` and, per tensor, ``crc32c:<name>``.  docs/format.md lists
+every name.
 """
 
 from __future__ import annotations
@@ -32,40 +40,39 @@ import numpy as np
 from hmem import _io
 from hmem.errors import CorruptStoreError, StoreChangedError
 from hmem.kernels import checksum as checksum_kernels
+from hmem.kernels import quantize as quantize_kernels
 
 SHARD_FORMAT = "hmem-shard"
 SHARD_FORMAT_VERSION = "1"
 SHARD_NAME = re.compile(r"^shard_(\d{4,})\.safetensors$")
 CRC_PREFIX = "crc32c:"
 
-DTYPES: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "I8": np.dtype("i1")}
+INDEX_TENSOR = "hmem_index"
+INDEX_MAGIC = int.from_bytes(b"HMEMIDX1", "little")
+INDEX_VERSION = 1
+INDEX_COLUMNS = 12
+KINDS = ("k", "v", "p", "ks", "vs")  # index columns 2-6 (offsets) and 7-11 (CRCs)
+
+DTYPES: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "I8": np.dtype("i1"), "I64": np.dtype("<i8")}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _HEADER_ALIGN = 8
 # Upper bound of one tensor's share of the JSON header: its entry with
 # 20-digit offsets and shape numbers, plus its checksum in the metadata.
-_HEADER_PER_TENSOR = 200
-_HEADER_FIXED = 256
+HEADER_BYTES_PER_TENSOR = 200
+HEADER_FIXED_BYTES = 256 + INDEX_COLUMNS * 8  # the metadata, the length word, the index's header row
+INDEX_ROW_BYTES = INDEX_COLUMNS * 8
 
 
 def shard_file(index: int) -> str:
     return f"shard_{index:04d}.safetensors"
 
 
-def tensor_names(entry_id: int, quantized: bool) -> tuple[str, ...]:
-    """Every tensor one entry owns."""
-    names = (f"k_{entry_id}", f"v_{entry_id}", f"p_{entry_id}")
-    return names + (f"ks_{entry_id}", f"vs_{entry_id}") if quantized else names
-
-
 def entry_bytes(n_tokens: int, embed_dim: int, quantized: bool) -> int:
-    """Tensor bytes one entry adds to a shard (keys, values, pooled key, scales)."""
+    """Tensor bytes one entry adds to a shard (keys, values, pooled key,
+    scales), not counting its index row and header entries."""
     if quantized:
         return 2 * n_tokens * embed_dim + 4 * embed_dim + 2 * 4 * n_tokens
     return 2 * 4 * n_tokens * embed_dim + 4 * embed_dim
-
-
-def tensor_header_bound(quantized: bool) -> int:
-    return len(tensor_names(0, quantized)) * _HEADER_PER_TENSOR
 
 
 # ---- INT8 storage (SPEC §2.7) -------------------------------------------------------
@@ -74,14 +81,16 @@ def tensor_header_bound(quantized: bool) -> int:
 def quantize_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric INT8 per row: scale = max|row| / 127 (0 for a zero row),
     q = round(x / scale) in [-127, 127]."""
-    scales = (np.abs(rows).max(axis=1) / np.float32(127)).astype(np.float32)
-    safe = np.where(scales > 0, scales, np.float32(1)).astype(np.float64)
-    q = np.rint(rows.astype(np.float64) / safe[:, None])
-    return np.clip(q, -127, 127).astype(np.int8), scales
+    q = np.empty(rows.shape, dtype=np.int8)
+    scales = np.empty(rows.shape[0], dtype=np.float32)
+    quantize_kernels.quantize_rows(rows, q, scales)
+    return q, scales
 
 
 def dequantize_rows(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    return (q.astype(np.float32) * scales[:, None]).astype(np.float32)
+    out = np.empty(q.shape, dtype=np.float32)
+    quantize_kernels.dequantize_rows(q, scales, out)
+    return out
 
 
 # ---- writing ----------------------------------------------------------------------
@@ -108,6 +117,14 @@ class Arena:
         self._used = [0] * len(self._segments)
         self._current = 0
         self.used = 0
+
+    def mark(self) -> tuple:
+        return (self._current, list(self._used), self.used)
+
+    def rollback(self, mark: tuple) -> None:
+        """Forget what was appended since `mark`."""
+        self._current, used, self.used = mark
+        self._used = used + [0] * (len(self._segments) - len(used))
 
     def append(self, array: np.ndarray) -> tuple[int, int]:
         """Copy `array`'s bytes after the previous ones; returns (segment, offset)."""
@@ -145,53 +162,89 @@ class ShardBuilder:
     def __init__(self, index: int, uid: str, arenas: tuple[Arena, Arena]) -> None:
         self.index = index
         self.uid = uid
-        self.entries = 0
         self.data_bytes = 0
         self._arenas = arenas
         for arena in arenas:
             arena.reset()
-        # name -> (arena 0 or 1, dtype, shape, byte offset in that arena's data, place in the arena)
-        self._tensors: dict[str, tuple[int, np.dtype, tuple[int, ...], int, tuple[int, int]]] = {}
+        self._rows: list[tuple[int, int]] = []  # (entry_id, n_tokens)
+        # (entry_id, kind) -> (arena 0 or 1, dtype, shape, offset in that arena's data, place in the arena)
+        self._tensors: dict[tuple[int, str], tuple[int, np.dtype, tuple[int, ...], int, tuple[int, int]]] = {}
 
-    def add_entry(self, tensors: dict[str, np.ndarray]) -> None:
-        for name, array in tensors.items():
-            if array.dtype not in DTYPE_NAMES or not array.flags.c_contiguous:
-                raise AssertionError(f"shard tensors are C-contiguous F32 or I8, got {array.dtype} for {name}")
+    @property
+    def entries(self) -> int:
+        return len(self._rows)
+
+    def add_entry(self, entry_id: int, n_tokens: int, tensors: dict[str, np.ndarray]) -> None:
+        """Copy one entry's tensors (kind -> array, kinds from KINDS) in."""
+        for kind, array in tensors.items():
+            if kind not in KINDS or array.dtype not in DTYPE_NAMES or not array.flags.c_contiguous:
+                raise AssertionError(f"bad shard tensor {kind} ({array.dtype})")
             region = 0 if array.dtype == DTYPES["F32"] else 1
             offset = self._arenas[region].used
             place = self._arenas[region].append(array)
-            self._tensors[name] = (region, array.dtype, array.shape, offset, place)
+            self._tensors[(entry_id, kind)] = (region, array.dtype, array.shape, offset, place)
             self.data_bytes += array.nbytes
-        self.entries += 1
+        self._rows.append((entry_id, n_tokens))
+
+    def mark(self) -> tuple:
+        return (len(self._rows), self.data_bytes, tuple(arena.mark() for arena in self._arenas))
+
+    def rollback(self, mark: tuple) -> None:
+        """Forget the entries added since `mark`."""
+        rows, self.data_bytes, arena_marks = mark
+        for entry_id, _ in self._rows[rows:]:
+            for kind in KINDS:
+                self._tensors.pop((entry_id, kind), None)
+        del self._rows[rows:]
+        for arena, arena_mark in zip(self._arenas, arena_marks):
+            arena.rollback(arena_mark)
 
     def file_bytes_bound(self) -> int:
         """An upper bound of the file size if sealed now."""
-        return self.data_bytes + _HEADER_FIXED + _HEADER_PER_TENSOR * len(self._tensors)
+        return (self.data_bytes + HEADER_FIXED_BYTES + HEADER_BYTES_PER_TENSOR * len(self._tensors)
+                + INDEX_ROW_BYTES * len(self._rows))
 
-    def get(self, name: str) -> np.ndarray:
-        region, dtype, shape, _, place = self._tensors[name]
+    def get(self, entry_id: int, kind: str) -> np.ndarray:
+        region, dtype, shape, _, place = self._tensors[(entry_id, kind)]
         return self._arenas[region].view(place, dtype, shape)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._tensors
-
-    def encode(self) -> list[Any]:
-        """The file's bytes as buffers: header, then the F32 and I8 data."""
+    def encode(self) -> tuple[list[Any], int]:
+        """The file's bytes as buffers (header, index, F32 data, I8 data),
+        and the CRC-32C of the index tensor."""
+        n = len(self._rows)
+        index = np.full((n + 1, INDEX_COLUMNS), -1, dtype="<i8")
+        uid = int(self.uid, 16)
+        index[0, :5] = [INDEX_MAGIC, INDEX_VERSION, n, *np.array([uid >> 64, uid & (2**64 - 1)], dtype="<u8").view("<i8")]
+        index_bytes = index.nbytes
+        f32_base, i8_base = index_bytes, index_bytes + self._arenas[0].used
+        row_of = {entry_id: r + 1 for r, (entry_id, _) in enumerate(self._rows)}
+        for r, (entry_id, n_tokens) in enumerate(self._rows, start=1):
+            index[r, :2] = (entry_id, n_tokens)
+        header: dict[str, Any] = {INDEX_TENSOR: None}
         metadata = {"format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION, "shard_uid": self.uid}
-        header: dict[str, Any] = {}
-        f32_bytes = self._arenas[0].used
-        for name, (region, dtype, shape, offset, _) in self._tensors.items():
-            start = offset + (f32_bytes if region else 0)
+        for (entry_id, kind), (region, dtype, shape, offset, _) in self._tensors.items():
+            start = offset + (i8_base if region else f32_base)
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            crc = checksum_kernels.crc32c(_bytes_view(self.get(entry_id, kind)))
+            column = KINDS.index(kind)
+            index[row_of[entry_id], 2 + column] = start
+            index[row_of[entry_id], 7 + column] = crc
+            name = f"{kind}_{entry_id}"
             header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [start, start + nbytes]}
-            metadata[CRC_PREFIX + name] = f"{checksum_kernels.crc32c(_bytes_view(self.get(name))):08x}"
+            metadata[CRC_PREFIX + name] = f"{crc:08x}"
+        index_crc = checksum_kernels.crc32c(_bytes_view(index))
+        header[INDEX_TENSOR] = {"dtype": "I64", "shape": [n + 1, INDEX_COLUMNS], "data_offsets": [0, index_bytes]}
+        metadata[CRC_PREFIX + INDEX_TENSOR] = f"{index_crc:08x}"
         text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
         text += b" " * (-len(text) % _HEADER_ALIGN)
-        return [struct.pack("<Q", len(text)), text, *self._arenas[0].data(), *self._arenas[1].data()]
+        buffers = [struct.pack("<Q", len(text)), text, _bytes_view(index),
+                   *self._arenas[0].data(), *self._arenas[1].data()]
+        return buffers, index_crc
 
-    def seal(self, path: Path) -> int:
-        """Write the shard file durably; returns its size."""
-        return _io.write_file(path, self.encode())
+    def seal(self, path: Path) -> tuple[int, int]:
+        """Write the shard file durably; returns (file size, index CRC)."""
+        buffers, index_crc = self.encode()
+        return _io.write_file(path, buffers), index_crc
 
 
 def _bytes_view(array: np.ndarray) -> memoryview:
@@ -201,69 +254,109 @@ def _bytes_view(array: np.ndarray) -> memoryview:
 # ---- reading -----------------------------------------------------------------------
 
 
-class ShardReader:
-    """One shard file, memory-mapped, with its header parsed and checked."""
+def _signed64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
 
-    def __init__(self, path: Path, *, uid: str | None = None, size: int | None = None) -> None:
+
+class ShardState:
+    """What this process has checked of one shard file (known by its uid),
+    kept while its map comes and goes: shard files never change."""
+
+    __slots__ = ("uid", "uid_halves", "ids", "verified")
+
+    def __init__(self, uid: str) -> None:
+        value = int(uid, 16)
+        self.uid = uid
+        self.uid_halves = (_signed64(value >> 64), _signed64(value & ((1 << 64) - 1)))
+        self.ids: np.ndarray | None = None  # entry ids of the index, once it passed its checksum
+        self.verified: set[tuple[int, str]] = set()  # (entry_id, kind) whose CRC matched
+
+
+class ShardReader:
+    """One shard file, memory-mapped, read through its hmem_index tensor."""
+
+    def __init__(self, path: Path, info: Any, state: ShardState) -> None:
+        """Map the file described by the ShardInfo `info`; check its index
+        (checksum, header row, uid) unless `state` says it was checked."""
         self.path = path
+        self.uid = info.uid
+        self.state = state
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise CorruptStoreError(f"shard {path.name} is missing", hint="run 'hmem verify'") from None
         try:
             actual = os.fstat(fd).st_size
-            if size is not None and actual != size:
-                raise CorruptStoreError(
-                    f"shard {path.name} is {actual} bytes, the store expects {size}", hint="run 'hmem verify'"
-                )
-            if actual < 8:
-                raise CorruptStoreError(f"shard {path.name} is too short to be safetensors ({actual} bytes)")
-            self._map = mmap.mmap(fd, actual, access=mmap.ACCESS_READ)
+            if actual != info.bytes:
+                raise CorruptStoreError(f"shard {path.name} is {actual} bytes, the store expects {info.bytes}",
+                                        hint="run 'hmem verify'")
+            self._map = mmap.mmap(fd, actual, access=mmap.ACCESS_READ) if actual else None
         finally:
             os.close(fd)
         self.size = actual
-        self.metadata, self._entries, self._data_start = _parse_header(self._map, path.name)
-        if uid is not None and self.metadata.get("shard_uid") != uid:
-            raise StoreChangedError(
-                f"shard {path.name} was replaced since the store was opened", hint="open the store again"
-            )
-        self.verified: set[str] = set()
+        self.data_start, self.index = self._load_index(info.entries, info.index_crc)
 
-    def names(self) -> list[str]:
-        return list(self._entries)
+    @property
+    def verified(self) -> set[tuple[int, str]]:
+        return self.state.verified
 
-    def info(self, name: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
-        """(dtype, shape, start, end) of a tensor; offsets are absolute in the file."""
-        try:
-            return self._entries[name]
-        except KeyError:
-            raise CorruptStoreError(f"shard {self.path.name} has no tensor {name}", hint="run 'hmem verify'") from None
+    def _bad(self, why: str) -> CorruptStoreError:
+        return CorruptStoreError(f"shard {self.path.name} is damaged: {why}", hint="run 'hmem verify'")
 
-    def tensor(self, name: str) -> np.ndarray:
-        """A read-only view of the tensor in the memory map (no copy)."""
-        dtype, shape, start, end = self.info(name)
-        if end - start >= 1 << 16:
-            page = mmap.PAGESIZE
-            aligned = start - start % page
-            self._map.madvise(mmap.MADV_WILLNEED, aligned, end - aligned)
-        count = (end - start) // dtype.itemsize
-        return np.frombuffer(self._map, dtype=dtype, count=count, offset=start).reshape(shape)
+    def _load_index(self, entries: int, index_crc: int) -> tuple[int, np.ndarray]:
+        if self._map is None or self.size < 8:
+            raise self._bad("too short to be safetensors")
+        (length,) = struct.unpack_from("<Q", self._map, 0)
+        data_start = 8 + length
+        index_bytes = (entries + 1) * INDEX_ROW_BYTES
+        if length > self.size or data_start + index_bytes > self.size:
+            raise self._bad("its header or index runs past the end of the file")
+        index = np.frombuffer(self._map, dtype="<i8", count=(entries + 1) * INDEX_COLUMNS,
+                              offset=data_start).reshape(entries + 1, INDEX_COLUMNS)
+        if (int(index[0, 3]), int(index[0, 4])) != self.state.uid_halves:
+            raise StoreChangedError(f"shard {self.path.name} was replaced since the store was opened",
+                                    hint="open the store again")
+        if self.state.ids is None:
+            if checksum_kernels.crc32c(_bytes_view(index)) != index_crc:
+                raise self._bad("its entry index fails its checksum")
+            if index[0, 0] != INDEX_MAGIC or index[0, 1] != INDEX_VERSION or index[0, 2] != entries:
+                raise self._bad("its entry index has a wrong header row")
+            self.state.ids = np.ascontiguousarray(index[1:, 0])
+        return data_start, index
 
-    def expected_crc(self, name: str) -> int | None:
-        value = self.metadata.get(CRC_PREFIX + name)
-        try:
-            return int(value, 16) if value is not None else None
-        except ValueError:
-            return None
+    def _locate(self, entry_id: int, kind: str) -> tuple[int, int]:
+        ids = self.state.ids
+        row = int(np.searchsorted(ids, entry_id))
+        if row >= len(ids) or ids[row] != entry_id:
+            raise self._bad(f"it holds no entry {entry_id}")
+        column = KINDS.index(kind)
+        return int(self.index[row + 1, 2 + column]), int(self.index[row + 1, 7 + column])
 
-    def check(self, name: str) -> bool:
-        """Whether the tensor's bytes match its recorded CRC-32C."""
-        _, _, start, end = self.info(name)
-        expected = self.expected_crc(name)
-        ok = expected is not None and checksum_kernels.crc32c(memoryview(self._map)[start:end]) == expected
+    def tensor(self, entry_id: int, kind: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A read-only view of one tensor in the memory map (no copy)."""
+        start, _ = self._locate(entry_id, kind)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        begin = self.data_start + start
+        if start < 0 or begin + nbytes > self.size:
+            raise self._bad(f"tensor {kind}_{entry_id} lies outside the file")
+        if nbytes >= 1 << 16:  # read ahead instead of faulting page by page
+            aligned = begin - begin % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_WILLNEED, aligned, begin + nbytes - aligned)
+        count = nbytes // dtype.itemsize
+        return np.frombuffer(self._map, dtype=dtype, count=count, offset=begin).reshape(shape)
+
+    def check(self, entry_id: int, kind: str, tensor: np.ndarray) -> bool:
+        """Whether `tensor` (read from this shard) matches its recorded CRC-32C."""
+        _, expected = self._locate(entry_id, kind)
+        ok = checksum_kernels.crc32c(_bytes_view(tensor)) == expected
         if ok:
-            self.verified.add(name)
+            self.verified.add((entry_id, kind))
         return ok
+
+    def header(self) -> tuple[dict[str, str], dict[str, tuple]]:
+        """The JSON header, parsed and checked (for verify and tests)."""
+        metadata, entries, _ = _parse_header(self._map, self.path.name)
+        return metadata, entries
 
 
 def _parse_header(buf: mmap.mmap, name: str) -> tuple[dict[str, str], dict[str, tuple], int]:
@@ -303,19 +396,27 @@ def _parse_header(buf: mmap.mmap, name: str) -> tuple[dict[str, str], dict[str, 
 class ShardCache:
     """At most `capacity` shard files memory-mapped at once (least recently
     used is dropped first).  Arrays already handed out keep their own map
-    alive until they are freed."""
+    alive until they are freed.  What was checked of each shard is kept
+    across evictions (ShardState, by uid)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._open: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
+        self._states: dict[str, ShardState] = {}
 
-    def get(self, index: int, path: Path, uid: str, size: int) -> ShardReader:
+    def get(self, index: int, path: Path, info: Any) -> ShardReader:
+        """The reader of shard `index` (file at `path`, described by the
+        ShardInfo `info`)."""
         reader = self._open.get(index)
-        if reader is not None:
+        if reader is not None and reader.uid == info.uid:
             self._open.move_to_end(index)
             return reader
-        reader = ShardReader(path, uid=uid, size=size)
+        state = self._states.get(info.uid)
+        if state is None:
+            state = self._states[info.uid] = ShardState(info.uid)
+        reader = ShardReader(path, info, state)
         self._open[index] = reader
+        self._open.move_to_end(index)
         while len(self._open) > self.capacity:
             self._open.popitem(last=False)
         return reader
@@ -324,6 +425,7 @@ class ShardCache:
         return len(self._open)
 
     def drop(self, index: int | None = None) -> None:
+        """Unmap one shard, or all; what was checked is kept."""
         if index is None:
             self._open.clear()
         else:

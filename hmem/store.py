@@ -23,6 +23,7 @@ an id given to a put that a crash then loses is never given again.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import threading
 import time
@@ -35,8 +36,10 @@ import numpy as np
 
 from hmem import _io, kernels, lock, manifest, records, shards
 from hmem.config import StoreConfig
+from hmem.bridge import AugmentedKV, augmented_kv
 from hmem.errors import (
     CorruptStoreError,
+    EntryTooLargeError,
     InvalidArgumentError,
     InvalidTensorError,
     ReadOnlyStoreError,
@@ -48,11 +51,22 @@ from hmem.errors import (
 from hmem.manifest import Manifest, Pending, ShardInfo
 from hmem.projection import Projector, similarity
 from hmem.records import ENTRIES_FILE, EVICTED
-from hmem.results import QueryResult, ShardStats, StoreStats, as_framework
+from hmem.policy import eviction_order, scores
+from hmem.results import (
+    CompactionPlan,
+    CompactionReport,
+    EvictionPlan,
+    QueryResult,
+    ShardStats,
+    StoreStats,
+    as_framework,
+)
 from hmem.search import SearchIndex
 from hmem.tensors import as_rows, importance_value, layer_index, top_k_value
 
 ID_LEASE = 4096  # ids reserved per index.json write
+DISK_LOW_WATER = 0.9  # a put past max_disk_bytes makes room down to this share, then compacts
+FIXED_OVERHEAD_BYTES = 16 * 1024  # index.json, the lock and a shard's fixed header, at most
 _READ_RETRIES = 5
 _U32_MAX = 0xFFFFFFFF
 FRAMEWORKS = ("numpy", "torch")
@@ -117,7 +131,9 @@ class Store:
         self._dirty: set[int] = set()
         self._next_id = mf.next_entry_id
         self._id_limit = mf.next_entry_id  # ids below this are reserved in index.json
-        self._sealed: list[ShardInfo] = []  # sealed since the last commit
+        self._shards = [dataclasses.replace(info) for info in mf.shards]  # committed, then sealed since
+        self._shards_committed = len(self._shards)
+        self._builder_dead = [0, 0]  # evicted entries (count, bytes) of the open shard
         self._builder: shards.ShardBuilder | None = None
         self._arenas = (shards.Arena(), shards.Arena())  # reused by every open shard
         self._cache = shards.ShardCache(cfg.max_open_shards)
@@ -128,6 +144,11 @@ class Store:
     def create(cls, path: str | os.PathLike, config: StoreConfig | None = None, **settings: Any) -> Store:
         """Create a new store at `path` (a missing or empty directory) and open it for writing."""
         if config is None:
+            known = {f.name for f in dataclasses.fields(StoreConfig)}
+            unknown = sorted(set(settings) - known)
+            if unknown:
+                raise InvalidArgumentError(f"unknown store setting(s): {', '.join(unknown)}",
+                                           hint="settings are " + ", ".join(sorted(known)))
             config = StoreConfig(**settings)
         elif settings:
             raise InvalidArgumentError("give either a StoreConfig or settings, not both")
@@ -246,7 +267,12 @@ class Store:
             self._check_writable()
             prepared = []
             for i, item in enumerate(entries):
-                entry = Entry(*item)
+                try:
+                    entry = Entry(*item)
+                except TypeError:
+                    raise InvalidArgumentError(
+                        f"entry {i}: expected (keys, values[, layer_idx[, importance]]), got {type(item).__name__}"
+                    ) from None
                 try:
                     prepared.append(self._prepare(*entry))
                 except InvalidArgumentError as exc:
@@ -263,21 +289,33 @@ class Store:
             raise InvalidTensorError(f"an entry holds at most {_U32_MAX} tokens")
         layer = layer_index(layer_idx)
         imp = importance_value(importance)
-        pooled = k.mean(axis=0, dtype=np.float64).astype(np.float32)
-        return _Prepared(k, v, layer, imp, self._projector.signature(k), pooled)
+        signature, mean = self._projector.signature_and_mean(k)
+        return _Prepared(k, v, layer, imp, signature, mean.astype(np.float32))
 
     def _insert(self, batch: list[_Prepared]) -> list[int]:
         if not batch:
             return []
+        self._make_room(batch)
         self._reserve_ids(len(batch))
         quantized = self.config.quantize_stored
         first_id, start = self._next_id, self._n
         ids = np.arange(first_id, first_id + len(batch), dtype=np.uint64)
         shard_of = np.zeros(len(batch), dtype=np.uint32)
-        for i, p in enumerate(batch):  # each entry's own tensors go to the open shard
-            builder = self._builder_for(shards.entry_bytes(p.n_tokens, self.config.embed_dim, quantized))
-            builder.add_entry(_entry_tensors(first_id + i, p, quantized))
-            shard_of[i] = builder.index
+        sizes = [int(self._entry_file_bytes(p.n_tokens)) for p in batch]
+        if self._batch_rolls_over(sizes):
+            # Seal what came before, so every shard sealed below holds
+            # entries of this batch only and a failure can take them back.
+            self._seal_builder()
+        shards_mark = len(self._shards)
+        builder_mark = (self._builder, self._builder.mark()) if self._builder is not None else None
+        try:
+            for i, p in enumerate(batch):  # each entry's own tensors go to the open shard
+                builder = self._builder_for(sizes[i])
+                builder.add_entry(first_id + i, p.n_tokens, _entry_tensors(p, quantized))
+                shard_of[i] = builder.index
+        except BaseException:
+            self._undo_insert(shards_mark, builder_mark)
+            raise
         self._grow(len(batch))
         rows = self._records[start : start + len(batch)]
         rows["entry_id"] = ids
@@ -292,6 +330,32 @@ class Store:
         self._n += len(batch)
         self._index.add_records(self._records, np.arange(start, self._n, dtype=np.int64))
         return [int(i) for i in ids]
+
+    def _batch_rolls_over(self, sizes: list[int]) -> bool:
+        """Whether adding entries of these file sizes will seal the open shard."""
+        b = self._builder
+        entries = b.entries if b is not None else 0
+        bound = b.file_bytes_bound() if b is not None else shards.HEADER_FIXED_BYTES
+        for size in sizes:
+            if entries and bound + size > self.config.shard_max_bytes:
+                return True
+            bound += size
+            entries += 1
+        return False
+
+    def _undo_insert(self, shards_mark: int, builder_mark: tuple | None) -> None:
+        """Take back a failed batch: the shards sealed for it (not yet
+        committed) and its entries in the open shard."""
+        for info in self._shards[shards_mark:]:
+            try:
+                _io.unlink(self.path / info.file)
+            except OSError:
+                pass  # past the commit: the next writer removes it
+        del self._shards[shards_mark:]
+        if builder_mark is not None and self._builder is builder_mark[0]:
+            self._builder.rollback(builder_mark[1])
+        else:
+            self._builder = None
 
     def _reserve_ids(self, count: int) -> None:
         if self._next_id + count <= self._id_limit:
@@ -311,7 +375,7 @@ class Store:
         self._records = grown
 
     def _next_shard_index(self) -> int:
-        return len(self._committed.shards) + len(self._sealed)
+        return len(self._shards)
 
     def _builder_for(self, entry_bytes: int) -> shards.ShardBuilder:
         """The open shard, sealed first and replaced when this entry would
@@ -330,16 +394,19 @@ class Store:
         if b is None or not b.entries:
             return
         name = shards.shard_file(b.index)
-        size = b.seal(self.path / name)
-        self._sealed.append(ShardInfo(file=name, bytes=size, uid=b.uid, entries=b.entries))
+        size, index_crc = b.seal(self.path / name)
+        dead_entries, dead_bytes = self._builder_dead
+        self._shards.append(ShardInfo(file=name, bytes=size, uid=b.uid, entries=b.entries, index_crc=index_crc,
+                                      dead_entries=dead_entries, dead_bytes=dead_bytes))
         self._builder = None
+        self._builder_dead = [0, 0]
 
     # ---- flush ----------------------------------------------------------------
 
     def _flush(self, *, exact_ids: bool) -> None:
         new = self._n - self._committed_n
         next_id = self._next_id if exact_ids else self._id_limit
-        if not new and not self._dirty and self._builder is None and not self._sealed \
+        if not new and not self._dirty and self._builder is None and self._shards == self._committed.shards \
                 and next_id == self._committed.next_entry_id:
             return
         self._seal_builder()
@@ -362,13 +429,13 @@ class Store:
             self._committed,
             generation=self._committed.generation + 1,
             record_count=self._n,
-            shards=[*self._committed.shards, *self._sealed],
+            shards=[dataclasses.replace(info) for info in self._shards],
             next_entry_id=next_id,
             pending=Pending(record_updates=updates),
         )
         self._commit(mf)
         self._committed_n = self._n
-        self._sealed = []
+        self._shards_committed = len(self._shards)
         self._dirty.clear()
         self._id_limit = max(self._id_limit, next_id)
         _io.crash_point("flush.committed")
@@ -402,11 +469,12 @@ class Store:
             if framework not in FRAMEWORKS:
                 raise InvalidArgumentError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
             factor = top_k_value(shortlist_factor) if rerank else 1
-            positions, dists = self._index.search(layer, self._projector.signature(q), k * factor)
+            signature, q_mean = self._projector.signature_and_mean(q)
+            positions, dists = self._index.search(layer, signature, k * factor)
             sims = similarity(dists, self.config.hdc_dim)
             cosines = None
             if rerank and len(positions):
-                cosines = self._cosines(positions, q.mean(axis=0, dtype=np.float64))
+                cosines = self._cosines(positions, q_mean)
                 order = np.lexsort((self._records["entry_id"][positions], -cosines))[:k]
                 positions, sims, cosines = positions[order], sims[order], cosines[order]
             results = [self._result(int(pos), float(sims[i]), None if cosines is None else float(cosines[i]),
@@ -453,63 +521,72 @@ class Store:
             values = shards.dequantize_rows(values, self._tensor(pos, "vs"))
         return keys, values
 
-    def _tensor(self, pos: int, kind: str) -> np.ndarray:
-        """Tensor `kind` (k, v, p, ks, vs) of the record at `pos`, checked."""
+    def _tensor(self, pos: int, kind: str, *, check: bool | None = None) -> np.ndarray:
+        """Tensor `kind` (k, v, p, ks, vs) of the record at `pos`, its CRC
+        checked on first read (with verify_reads, or when `check`)."""
         row = self._records[pos]
         entry_id, shard_idx = int(row["entry_id"]), int(row["shard_idx"])
-        name = f"{kind}_{entry_id}"
         if self._builder is not None and shard_idx == self._builder.index:
             # The open shard's memory is reused after it is sealed: copy.
-            return self._builder.get(name).copy()
+            return self._builder.get(entry_id, kind).copy()
         reader = self._reader(shard_idx)
-        array = reader.tensor(name)
-        expected = _expected_shape(kind, int(row["n_tokens"]), self.config.embed_dim)
-        if array.shape != expected:
-            raise CorruptStoreError(
-                f"entry {entry_id}: tensor {name} in {reader.path.name} has shape {list(array.shape)}, "
-                f"expected {list(expected)}", hint="run 'hmem verify'")
-        if self._verify_reads and name not in reader.verified and not reader.check(name):
-            raise CorruptStoreError(f"entry {entry_id}: tensor {name} in {reader.path.name} fails its checksum",
-                                    hint="run 'hmem verify --full'")
+        dtype, shape = _tensor_layout(kind, int(row["n_tokens"]), self.config)
+        array = reader.tensor(entry_id, kind, dtype, shape)
+        wanted = self._verify_reads if check is None else check
+        if wanted and (entry_id, kind) not in reader.verified and not reader.check(entry_id, kind, array):
+            raise CorruptStoreError(f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} "
+                                    "fails its checksum", hint="run 'hmem verify --full'")
         return array
 
     def _reader(self, shard_idx: int) -> shards.ShardReader:
-        committed = self._committed.shards
-        if shard_idx < len(committed):
-            info = committed[shard_idx]
-        elif shard_idx - len(committed) < len(self._sealed):
-            info = self._sealed[shard_idx - len(committed)]
+        if shard_idx < len(self._shards):
+            info = self._shards[shard_idx]
         else:
             raise CorruptStoreError(f"a record names shard {shard_idx}, which the store does not have",
                                     hint="run 'hmem verify'")
         path = _resolve(self.path, info.file, self._committed.pending)
-        return self._cache.get(shard_idx, path, info.uid, info.bytes)
+        return self._cache.get(shard_idx, path, info)
 
     # ---- management -------------------------------------------------------------
 
     def _live_count(self) -> int:
         return sum(self._index.layer_counts().values())
 
+    def _live_positions(self) -> np.ndarray:
+        return np.flatnonzero(self._records["shard_idx"][: self._n] != EVICTED)
+
+    def _entry_file_bytes(self, n_tokens: np.ndarray | int) -> np.ndarray | int:
+        """Bytes an entry of n_tokens takes in a shard, header entries and index row included."""
+        quantized = self.config.quantize_stored
+        tensors = 5 if quantized else 3
+        return (shards.entry_bytes(n_tokens, self.config.embed_dim, quantized)
+                + tensors * shards.HEADER_BYTES_PER_TENSOR + shards.INDEX_ROW_BYTES)
+
     def stats(self) -> StoreStats:
         with self._mutex:
             self._check_open()
-            evicted = int(np.count_nonzero(self._records["shard_idx"][: self._n] == EVICTED))
-            shard_rows = [ShardStats(i, s.file, s.bytes, s.entries, s.dead_entries, s.dead_bytes, True)
-                          for i, s in enumerate(self._committed.shards)]
-            base = len(shard_rows)
-            shard_rows += [ShardStats(base + i, s.file, s.bytes, s.entries, 0, 0, False)
-                           for i, s in enumerate(self._sealed)]
+            live = self._live_positions()
+            rows = self._records[: self._n]
+            shard_rows = [ShardStats(i, s.file, s.bytes, s.entries, s.dead_entries, s.dead_bytes,
+                                     i < self._shards_committed) for i, s in enumerate(self._shards)]
+            orphans, foreign = _orphans(self.path, self._shards, self._committed.pending)
+            n_tokens = rows["n_tokens"][live].astype(np.int64)
             return StoreStats(
                 path=str(self.path),
                 format_version=manifest.FORMAT_VERSION,
                 generation=self._committed.generation,
                 config=self.config,
-                entries=self._live_count(),
-                evicted=evicted,
+                entries=len(live),
+                evicted=self._n - len(live),
                 unflushed=self._n - self._committed_n,
                 layers=self._index.layer_counts(),
                 shards=shard_rows,
                 bytes_on_disk=self.size(),
+                live_bytes=int(shards.entry_bytes(n_tokens, self.config.embed_dim, self.config.quantize_stored).sum()),
+                reclaimable_bytes=self._plan_compaction().reclaimable_bytes,
+                orphan_files=orphans,
+                foreign_files=foreign,
+                total_accesses=int(rows["access_count"].astype(np.int64).sum()),
                 next_entry_id=self._next_id,
                 kernels=kernels.describe(),
             )
@@ -517,7 +594,236 @@ class Store:
     def size(self) -> int:
         """Bytes on disk: every file in the store directory."""
         with self._mutex:
-            return sum(e.stat().st_size for e in os.scandir(self.path) if e.is_file(follow_symlinks=False))
+            return _directory_bytes(self.path)
+
+    # eviction
+
+    def plan_eviction(self, target_entries: int) -> EvictionPlan:
+        """What evict(target_entries) would remove, without changing anything."""
+        with self._mutex:
+            self._check_open()
+            target = _count_value(target_entries, "target_entries")
+            live = self._live_positions()
+            victims = eviction_order(self._records, live)[: max(0, len(live) - target)]
+            return self._eviction_plan(target, len(live), victims)
+
+    def _eviction_plan(self, target: int, live: int, victims: np.ndarray) -> EvictionPlan:
+        rows = self._records[victims]
+        return EvictionPlan(
+            target_entries=target,
+            entries_before=live,
+            entry_ids=tuple(int(i) for i in rows["entry_id"]),
+            bytes_reclaimable=int(np.sum(self._entry_file_bytes(rows["n_tokens"].astype(np.int64)))),
+            lowest_score=float(scores(rows["importance"], rows["access_count"]).min()) if len(rows) else None,
+        )
+
+    def evict(self, target_entries: int) -> int:
+        """Evict the lowest-scored live entries until at most `target_entries`
+        remain (see hmem.policy); durable when it returns.  Their bytes are
+        freed by the next compaction.  Returns how many were evicted."""
+        with self._mutex:
+            self._check_writable()
+            target = _count_value(target_entries, "target_entries")
+            live = self._live_positions()
+            victims = eviction_order(self._records, live)[: max(0, len(live) - target)]
+            self._evict_positions(victims)
+            _io.crash_point("evict.marked")
+            self._flush(exact_ids=False)
+            return len(victims)
+
+    def _evict_positions(self, victims: np.ndarray) -> None:
+        """Mark records evicted (in memory) and account their bytes as dead."""
+        if not len(victims):
+            return
+        self._index.remove(self._records, victims)
+        rows = self._records[victims]
+        sizes = self._entry_file_bytes(rows["n_tokens"].astype(np.int64))
+        builder_index = self._builder.index if self._builder is not None else -1
+        for shard_idx, nbytes in zip(rows["shard_idx"].tolist(), np.asarray(sizes).tolist()):
+            if shard_idx == builder_index:
+                self._builder_dead[0] += 1
+                self._builder_dead[1] += nbytes
+            else:
+                info = self._shards[shard_idx]
+                info.dead_entries += 1
+                info.dead_bytes += nbytes
+        self._records["shard_idx"][victims] = EVICTED
+        self._dirty.update(int(p) for p in victims if p < self._committed_n)
+
+    # limits
+
+    def _make_room(self, batch: list[_Prepared]) -> None:
+        """Evict (and compact, for the disk limit) so that `batch` fits the
+        limits; refuse a batch that can never fit.  Nothing is changed when
+        it is refused."""
+        cfg = self.config
+        if not (cfg.max_entries or cfg.max_disk_bytes):
+            return
+        sizes = [int(self._entry_file_bytes(p.n_tokens)) + self._record_size for p in batch]
+        if cfg.max_entries and len(batch) > cfg.max_entries:
+            raise EntryTooLargeError(f"{len(batch)} entries can never fit max_entries={cfg.max_entries}")
+        if cfg.max_disk_bytes:
+            floor = self._fixed_overhead()
+            if floor + sum(sizes) > cfg.max_disk_bytes:
+                raise EntryTooLargeError(
+                    f"{'this entry' if len(batch) == 1 else 'this batch'} needs {floor + sum(sizes)} bytes on disk "
+                    f"with the store's fixed files; max_disk_bytes is {cfg.max_disk_bytes}",
+                    hint="raise max_disk_bytes or store smaller entries")
+        live = self._live_positions()
+        if cfg.max_entries and len(live) + len(batch) > cfg.max_entries:
+            over = len(live) + len(batch) - cfg.max_entries
+            self._evict_positions(eviction_order(self._records, live)[:over])
+        if cfg.max_disk_bytes and self._usage_bytes() + sum(sizes) > cfg.max_disk_bytes:
+            # Evicted bytes stay on disk until compaction, so make room down
+            # to 90% of the limit and compact once, not at every put.
+            budget = max(int(cfg.max_disk_bytes * DISK_LOW_WATER), self._fixed_overhead() + sum(sizes))
+            budget = min(budget, cfg.max_disk_bytes) - self._fixed_overhead() - sum(sizes)
+            live = self._live_positions()
+            order = eviction_order(self._records, live)
+            kept_bytes = np.asarray(self._entry_file_bytes(self._records["n_tokens"][order].astype(np.int64)),
+                                    dtype=np.int64) + self._record_size
+            # evict the shortest prefix of `order` whose removal leaves at most `budget`
+            remaining = kept_bytes.sum() - np.concatenate([[0], np.cumsum(kept_bytes)])
+            count = int(np.argmax(remaining <= budget))
+            self._evict_positions(order[:count])
+            self._compact(min_reclaim_share=0.0)
+
+    def _fixed_overhead(self) -> int:
+        """Bytes of the store's files that do not grow with entries."""
+        return FIXED_OVERHEAD_BYTES
+
+    def _usage_bytes(self) -> int:
+        """Bytes on disk now plus what the next flush will add (evicted
+        entries count until compaction)."""
+        pending = (self._n - self._committed_n) * self._record_size
+        if self._builder is not None:
+            pending += self._builder.file_bytes_bound()
+        return _directory_bytes(self.path) + pending
+
+    # compaction
+
+    def plan_compaction(self) -> CompactionPlan:
+        """What compact() would do and gain, without changing anything."""
+        with self._mutex:
+            self._check_open()
+            return self._plan_compaction()
+
+    def _plan_compaction(self) -> CompactionPlan:
+        live = self._live_positions()
+        sizes = np.asarray(self._entry_file_bytes(self._records["n_tokens"][live].astype(np.int64)), dtype=np.int64)
+        groups = _pack(sizes, self.config.shard_max_bytes)
+        orphans, _ = _orphans(self.path, self._shards, self._committed.pending)
+        before = _directory_bytes(self.path)
+        dead = self._n - len(live)
+        shard_count = len(self._shards) + (1 if self._builder is not None else 0)
+        needed = bool(dead or orphans or len(groups) < shard_count or self._n > self._committed_n)
+        # What compaction frees for sure: evicted tensors and records, and
+        # orphan files (merging shards saves a little more, not counted).
+        reclaimable = (sum(info.dead_bytes for info in self._shards) + self._builder_dead[1]
+                       + dead * self._record_size
+                       + sum((self.path / name).stat().st_size for name in orphans if (self.path / name).exists()))
+        reclaimable = min(reclaimable, before)
+        return CompactionPlan(
+            shards_before=shard_count,
+            shards_after=len(groups),
+            bytes_before=before,
+            bytes_after_estimate=before - reclaimable,
+            reclaimable_bytes=reclaimable,
+            reclaimable_share=reclaimable / before if before else 0.0,
+            evicted_records=dead,
+            orphan_files=tuple(orphans),
+            needed=needed,
+        )
+
+    def compact(self, min_reclaim_share: float = 0.0) -> CompactionReport:
+        """Rewrite the live entries into fresh shards packed up to
+        shard_max_bytes, numbered from 0; drop evicted records and orphan
+        files.  Ids, scores and query results do not change.
+
+        Does nothing when the store is already compact, or when the share of
+        bytes it would free is below `min_reclaim_share` (for cron jobs)."""
+        with self._mutex:
+            self._check_writable()
+            if not 0.0 <= float(min_reclaim_share) <= 1.0:
+                raise InvalidArgumentError(f"min_reclaim_share must be between 0 and 1, got {min_reclaim_share}")
+            return self._compact(float(min_reclaim_share))
+
+    def _compact(self, min_reclaim_share: float) -> CompactionReport:
+        started = time.perf_counter()
+        plan = self._plan_compaction()
+        if not plan.needed or plan.reclaimable_share < min_reclaim_share:
+            reason = "already compact" if not plan.needed else (
+                f"would free {plan.reclaimable_share:.1%}, below the threshold of {min_reclaim_share:.1%}")
+            return CompactionReport(False, reason, plan.shards_before, plan.shards_before, plan.bytes_before,
+                                    plan.bytes_before, 0, self._live_count(), 0, 0, time.perf_counter() - started)
+        self._flush(exact_ids=False)
+        before = _directory_bytes(self.path)
+        shards_before = len(self._shards)
+        orphans, _ = _orphans(self.path, self._shards, self._committed.pending)
+        live = self._live_positions()
+        sizes = np.asarray(self._entry_file_bytes(self._records["n_tokens"][live].astype(np.int64)), dtype=np.int64)
+        groups = _pack(sizes, self.config.shard_max_bytes)
+        new_shards: list[ShardInfo] = []
+        renames: list[tuple[str, str]] = []
+        new_records = self._records[live].copy()
+        start = 0
+        for j, count in enumerate(groups):
+            chunk = slice(start, start + count)
+            builder = shards.ShardBuilder(j, uuid.uuid4().hex, self._arenas)
+            for pos in live[chunk]:
+                row = self._records[pos]
+                builder.add_entry(int(row["entry_id"]), int(row["n_tokens"]),
+                                  {kind: self._tensor(int(pos), kind, check=True) for kind in self._kinds()})
+            temp = _io.TEMP_PREFIX + "compact." + shards.shard_file(j)
+            size, index_crc = builder.seal(self.path / temp)
+            new_shards.append(ShardInfo(file=shards.shard_file(j), bytes=size, uid=builder.uid,
+                                        entries=builder.entries, index_crc=index_crc))
+            renames.append((temp, shards.shard_file(j)))
+            new_records["shard_idx"][chunk] = j
+            start += count
+        _io.crash_point("compact.shards_written")
+        records.seal(new_records)
+        entries_temp = _io.TEMP_PREFIX + "compact." + ENTRIES_FILE
+        _io.write_file(self.path / entries_temp, [new_records.tobytes()])
+        renames.append((entries_temp, ENTRIES_FILE))
+        _io.crash_point("compact.records_written")
+        keep = {info.file for info in new_shards}
+        deletes = [info.file for info in self._shards if info.file not in keep]
+        deletes += [name for name in orphans if name not in keep]
+        mf = dataclasses.replace(self._committed, generation=self._committed.generation + 1,
+                                 record_count=len(new_records), shards=new_shards,
+                                 pending=Pending(renames=renames, deletes=deletes))
+        self._commit(mf)
+        _io.crash_point("compact.committed")
+        self._cache.drop()
+        _finish_pending(self.path, mf)
+        _io.crash_point("compact.finished")
+        self._committed.pending = Pending()
+        # the new state in memory
+        self._records = new_records
+        self._n = self._committed_n = len(new_records)
+        self._shards = [dataclasses.replace(info) for info in new_shards]
+        self._shards_committed = len(new_shards)
+        self._dirty.clear()
+        self._index = SearchIndex(self.config.signature_bytes)
+        self._index.add_records(self._records, np.arange(self._n, dtype=np.int64))
+        after = _directory_bytes(self.path)
+        return CompactionReport(True, "compacted", shards_before, len(new_shards), before, after,
+                                max(0, before - after), self._n, plan.evicted_records, len(orphans),
+                                time.perf_counter() - started)
+
+    def _kinds(self) -> tuple[str, ...]:
+        return shards.KINDS if self.config.quantize_stored else shards.KINDS[:3]
+
+    # the bridge
+
+    def augmented_kv(self, query: Any, cache_k: Any, cache_v: Any, layer_idx: int, top_k: int = 5,
+                     **query_options: Any) -> AugmentedKV:
+        """Keys and values of the `top_k` retrieved entries (rank order)
+        followed by the cache rows, and which rows came from which entry.
+        numpy in, numpy out; torch in, torch out (the cache's dtype and
+        device).  Nothing retrieved gives the cache back unchanged."""
+        return augmented_kv(self, query, cache_k, cache_v, layer_idx, top_k, **query_options)
 
     # ---- checks -------------------------------------------------------------------
 
@@ -532,24 +838,77 @@ class Store:
                                      hint="open it without read_only to write")
 
 
-# ---- helpers of open ---------------------------------------------------------------
+# ---- helpers ---------------------------------------------------------------
 
 
-def _entry_tensors(entry_id: int, p: _Prepared, quantized: bool) -> dict[str, np.ndarray]:
+def _entry_tensors(p: _Prepared, quantized: bool) -> dict[str, np.ndarray]:
     if not quantized:
-        return {f"k_{entry_id}": p.keys, f"v_{entry_id}": p.values, f"p_{entry_id}": p.pooled}
+        return {"k": p.keys, "v": p.values, "p": p.pooled}
     kq, ks = shards.quantize_rows(p.keys)
     vq, vs = shards.quantize_rows(p.values)
-    return {f"k_{entry_id}": kq, f"v_{entry_id}": vq, f"p_{entry_id}": p.pooled,
-            f"ks_{entry_id}": ks, f"vs_{entry_id}": vs}
+    return {"k": kq, "v": vq, "p": p.pooled, "ks": ks, "vs": vs}
 
 
-def _expected_shape(kind: str, n_tokens: int, embed_dim: int) -> tuple[int, ...]:
+_F32, _I8 = np.dtype("<f4"), np.dtype("i1")
+
+
+def _tensor_layout(kind: str, n_tokens: int, config: StoreConfig) -> tuple[np.dtype, tuple[int, ...]]:
+    """dtype and shape of one tensor of an entry."""
     if kind in ("k", "v"):
-        return (n_tokens, embed_dim)
+        return (_I8 if config.quantize_stored else _F32), (n_tokens, config.embed_dim)
     if kind == "p":
-        return (embed_dim,)
-    return (n_tokens,)
+        return _F32, (config.embed_dim,)
+    return _F32, (n_tokens,)
+
+
+def _count_value(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}") from None
+    if count < 0:
+        raise InvalidArgumentError(f"{name} must be >= 0, got {count}")
+    return count
+
+
+def _directory_bytes(root: Path) -> int:
+    return sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(root) if e.is_file(follow_symlinks=False))
+
+
+def _pack(sizes: np.ndarray, limit: int) -> list[int]:
+    """Entries per shard when entries of `sizes` bytes fill shards in order
+    up to `limit` bytes each (an entry larger than the limit alone)."""
+    counts = []
+    ends = np.cumsum(sizes)
+    start, total = 0, len(sizes)
+    budget = limit - shards.HEADER_FIXED_BYTES
+    while start < total:
+        base = ends[start - 1] if start else 0
+        stop = int(np.searchsorted(ends, base + budget, side="right"))
+        stop = max(stop, start + 1)
+        counts.append(stop - start)
+        start = stop
+    return counts
+
+
+def _orphans(root: Path, known_shards: list[ShardInfo], pending: Pending) -> tuple[list[str], list[str]]:
+    """Files of the store directory no commit names: those hmem made
+    (temporary files, shard files) and foreign ones, sorted."""
+    known = {manifest.INDEX_FILE, ENTRIES_FILE, lock.LOCK_FILE}
+    known.update(info.file for info in known_shards)
+    known.update(src for src, _ in pending.renames)
+    orphans, foreign = [], []
+    for entry in os.scandir(root):
+        if entry.name in known:
+            continue
+        if entry.is_file(follow_symlinks=False) and (
+                entry.name.startswith(_io.TEMP_PREFIX) or shards.SHARD_NAME.match(entry.name)):
+            orphans.append(entry.name)
+        else:
+            foreign.append(entry.name)
+    return sorted(orphans), sorted(foreign)
 
 
 def _resolve(root: Path, name: str, pending: Pending) -> Path:

@@ -59,7 +59,8 @@ def as_rows(x: Any, what: str, embed_dim: int, *, allow_vector: bool = False) ->
         raise InvalidTensorError(f"{what} has rows of {arr.shape[1]} values; the store's embed_dim is {embed_dim}")
     if arr.shape[0] < 1:
         raise InvalidTensorError(f"{what} has no tokens (shape {list(arr.shape)})")
-    rows = np.ascontiguousarray(arr, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow becomes inf, refused just below
+        rows = np.ascontiguousarray(arr, dtype=np.float32)
     if not np.isfinite(rows).all():
         raise InvalidTensorError(f"{what} holds NaN or infinite values")
     return rows
@@ -78,6 +79,8 @@ def layer_index(value: Any) -> int:
 
 
 def importance_value(value: Any) -> float:
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"importance must be a number, got {value!r}")
     try:
         imp = float(value)
     except (TypeError, ValueError):

@@ -107,3 +107,150 @@ def _restore_cpu_path() -> Iterator[None]:
     yield
     _select(before)
     assert _current() == before
+
+
+# ---- the store engine (tests/test_store*.py) ------------------------------------
+#
+# Small stores in tmp_path, a snapshot of a store directory, the signature
+# as the format defines it (computed with the pure-Python reference), a
+# rewrite of index.json with a correct checksum, and a subprocess runner.
+
+import base64 as _base64  # noqa: E402
+import json as _json  # noqa: E402
+import subprocess as _subprocess  # noqa: E402
+import sys as _sys  # noqa: E402
+from pathlib import Path as _Path  # noqa: E402
+
+import numpy as _np  # noqa: E402
+
+
+@pytest.fixture
+def store_factory(tmp_path):
+    """``store_factory(name="s", **config)`` creates a store under tmp_path
+    (embed_dim 16, hdc_dim 256 unless given); every store it makes, and every
+    store passed to ``store_factory.track``, is closed at teardown."""
+    import hmem
+
+    made: list = []
+
+    def make(name: str = "s", **config):
+        config.setdefault("embed_dim", 16)
+        config.setdefault("hdc_dim", 256)
+        store = hmem.Store.create(tmp_path / name, **config)
+        made.append(store)
+        return store
+
+    def track(store):
+        made.append(store)
+        return store
+
+    make.track = track
+    yield make
+    for store in reversed(made):
+        try:
+            store.close()
+        except Exception:
+            pass
+
+
+@pytest.fixture
+def snapshot_dir():
+    """``snapshot_dir(path)`` -> {file name: bytes} of every file in a store directory."""
+
+    def snap(path) -> dict[str, bytes]:
+        root = _Path(path)
+        return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.is_file()}
+
+    return snap
+
+
+@pytest.fixture(scope="session")
+def ref_signature():
+    """``ref_signature(keys, embed_dim, hdc_dim, seed)`` -> the packed signature of
+    float32 rows, computed by hmem._reference.projection (the format's definition)."""
+    from hmem._reference import projection as ref
+
+    def sig(keys, embed_dim: int, hdc_dim: int, seed: int = 0) -> _np.ndarray:
+        m = max(64, 1 << (embed_dim - 1).bit_length())
+        blocks = -(-hdc_dim // m)
+        signs = ref.signs_table(seed, m, 3, blocks)
+        out = _np.zeros(hdc_dim // 8, dtype=_np.uint8)
+        ref.signature(_np.ascontiguousarray(keys, dtype=_np.float32), signs, m, 3, hdc_dim, out)
+        return out
+
+    return sig
+
+
+def _index_checksum(body: dict) -> str:
+    from hmem.kernels import checksum
+
+    canonical = _json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return f"crc32c:{checksum.crc32c(canonical):08x}"
+
+
+@pytest.fixture(scope="session")
+def index_checksum():
+    """``index_checksum(doc_without_checksum)`` -> "crc32c:xxxxxxxx", per docs/format.md."""
+    return _index_checksum
+
+
+@pytest.fixture(scope="session")
+def rewrite_index():
+    """``rewrite_index(store_dir, edit)``: load index.json, call edit(doc) (which
+    changes it in place), write it back with a correct checksum."""
+
+    def rewrite(store_dir, edit) -> dict:
+        path = _Path(store_dir) / "index.json"
+        doc = _json.loads(path.read_text())
+        doc.pop("checksum")
+        edit(doc)
+        doc["checksum"] = _index_checksum(doc)
+        path.write_text(_json.dumps(doc, indent=1) + "\n")
+        return doc
+
+    return rewrite
+
+
+@pytest.fixture(scope="session")
+def read_index():
+    """``read_index(store_dir)`` -> index.json as a dict, pending record updates decoded."""
+    from hmem.records import UPDATE_DTYPE
+
+    def read(store_dir) -> dict:
+        doc = _json.loads((_Path(store_dir) / "index.json").read_text())
+        raw = _base64.b64decode(doc["pending"]["record_updates"])
+        doc["pending"]["record_updates"] = _np.frombuffer(raw, dtype=UPDATE_DTYPE).copy()
+        return doc
+
+    return read
+
+
+@pytest.fixture(scope="session")
+def read_records():
+    """``read_records(store_dir)`` -> the committed records of entries.bin (hmem.records.read)."""
+    from hmem import records
+
+    def read(store_dir) -> _np.ndarray:
+        doc = _json.loads((_Path(store_dir) / "index.json").read_text())
+        sig_bytes = doc["config"]["hdc_dim"] // 8
+        return records.read(_Path(store_dir) / "entries.bin", doc["record_count"], sig_bytes)
+
+    return read
+
+
+@pytest.fixture
+def run_python(tmp_path):
+    """``run_python(code, env=None, timeout=60)`` runs ``sys.executable -c code`` with
+    cwd = tmp_path (outside the checkout) and returns the CompletedProcess."""
+
+    def run(code: str, *, env: dict | None = None, timeout: float = 60, check: bool = False):
+        full_env = dict(os.environ)
+        full_env.pop("HMEM_CRASH_AT", None)
+        full_env.update(env or {})
+        proc = _subprocess.run([_sys.executable, "-c", code], cwd=tmp_path, env=full_env,
+                               capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    return run

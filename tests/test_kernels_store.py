@@ -530,3 +530,28 @@ def test_structured_projection_estimates_angles_as_well_as_a_dense_gaussian(d, h
     dense = dense_error(x, y, theta, d, hdc_dim, seed=d)
     structured = structured_error(x, y, theta, d, hdc_dim, rounds=3)
     assert structured <= 1.10 * dense + 0.002, (structured, dense)
+
+
+@given(n=st.integers(1, 6), d=st.integers(1, 130), seed=st.integers(0, 2**64 - 1))
+def test_signature_token_sums_match_reference_and_numpy(n, d, seed):
+    rows = np.random.default_rng(seed % 2**32).standard_normal((n, d)).astype(np.float32)
+    m = max(64, 1 << (d - 1).bit_length())
+    signs = ref_projection.signs_table(seed, m, 3, 1)
+    native_sums, ref_sums = np.zeros(d), np.zeros(d)
+    native_out, ref_out = np.zeros(m // 8, np.uint8), np.zeros(m // 8, np.uint8)
+    _projection.signature(rows, signs, m, 3, m, native_out, native_sums)
+    ref_projection.signature(rows, signs, m, 3, m, ref_out, ref_sums)
+    assert native_out.tobytes() == ref_out.tobytes()
+    assert native_sums.tobytes() == ref_sums.tobytes()  # the same float64 additions in token order
+    expected = np.zeros(d)
+    for t in range(n):
+        expected += rows[t].astype(np.float64)
+    assert native_sums.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("module", [_projection, ref_projection], ids=["native", "reference"])
+def test_signature_sums_length_is_checked(module):
+    rows = np.ones((2, 10), np.float32)
+    signs = ref_projection.signs_table(0, 64, 3, 1)
+    with pytest.raises(ValueError, match="sums"):
+        module.signature(rows, signs, 64, 3, 64, np.zeros(8, np.uint8), np.zeros(9))

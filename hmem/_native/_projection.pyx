@@ -25,7 +25,7 @@ cdef extern from "projection.h" nogil:
     void hm_projection_init()
     const char *hm_signature_variant()
     int hm_signature(const float *rows, size_t n, size_t d, const uint8_t *signs,
-                     size_t m, size_t rounds, size_t hdc_dim, uint8_t *out)
+                     size_t m, size_t rounds, size_t hdc_dim, uint8_t *out, double *sum_out)
     void hm_splitmix64(uint64_t seed, size_t count, uint64_t *out)
     int hm_best_path()
     int hm_select_path(int limit)
@@ -95,8 +95,9 @@ def signs_table(seed, m, rounds, blocks):
 
 
 def signature(const float[:, ::1] rows, const unsigned char[::1] signs, m, rounds, hdc_dim,
-              unsigned char[::1] out):
-    """Write the hdc_dim-bit signature of the token sum of `rows` into `out`."""
+              unsigned char[::1] out, double[::1] sums=None):
+    """Write the hdc_dim-bit signature of the token sum of `rows` into `out`,
+    and the float64 token sum itself into `sums` (d values) when given."""
     m = _check_m(m)
     rounds = _index("rounds", rounds, 1)
     hdc_dim = _index("hdc_dim", hdc_dim, 8)
@@ -113,7 +114,12 @@ def signature(const float[:, ::1] rows, const unsigned char[::1] signs, m, round
         raise ValueError(f"out has {out.shape[0]} bytes; hdc_dim={hdc_dim} needs {hdc_dim // 8}")
     cdef size_t cm = m, crounds = rounds, cdim = hdc_dim
     cdef int rc
+    cdef double *sum_out = NULL
+    if sums is not None:
+        if sums.shape[0] != d:
+            raise ValueError(f"sums has {sums.shape[0]} values; rows have {d} columns")
+        sum_out = &sums[0]
     with nogil:
-        rc = hm_signature(&rows[0, 0], <size_t>n, <size_t>d, &signs[0], cm, crounds, cdim, &out[0])
+        rc = hm_signature(&rows[0, 0], <size_t>n, <size_t>d, &signs[0], cm, crounds, cdim, &out[0], sum_out)
     if rc != 0:
         raise MemoryError()

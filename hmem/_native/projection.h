@@ -254,11 +254,12 @@ static const char *hm_signature_variant(void)
 /*
  * The signature of the n x d float32 rows (n >= 1, d <= m; m a power of two
  * >= 64; hdc_dim a positive multiple of 8) into out (hdc_dim / 8 bytes,
- * every byte written).  Returns 0, or -1 when the workspace cannot be
+ * every byte written), and the float64 token sum into sum_out (d doubles)
+ * unless it is NULL.  Returns 0, or -1 when the workspace cannot be
  * allocated.
  */
 static int hm_signature(const float *rows, size_t n, size_t d, const uint8_t *signs,
-                        size_t m, size_t rounds, size_t hdc_dim, uint8_t *out)
+                        size_t m, size_t rounds, size_t hdc_dim, uint8_t *out, double *sum_out)
 {
     double *s = (double *)aligned_alloc(64, 2 * m * sizeof(double));
     if (s == NULL)
@@ -272,6 +273,8 @@ static int hm_signature(const float *rows, size_t n, size_t d, const uint8_t *si
     else
 #endif
         hm_signature_baseline(rows, n, d, signs, m, rounds, hdc_dim, out, s, v);
+    if (sum_out != NULL) /* the token sum, which the store also needs (pooled key) */
+        memcpy(sum_out, s, d * sizeof(double));
     free(s);
     return 0;
 }

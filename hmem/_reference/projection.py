@@ -95,8 +95,9 @@ def fwht(v: np.ndarray) -> None:
         h *= 2
 
 
-def signature(rows, signs, m, rounds, hdc_dim, out) -> None:
-    """Write the hdc_dim-bit signature of the token sum of `rows` into `out`."""
+def signature(rows, signs, m, rounds, hdc_dim, out, sums=None) -> None:
+    """Write the hdc_dim-bit signature of the token sum of `rows` into `out`,
+    and the float64 token sum itself into `sums` (d values) when given."""
     m = _check_m(m)
     rounds = _index("rounds", rounds, 1)
     hdc_dim = _index("hdc_dim", hdc_dim, 8)
@@ -122,6 +123,10 @@ def signature(rows, signs, m, rounds, hdc_dim, out) -> None:
     s = np.zeros(m, dtype=np.float64)
     for t in range(n):  # token order, one float64 addition per element and token
         s[:d] += x[t].astype(np.float64)
+    if sums is not None:
+        if len(sums) != d:
+            raise ValueError(f"sums has {len(sums)} values; rows have {d} columns")
+        sums[:] = s[:d]
     negate = np.unpackbits(sign_bytes, bitorder="little").astype(bool)
     bits = np.zeros(blocks * m, dtype=bool)
     for b in range(blocks):

@@ -1,0 +1,43 @@
+"""Plain-numpy twin of hmem._native._quantize (INT8 rows, SPEC §2.7).
+
+Per row: scale = max|x| / 127 in float32 (0 for a zero row); q =
+round-half-even(x / scale), the division in float32, clamped to [-127, 127].
+Dequantization is float32(q) * scale in float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PATH_NAMES = ("reference",)
+
+
+def best_path() -> int:
+    return 0
+
+
+def select_path(limit: int) -> int:
+    return 0
+
+
+def active_path() -> int:
+    return 0
+
+
+def quantize_rows(rows, q, scales) -> None:
+    rows = np.asarray(rows, dtype=np.float32)
+    if q.shape != rows.shape or scales.shape != (rows.shape[0],):
+        raise ValueError("q must be [n, d] and scales [n] for rows of shape [n, d]")
+    peak = np.abs(rows).max(axis=1) if rows.shape[1] else np.zeros(rows.shape[0], np.float32)
+    scale = (peak / np.float32(127)).astype(np.float32)
+    scales[:] = scale
+    safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
+    values = np.clip(np.rint(rows / safe[:, None]), -127, 127)
+    values[scale == 0] = 0
+    q[:] = values.astype(np.int8)
+
+
+def dequantize_rows(q, scales, out) -> None:
+    if scales.shape != (q.shape[0],) or out.shape != q.shape:
+        raise ValueError("scales must be [n] and out [n, d] for q of shape [n, d]")
+    out[:] = q.astype(np.float32) * scales.astype(np.float32)[:, None]
