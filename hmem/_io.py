@@ -20,12 +20,22 @@ import itertools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 TEMP_PREFIX = ".hmem-tmp."
 CRASH_ENV = "HMEM_CRASH_AT"
 CRASH_EXIT_CODE = 86
 
 Buffer = bytes | bytearray | memoryview
+
+
+class FileRange(NamedTuple):
+    """`length` bytes of the file at `path` from `offset`: a part of a new
+    file copied inside the kernel (copy_file_range), never through memory."""
+
+    path: Path
+    offset: int
+    length: int
 
 _fault_hook: Callable[[str, str], None] | None = None
 _crash_hits: dict[str, int] = {}
@@ -110,13 +120,22 @@ def temp_path(final: Path) -> Path:
     return final.with_name(f"{TEMP_PREFIX}{final.name}.{os.getpid()}.{next(_temp_counter)}")
 
 
-def write_file(path: Path, buffers: Sequence[Buffer]) -> int:
-    """Create or replace `path` atomically and durably with the buffers'
-    bytes: a reader sees the old file or the whole new one.  Returns the size."""
+def write_file(path: Path, parts: Sequence[Buffer | FileRange]) -> int:
+    """Create or replace `path` atomically and durably with the parts' bytes
+    (buffers, and ranges of other files): a reader sees the old file or the
+    whole new one.  Returns the size."""
     tmp = temp_path(path)
     fd = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        size = _write_all(fd, tmp, buffers)
+        size = 0
+        run: list[Buffer] = []
+        for part in parts:
+            if isinstance(part, FileRange):
+                size += _write_all(fd, tmp, run) + _copy_range(fd, tmp, part)
+                run = []
+            else:
+                run.append(part)
+        size += _write_all(fd, tmp, run)
         _fsync(fd, tmp)
     except BaseException:
         os.close(fd)
@@ -131,6 +150,28 @@ def write_file(path: Path, buffers: Sequence[Buffer]) -> int:
         raise
     fsync_dir(path.parent)
     return size
+
+
+def _copy_range(fd: int, path: Path, part: FileRange) -> int:
+    """Append `part` to the open file: copy_file_range where the kernel
+    offers it, else read and write in blocks."""
+    src = os.open(part.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        offset, left = part.offset, part.length
+        while left:
+            _fault("write", path)
+            try:
+                n = os.copy_file_range(src, fd, left, offset)
+            except (AttributeError, OSError):  # not on this kernel or file system
+                block = os.pread(src, min(left, 8 << 20), offset)
+                n = _write_all(fd, path, [block]) if block else 0
+            if n == 0:
+                raise OSError(f"{part.path} ended {left} bytes early")
+            offset += n
+            left -= n
+    finally:
+        os.close(src)
+    return part.length
 
 
 def _discard(path: Path) -> None:

@@ -154,10 +154,12 @@ class Arena:
 
 
 class ShardBuilder:
-    """The tensors of the entries put since the current shard began, copied
-    into memory (two arenas: F32 data, then I8 data) until the shard is
-    sealed into its file.  Views it hands out are valid until the arenas
-    are reset for the next shard."""
+    """The tensors of the entries of one shard until it is sealed into its
+    file.  Puts copy their tensors in (two arenas: F32 data, then I8 data),
+    since the caller may change its arrays afterwards; compaction lends
+    read-only views of the old shards instead, with their checked CRCs, so
+    nothing is copied or checksummed twice.  Views handed out are valid
+    until the arenas are reset for the next shard."""
 
     def __init__(self, index: int, uid: str, arenas: tuple[Arena, Arena]) -> None:
         self.index = index
@@ -167,8 +169,8 @@ class ShardBuilder:
         for arena in arenas:
             arena.reset()
         self._rows: list[tuple[int, int]] = []  # (entry_id, n_tokens)
-        # (entry_id, kind) -> (arena 0 or 1, dtype, shape, offset in that arena's data, place in the arena)
-        self._tensors: dict[tuple[int, str], tuple[int, np.dtype, tuple[int, ...], int, tuple[int, int]]] = {}
+        # (entry_id, kind) -> (arena 0 or 1, dtype, shape, lent array or None, place in the arena, CRC or None)
+        self._tensors: dict[tuple[int, str], tuple] = {}
 
     @property
     def entries(self) -> int:
@@ -180,10 +182,20 @@ class ShardBuilder:
             if kind not in KINDS or array.dtype not in DTYPE_NAMES or not array.flags.c_contiguous:
                 raise AssertionError(f"bad shard tensor {kind} ({array.dtype})")
             region = 0 if array.dtype == DTYPES["F32"] else 1
-            offset = self._arenas[region].used
             place = self._arenas[region].append(array)
-            self._tensors[(entry_id, kind)] = (region, array.dtype, array.shape, offset, place)
+            self._tensors[(entry_id, kind)] = (region, array.dtype, array.shape, None, place, None)
             self.data_bytes += array.nbytes
+        self._rows.append((entry_id, n_tokens))
+
+    def add_lent_entry(self, entry_id: int, n_tokens: int,
+                       tensors: dict[str, tuple[np.dtype, tuple[int, ...], _io.FileRange, int]]) -> None:
+        """Add one entry whose tensors stay where they are (kind -> dtype,
+        shape, the bytes in another file, their checked CRC): the sealed
+        file copies them inside the kernel."""
+        for kind, (dtype, shape, part, crc) in tensors.items():
+            region = 0 if dtype == DTYPES["F32"] else 1
+            self._tensors[(entry_id, kind)] = (region, dtype, tuple(shape), part, None, crc)
+            self.data_bytes += part.length
         self._rows.append((entry_id, n_tokens))
 
     def mark(self) -> tuple:
@@ -205,7 +217,8 @@ class ShardBuilder:
                 + INDEX_ROW_BYTES * len(self._rows))
 
     def get(self, entry_id: int, kind: str) -> np.ndarray:
-        region, dtype, shape, _, place = self._tensors[(entry_id, kind)]
+        """A copied-in tensor (lent ones are not readable from here)."""
+        region, dtype, shape, _, place, _ = self._tensors[(entry_id, kind)]
         return self._arenas[region].view(place, dtype, shape)
 
     def encode(self) -> tuple[list[Any], int]:
@@ -215,31 +228,36 @@ class ShardBuilder:
         index = np.full((n + 1, INDEX_COLUMNS), -1, dtype="<i8")
         uid = int(self.uid, 16)
         index[0, :5] = [INDEX_MAGIC, INDEX_VERSION, n, *np.array([uid >> 64, uid & (2**64 - 1)], dtype="<u8").view("<i8")]
-        index_bytes = index.nbytes
-        f32_base, i8_base = index_bytes, index_bytes + self._arenas[0].used
         row_of = {entry_id: r + 1 for r, (entry_id, _) in enumerate(self._rows)}
         for r, (entry_id, n_tokens) in enumerate(self._rows, start=1):
             index[r, :2] = (entry_id, n_tokens)
         header: dict[str, Any] = {INDEX_TENSOR: None}
         metadata = {"format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION, "shard_uid": self.uid}
-        for (entry_id, kind), (region, dtype, shape, offset, _) in self._tensors.items():
-            start = offset + (i8_base if region else f32_base)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            crc = checksum_kernels.crc32c(_bytes_view(self.get(entry_id, kind)))
-            column = KINDS.index(kind)
-            index[row_of[entry_id], 2 + column] = start
-            index[row_of[entry_id], 7 + column] = crc
-            name = f"{kind}_{entry_id}"
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [start, start + nbytes]}
-            metadata[CRC_PREFIX + name] = f"{crc:08x}"
+        data: list[memoryview | _io.FileRange] = []
+        start = index.nbytes
+        for region in (0, 1):  # every F32 tensor, then every I8 tensor
+            for (entry_id, kind), (reg, dtype, shape, lent, _, crc) in self._tensors.items():
+                if reg != region:
+                    continue
+                view = lent if lent is not None else _bytes_view(self.get(entry_id, kind))
+                if crc is None:
+                    crc = checksum_kernels.crc32c(view)
+                column = KINDS.index(kind)
+                index[row_of[entry_id], 2 + column] = start
+                index[row_of[entry_id], 7 + column] = crc
+                name = f"{kind}_{entry_id}"
+                nbytes = view.length if lent is not None else len(view)
+                header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+                                "data_offsets": [start, start + nbytes]}
+                metadata[CRC_PREFIX + name] = f"{crc:08x}"
+                data.append(view)
+                start += nbytes
         index_crc = checksum_kernels.crc32c(_bytes_view(index))
-        header[INDEX_TENSOR] = {"dtype": "I64", "shape": [n + 1, INDEX_COLUMNS], "data_offsets": [0, index_bytes]}
+        header[INDEX_TENSOR] = {"dtype": "I64", "shape": [n + 1, INDEX_COLUMNS], "data_offsets": [0, index.nbytes]}
         metadata[CRC_PREFIX + INDEX_TENSOR] = f"{index_crc:08x}"
         text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
         text += b" " * (-len(text) % _HEADER_ALIGN)
-        buffers = [struct.pack("<Q", len(text)), text, _bytes_view(index),
-                   *self._arenas[0].data(), *self._arenas[1].data()]
-        return buffers, index_crc
+        return [struct.pack("<Q", len(text)), text, _bytes_view(index), *data], index_crc
 
     def seal(self, path: Path) -> tuple[int, int]:
         """Write the shard file durably; returns (file size, index CRC)."""
@@ -344,6 +362,15 @@ class ShardReader:
             self._map.madvise(mmap.MADV_WILLNEED, aligned, begin + nbytes - aligned)
         count = nbytes // dtype.itemsize
         return np.frombuffer(self._map, dtype=dtype, count=count, offset=begin).reshape(shape)
+
+    def crc(self, entry_id: int, kind: str) -> int:
+        """The CRC-32C the index records for a tensor."""
+        return self._locate(entry_id, kind)[1]
+
+    def file_range(self, entry_id: int, kind: str, nbytes: int) -> _io.FileRange:
+        """Where a tensor's bytes lie in the file."""
+        start, _ = self._locate(entry_id, kind)
+        return _io.FileRange(self.path, self.data_start + start, nbytes)
 
     def check(self, entry_id: int, kind: str, tensor: np.ndarray) -> bool:
         """Whether `tensor` (read from this shard) matches its recorded CRC-32C."""

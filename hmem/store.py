@@ -28,7 +28,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -67,6 +67,8 @@ from hmem.tensors import as_rows, importance_value, layer_index, top_k_value
 ID_LEASE = 4096  # ids reserved per index.json write
 DISK_LOW_WATER = 0.9  # a put past max_disk_bytes makes room down to this share, then compacts
 FIXED_OVERHEAD_BYTES = 16 * 1024  # index.json, the lock and a shard's fixed header, at most
+INDEX_BYTES_PER_SHARD = 320  # a shard's object in index.json, at most
+INDEX_BYTES_PER_UPDATE = 32  # a pending record update in index.json (base64), at most
 _READ_RETRIES = 5
 _U32_MAX = 0xFFFFFFFF
 FRAMEWORKS = ("numpy", "torch")
@@ -265,19 +267,30 @@ class Store:
         checked before any is stored, so one bad entry stores nothing."""
         with self._mutex:
             self._check_writable()
-            prepared = []
-            for i, item in enumerate(entries):
-                try:
-                    entry = Entry(*item)
-                except TypeError:
-                    raise InvalidArgumentError(
-                        f"entry {i}: expected (keys, values[, layer_idx[, importance]]), got {type(item).__name__}"
-                    ) from None
-                try:
-                    prepared.append(self._prepare(*entry))
-                except InvalidArgumentError as exc:
-                    raise type(exc)(f"entry {i}: {exc.message}", hint=exc.hint) from None
+            prepared = self._prepare_all(entries)
             return self._insert(prepared)
+
+    def check_entries(self, entries: Iterable[Entry | tuple]) -> int:
+        """Check entries as put_many would, storing nothing (also on a
+        read-only store); returns how many there are."""
+        with self._mutex:
+            self._check_open()
+            return len(self._prepare_all(entries))
+
+    def _prepare_all(self, entries: Iterable[Entry | tuple]) -> list[_Prepared]:
+        prepared = []
+        for i, item in enumerate(entries):
+            try:
+                entry = Entry(*item)
+            except TypeError:
+                raise InvalidArgumentError(
+                    f"entry {i}: expected (keys, values[, layer_idx[, importance]]), got {type(item).__name__}"
+                ) from None
+            try:
+                prepared.append(self._prepare(*entry))
+            except InvalidArgumentError as exc:
+                raise type(exc)(f"entry {i}: {exc.message}", hint=exc.hint) from None
+        return prepared
 
     def _prepare(self, keys: Any, values: Any, layer_idx: Any, importance: Any) -> _Prepared:
         dim = self.config.embed_dim
@@ -592,7 +605,8 @@ class Store:
             )
 
     def size(self) -> int:
-        """Bytes on disk: every file in the store directory."""
+        """Bytes on disk: the files of the store directory (the lock file's
+        transient owner record aside)."""
         with self._mutex:
             return _directory_bytes(self.path)
 
@@ -660,6 +674,7 @@ class Store:
         if not (cfg.max_entries or cfg.max_disk_bytes):
             return
         sizes = [int(self._entry_file_bytes(p.n_tokens)) + self._record_size for p in batch]
+        sizes[0] += INDEX_BYTES_PER_SHARD  # the shard the batch may open, in index.json
         if cfg.max_entries and len(batch) > cfg.max_entries:
             raise EntryTooLargeError(f"{len(batch)} entries can never fit max_entries={cfg.max_entries}")
         if cfg.max_disk_bytes:
@@ -693,11 +708,15 @@ class Store:
         return FIXED_OVERHEAD_BYTES
 
     def _usage_bytes(self) -> int:
-        """Bytes on disk now plus what the next flush will add (evicted
-        entries count until compaction)."""
+        """Bytes on disk now plus what the next flush will add: shards,
+        records, and index.json's growth (evicted entries count until
+        compaction)."""
         pending = (self._n - self._committed_n) * self._record_size
+        new_shards = len(self._shards) - self._shards_committed
         if self._builder is not None:
             pending += self._builder.file_bytes_bound()
+            new_shards += 1
+        pending += new_shards * INDEX_BYTES_PER_SHARD + len(self._dirty) * INDEX_BYTES_PER_UPDATE
         return _directory_bytes(self.path) + pending
 
     # compaction
@@ -735,20 +754,23 @@ class Store:
             needed=needed,
         )
 
-    def compact(self, min_reclaim_share: float = 0.0) -> CompactionReport:
+    def compact(self, min_reclaim_share: float = 0.0, *,
+                progress: Callable[[int, int], None] | None = None) -> CompactionReport:
         """Rewrite the live entries into fresh shards packed up to
         shard_max_bytes, numbered from 0; drop evicted records and orphan
         files.  Ids, scores and query results do not change.
 
         Does nothing when the store is already compact, or when the share of
-        bytes it would free is below `min_reclaim_share` (for cron jobs)."""
+        bytes it would free is below `min_reclaim_share` (for cron jobs).
+        `progress(done_bytes, total_bytes)` is called as live data is copied."""
         with self._mutex:
             self._check_writable()
             if not 0.0 <= float(min_reclaim_share) <= 1.0:
                 raise InvalidArgumentError(f"min_reclaim_share must be between 0 and 1, got {min_reclaim_share}")
-            return self._compact(float(min_reclaim_share))
+            return self._compact(float(min_reclaim_share), progress)
 
-    def _compact(self, min_reclaim_share: float) -> CompactionReport:
+    def _compact(self, min_reclaim_share: float,
+                 progress: Callable[[int, int], None] | None = None) -> CompactionReport:
         started = time.perf_counter()
         plan = self._plan_compaction()
         if not plan.needed or plan.reclaimable_share < min_reclaim_share:
@@ -766,14 +788,20 @@ class Store:
         new_shards: list[ShardInfo] = []
         renames: list[tuple[str, str]] = []
         new_records = self._records[live].copy()
-        start = 0
+        start, done, total = 0, 0, int(sizes.sum())
         for j, count in enumerate(groups):
             chunk = slice(start, start + count)
             builder = shards.ShardBuilder(j, uuid.uuid4().hex, self._arenas)
             for pos in live[chunk]:
                 row = self._records[pos]
-                builder.add_entry(int(row["entry_id"]), int(row["n_tokens"]),
-                                  {kind: self._tensor(int(pos), kind, check=True) for kind in self._kinds()})
+                entry_id = int(row["entry_id"])
+                lent = {}
+                for kind in self._kinds():
+                    array = self._tensor(int(pos), kind, check=True)  # never carry damage over
+                    reader = self._reader(int(row["shard_idx"]))
+                    lent[kind] = (array.dtype, array.shape, reader.file_range(entry_id, kind, array.nbytes),
+                                  reader.crc(entry_id, kind))
+                builder.add_lent_entry(entry_id, int(row["n_tokens"]), lent)
             temp = _io.TEMP_PREFIX + "compact." + shards.shard_file(j)
             size, index_crc = builder.seal(self.path / temp)
             new_shards.append(ShardInfo(file=shards.shard_file(j), bytes=size, uid=builder.uid,
@@ -781,6 +809,9 @@ class Store:
             renames.append((temp, shards.shard_file(j)))
             new_records["shard_idx"][chunk] = j
             start += count
+            done += int(sizes[chunk].sum())
+            if progress is not None:
+                progress(done, total)
         _io.crash_point("compact.shards_written")
         records.seal(new_records)
         entries_temp = _io.TEMP_PREFIX + "compact." + ENTRIES_FILE
@@ -796,9 +827,18 @@ class Store:
         self._commit(mf)
         _io.crash_point("compact.committed")
         self._cache.drop()
-        _finish_pending(self.path, mf)
+        try:
+            _finish_pending(self.path, mf)
+        except BaseException:
+            # Committed, but this object's memory still holds the old
+            # layout: close it; opening the store again finishes the job.
+            self._closed = True
+            if self._lock is not None:
+                self._lock.release()
+            raise
         _io.crash_point("compact.finished")
-        self._committed.pending = Pending()
+        # Done: commit again without the finished steps (the store must not grow).
+        self._commit(dataclasses.replace(mf, generation=mf.generation + 1, pending=Pending()))
         # the new state in memory
         self._records = new_records
         self._n = self._committed_n = len(new_records)
@@ -874,7 +914,10 @@ def _count_value(value: Any, name: str) -> int:
 
 
 def _directory_bytes(root: Path) -> int:
-    return sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(root) if e.is_file(follow_symlinks=False))
+    """Bytes of the files of a store directory; the lock file's owner record
+    (present only while a writer holds it) does not count."""
+    return sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(root)
+               if e.is_file(follow_symlinks=False) and e.name != lock.LOCK_FILE)
 
 
 def _pack(sizes: np.ndarray, limit: int) -> list[int]:

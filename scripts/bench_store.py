@@ -7,6 +7,8 @@
 - query: end-to-end query latency (signature search, re-rank, K/V access)
   on that store, beside a numpy scan of the same layer's signatures, and on
   the realistic store from the write benchmark;
+- compact: compaction of a store with half its entries evicted, against
+  a raw copy (read + write + fsync) of the same live bytes;
 - recall: recall@10 of hmem's ranking against the exact cosine ranking of
   pooled keys, on clustered keys that share a large mean component (as real
   transformer keys do), with and without re-rank.
@@ -35,6 +37,7 @@ import hmem
 from benchlib import fmt_rate, fmt_seconds, median, print_machine_facts, time_calls
 
 GOAL_WRITE_SHARE = 0.70
+GOAL_COMPACT_SHARE = 0.60
 GOAL_RECALL_AT_10 = 0.99
 
 
@@ -123,18 +126,81 @@ def bench_write(root: Path, args, report: dict) -> None:
           f"disk x{i8['bytes_on_disk'] / f32['bytes_on_disk']:.2f}\n")
     report["write"] = rows
 
-    # Query latency on this realistic store (K/V of 5 MB per entry).
-    path = root / "write-store"
-    with hmem.Store.open(path, read_only=True) as store:
-        q = entries[3][0][:16]
-        first = time.perf_counter()
-        res = store.query(q, layer_idx=3, top_k=5)
-        _ = sum(float(r.keys[-1, -1]) for r in res)
-        first = time.perf_counter() - first
-        samples = time_calls(lambda: [float(r.values[-1, -1]) for r in store.query(q, 3, top_k=5)], min_runs=20)
-    print(f"query on it (F32, top-5, rerank, K/V touched): first {fmt_seconds(first)} "
-          f"(checksums checked), then {fmt_seconds(median(samples))}\n")
-    report["write_store_query"] = {"first_seconds": first, "steady_seconds": median(samples)}
+    # Query latency on the realistic stores (K/V of 5 MB per entry), F32 and INT8.
+    report["write_store_query"] = {}
+    for name, label in (("write-store", "F32"), ("write-store-i8", "INT8")):
+        with hmem.Store.open(root / name, read_only=True) as store:
+            q = entries[3][0][:16]
+            first = time.perf_counter()
+            res = store.query(q, layer_idx=3, top_k=5)
+            _ = sum(float(r.keys[-1, -1]) + float(r.values[-1, -1]) for r in res)
+            first = time.perf_counter() - first
+            samples = time_calls(lambda: [float(r.keys[-1, -1]) + float(r.values[-1, -1])
+                                          for r in store.query(q, 3, top_k=5)], min_runs=20)
+        print(f"query, {label} store (top-5 of 5 MB entries, re-rank, K/V touched): first {fmt_seconds(first)} "
+              f"(checksums checked), then {fmt_seconds(median(samples))}")
+        report["write_store_query"][label] = {"first_seconds": first, "steady_seconds": median(samples)}
+    print()
+
+
+# ---- compaction --------------------------------------------------------------------
+
+
+def raw_copy(sources: list[Path], nbytes: int, dest: Path) -> float:
+    """The baseline: copy `nbytes` from the source files (read, write, fsync)."""
+    t0 = time.perf_counter()
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    left = nbytes
+    try:
+        for src in sources:
+            with open(src, "rb", buffering=0) as f:
+                while left > 0:
+                    block = f.read(min(left, 8 << 20))
+                    if not block:
+                        break
+                    os.write(fd, block)
+                    left -= len(block)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def bench_compact(root: Path, args, report: dict) -> None:
+    rng = np.random.default_rng(5)
+    n, t, d = args.compact_entries, 128, args.embed_dim
+    rows = []
+    for _ in range(args.repeat):
+        path = _fresh(root, "compact-store")
+        with hmem.Store.create(path, embed_dim=d, shard_max_bytes=64 << 20) as store:
+            for i in range(n):
+                k = rng.standard_normal((t, d), dtype=np.float32)
+                store.put(k, k, importance=float(rng.random()))
+                if i % 4 == 3:
+                    store.flush()  # small shards, as frequent flushes make them
+            store.flush()
+            store.evict(n // 2)
+            plan = store.plan_compaction()
+            live_bytes = store.stats().live_bytes
+            sources = sorted(path.glob("shard_*.safetensors"))
+            raw = raw_copy(sources, live_bytes, root / "raw-copy.bin")
+            _drop_file(root / "raw-copy.bin")
+            report_ = store.compact()
+            rows.append((report_.seconds, raw, live_bytes, plan, report_))
+    compact_s = median([r[0] for r in rows])
+    raw_s = median([r[1] for r in rows])
+    live_bytes, plan, done = rows[-1][2], rows[-1][3], rows[-1][4]
+    share = raw_s / compact_s
+    print(f"compact: {n} entries of {t}x{d}, half evicted; {live_bytes / 1e6:,.0f} MB of live tensors moved, "
+          f"{plan.shards_before} shards -> {done.shards_after}, {done.bytes_freed / 1e6:,.0f} MB freed")
+    print(f"  hmem compact     {fmt_seconds(compact_s)}  {fmt_rate(live_bytes, compact_s)}")
+    print(f"  raw copy         {fmt_seconds(raw_s)}  {fmt_rate(live_bytes, raw_s)}  (same bytes: read, write, fsync; baseline)")
+    print(f"goal: compaction >= {GOAL_COMPACT_SHARE:.0%} of raw copy speed: "
+          f"{'holds' if share >= GOAL_COMPACT_SHARE else 'FAILS'} ({share:.0%})\n")
+    report["compact"] = {"entries": n, "live_bytes": live_bytes, "compact_seconds": compact_s,
+                         "raw_copy_seconds": raw_s, "share_of_raw": share,
+                         "shards_before": plan.shards_before, "shards_after": done.shards_after,
+                         "bytes_freed": done.bytes_freed}
 
 
 # ---- open and query at 1M entries ------------------------------------------------
@@ -251,7 +317,7 @@ def bench_recall(root: Path, args, report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("write", "open", "recall"), action="append")
+    parser.add_argument("--only", choices=("write", "open", "compact", "recall"), action="append")
     parser.add_argument("--dir", default=None, help="where to build the stores (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the stores (reused by the next run)")
     parser.add_argument("--write-entries", type=int, default=32)
@@ -259,11 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--embed-dim", type=int, default=2560)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--open-entries", type=int, default=1_000_000)
+    parser.add_argument("--compact-entries", type=int, default=96)
     parser.add_argument("--recall-entries", type=int, default=20_000)
     parser.add_argument("--recall-dim", type=int, default=256)
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args(argv)
-    sections = args.only or ["write", "open", "recall"]
+    sections = args.only or ["write", "open", "compact", "recall"]
     print_machine_facts()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hmem-bench-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -273,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_write(root, args, report)
         if "open" in sections:
             bench_open_query(root, args, report)
+        if "compact" in sections:
+            bench_compact(root, args, report)
         if "recall" in sections:
             bench_recall(root, args, report)
     finally:

@@ -4,7 +4,8 @@
 Data layout: rows is a C-contiguous float32 [n, d] matrix; q the int8
 [n, d] result and scales the float32 [n] per-row scales.
 
-Per row: scale = max|x| / 127 in float32 (0 for a zero row); each element
+Per row: scale = max|x| / 127 in float32 (0 for a zero row; one step
+smaller when 127 * scale would overflow); each element
 q = round-half-even(x / scale), the division in float32, clamped to
 [-127, 127].  Dequantization is float32(q) * scale in float32.  Every step
 is one IEEE operation, so the reference twin (hmem._reference.quantize)

@@ -9,6 +9,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <float.h>
+#include <math.h>
 #include <string.h>
 
 /* Adding and subtracting 1.5 * 2^23 rounds a float of magnitude < 2^22 to
@@ -32,6 +34,8 @@ static void hm_quantize_rows(const float *restrict rows, size_t n, size_t d,
         float peak;
         memcpy(&peak, &peak_bits, sizeof peak);
         float scale = peak / 127.0f;
+        if (scale * 127.0f > FLT_MAX) /* rounded up at the top of the range: 127 * scale would be inf */
+            scale = nextafterf(scale, 0.0f);
         scales[i] = scale;
         if (scale == 0.0f) {
             for (size_t j = 0; j < d; j++)

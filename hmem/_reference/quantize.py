@@ -1,6 +1,7 @@
 """Plain-numpy twin of hmem._native._quantize (INT8 rows, SPEC §2.7).
 
-Per row: scale = max|x| / 127 in float32 (0 for a zero row); q =
+Per row: scale = max|x| / 127 in float32 (0 for a zero row; one step
+smaller when 127 * scale would overflow, at the top of float32's range); q =
 round-half-even(x / scale), the division in float32, clamped to [-127, 127].
 Dequantization is float32(q) * scale in float32.
 """
@@ -30,6 +31,9 @@ def quantize_rows(rows, q, scales) -> None:
         raise ValueError("q must be [n, d] and scales [n] for rows of shape [n, d]")
     peak = np.abs(rows).max(axis=1) if rows.shape[1] else np.zeros(rows.shape[0], np.float32)
     scale = (peak / np.float32(127)).astype(np.float32)
+    with np.errstate(over="ignore"):
+        top = np.isinf(scale * np.float32(127))  # rounded up at the top of the range
+    scale[top] = np.nextafter(scale[top], np.float32(0))
     scales[:] = scale
     safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
     values = np.clip(np.rint(rows / safe[:, None]), -127, 127)

@@ -25,6 +25,9 @@ class ExitCode(enum.IntEnum):
 
 # Most specific class first: the first match wins.
 ERROR_EXIT_CODES: tuple[tuple[type[BaseException], ExitCode], ...] = (
+    (errors.NotAStoreError, ExitCode.NOT_A_STORE),
+    (errors.StoreLockedError, ExitCode.LOCKED),
+    (errors.UnsupportedFormatError, ExitCode.UNSUPPORTED_FORMAT),
     (errors.InvalidArgumentError, ExitCode.USAGE),
     (errors.KernelUnavailableError, ExitCode.FAILURE),
     (errors.HmemError, ExitCode.FAILURE),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -60,8 +61,10 @@ class Output:
     def __init__(self, *, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet
-        self.out = Console(highlight=False)
-        self.err = Console(stderr=True, highlight=False)
+        # NO_COLOR: no escape codes at all (Rich alone would still embolden).
+        plain = {"color_system": None} if os.environ.get("NO_COLOR") else {}
+        self.out = Console(highlight=False, **plain)
+        self.err = Console(stderr=True, highlight=False, **plain)
 
     # ---- results ---------------------------------------------------------
 
@@ -105,7 +108,7 @@ class Output:
 
 
 class _NoProgress:
-    def advance(self, amount: float = 1) -> None:
+    def advance(self, amount: float = 1, *, total: float | None = None) -> None:
         pass
 
 
@@ -114,7 +117,9 @@ class _Progress:
         self._bar = bar
         self._task = task
 
-    def advance(self, amount: float = 1) -> None:
+    def advance(self, amount: float = 1, *, total: float | None = None) -> None:
+        if total is not None:
+            self._bar.update(self._task, total=total)
         self._bar.advance(self._task, amount)
 
 

@@ -1,0 +1,67 @@
+"""``hmem evict``: remove the lowest-scored entries."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from hmem import Store
+from hmem.cli.options import DryRunOption, JsonOption, LockWaitOption, QuietOption, StoreArgument, YesOption
+from hmem.cli.output import Output, human_bytes
+from hmem.errors import InvalidArgumentError
+
+
+def confirm(question: str, yes: bool) -> bool:
+    """True when --yes was given or the person at the terminal agrees."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise InvalidArgumentError("not a terminal, so nobody can confirm", hint="pass --yes to go ahead")
+    return typer.confirm(question, default=False, err=True)  # stdout stays for results
+
+
+def evict(
+    store: StoreArgument,
+    target: Annotated[int | None, typer.Option("--target", "-n", min=0,
+                                               help="Keep at most this many live entries.")] = None,
+    keep: Annotated[float | None, typer.Option("--keep", min=0.0, max=1.0,
+                                               help="Keep this share of the live entries (0-1).")] = None,
+    dry_run: DryRunOption = False,
+    yes: YesOption = False,
+    lock_wait: LockWaitOption = 0.0,
+    json_output: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Evict the lowest-scored entries: score = importance x (1 + ln(1 + accesses)).
+
+    Ties go to the older entry, then the lower id. Their bytes are freed by
+    the next 'hmem compact'.
+    """
+    out = Output(json_mode=json_output, quiet=quiet)
+    if (target is None) == (keep is None):
+        raise InvalidArgumentError("give exactly one of --target N or --keep SHARE")
+    with Store.open(store, read_only=dry_run, lock_wait=lock_wait) as s:
+        live = s.stats().entries
+        goal = target if target is not None else int(live * keep)
+        plan = s.plan_eviction(goal)
+        document = {"store": str(store), "target_entries": goal, "entries_before": plan.entries_before,
+                    "evict": plan.count, "entry_ids": list(plan.entry_ids),
+                    "bytes_reclaimable": plan.bytes_reclaimable, "lowest_score": plan.lowest_score,
+                    "dry_run": dry_run, "evicted": 0}
+        if not plan.count:
+            out.print(f"nothing to evict: {live} entries, target {goal}")
+        elif dry_run:
+            out.print(f"would evict {plan.count} of {live} entries (scores from {plan.lowest_score:.4g}); "
+                      f"compaction would then free about {human_bytes(plan.bytes_reclaimable)}")
+            shown = ", ".join(map(str, plan.entry_ids[:20])) + (" ..." if plan.count > 20 else "")
+            out.print(f"entry ids, first to go first: {shown}")
+        elif confirm(f"evict {plan.count} of {live} entries from {store}?", yes):
+            document["evicted"] = s.evict(goal)
+            out.print(f"evicted {document['evicted']} entries; {live - document['evicted']} remain; "
+                      f"run 'hmem compact' to free about {human_bytes(plan.bytes_reclaimable)}")
+        else:
+            out.print("nothing evicted")
+    if json_output:
+        out.emit_json(document)

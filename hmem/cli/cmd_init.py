@@ -1,0 +1,46 @@
+"""``hmem init``: create a store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hmem import Store, StoreConfig
+from hmem.cli.options import JsonOption, QuietOption
+from hmem.cli.output import Output, human_bytes
+from hmem.cli.units import parse_size
+
+
+def init(
+    path: Annotated[Path, typer.Argument(help="Directory of the new store (missing or empty).", show_default=False)],
+    embed_dim: Annotated[int, typer.Option("--embed-dim", "-d", help="Width of every K/V row.", show_default=False)],
+    hdc_dim: Annotated[int, typer.Option("--hdc-dim", help="Signature bits per entry, a multiple of 64.")] = 4096,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the signature projection.")] = 0,
+    max_entries: Annotated[int, typer.Option("--max-entries", help="Live entries kept at most; 0 = unlimited.")] = 0,
+    max_disk: Annotated[str, typer.Option("--max-disk", help="Bytes on disk at most (e.g. 50G); 0 = unlimited.")] = "0",
+    shard_max: Annotated[str, typer.Option("--shard-max", help="Size at which a shard file is sealed.")] = "256MiB",
+    max_open_shards: Annotated[int, typer.Option("--max-open-shards", help="Shard files memory-mapped at once.")] = 4,
+    quantize: Annotated[bool, typer.Option("--quantize/--no-quantize", help="Store K/V as INT8 with per-row scales.")] = False,
+    json_output: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Create a new store with the given settings (kept in the store forever)."""
+    out = Output(json_mode=json_output, quiet=quiet)
+    config = StoreConfig(
+        embed_dim=embed_dim, hdc_dim=hdc_dim, seed=seed, max_entries=max_entries,
+        max_disk_bytes=parse_size(max_disk, "--max-disk"), shard_max_bytes=parse_size(shard_max, "--shard-max"),
+        max_open_shards=max_open_shards, quantize_stored=quantize,
+    )
+    with Store.create(path, config) as store:
+        size = store.size()
+    if json_output:
+        out.emit_json({"path": str(path), "format_version": 1, "config": config.to_dict(), "bytes_on_disk": size})
+        return
+    out.print(f"created hmem store at {path}")
+    table = out.table("setting", ">value")
+    for key, value in config.to_dict().items():
+        shown = human_bytes(value) if key.endswith("_bytes") and value else value
+        table.add_row(key, "unlimited" if key.startswith("max_") and value == 0 else str(shown))
+    out.print(table)

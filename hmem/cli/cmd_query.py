@@ -1,0 +1,96 @@
+"""``hmem query``: retrieve the entries most similar to a query."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+
+from hmem import Store
+from hmem.cli.options import JsonOption, LockWaitOption, QuietOption, StoreArgument
+from hmem.cli.output import Output, human_bytes, human_duration
+from hmem.errors import InvalidArgumentError
+from hmem.kvfiles import BadFileError, export_results, read_tensor
+
+QUERY_TENSOR_NAMES = ("query", "q", "keys", "k")
+
+
+def load_query(path: Path) -> np.ndarray:
+    """Query tokens from a .npy file or a safetensors file (tensor 'query',
+    'q', 'keys' or 'k', or its only tensor)."""
+    if path.suffix == ".npy":
+        try:
+            return np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            raise InvalidArgumentError(f"--query {path}: no such file") from None
+        except (OSError, ValueError) as exc:
+            raise InvalidArgumentError(f"--query {path}: not a readable .npy file ({exc})") from None
+    try:
+        return read_tensor(path, QUERY_TENSOR_NAMES)
+    except BadFileError as exc:
+        raise InvalidArgumentError(f"--query {path}: {exc.message}") from None
+
+
+def query(
+    store: StoreArgument,
+    query_file: Annotated[Path, typer.Option("--query", help="Query tokens: a .npy or .safetensors file "
+                                             "holding n_tokens x embed_dim values (or one row of embed_dim).",
+                                             show_default=False)],
+    layer: Annotated[int, typer.Option("--layer", "-l", min=0, help="Layer to search.", show_default=False)],
+    top_k: Annotated[int, typer.Option("--top-k", "-k", min=1, help="Number of results.")] = 5,
+    rerank: Annotated[bool, typer.Option("--rerank/--no-rerank",
+                                         help="Re-rank a 4x shortlist by the exact cosine of pooled keys.")] = True,
+    export: Annotated[Path | None, typer.Option("--export", help="Write the retrieved K/V to this safetensors file.")] = None,
+    count_access: Annotated[bool, typer.Option("--count-access", help="Count the results as accesses (takes the "
+                                               "write lock); by default a query from the shell only reads.")] = False,
+    lock_wait: LockWaitOption = 0.0,
+    json_output: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Show the entries of a layer most similar to a query, best first."""
+    out = Output(json_mode=json_output, quiet=quiet)
+    tokens = load_query(query_file)
+    started = time.perf_counter()
+    with Store.open(store, read_only=not count_access, lock_wait=lock_wait) as s:
+        results = s.query(tokens, layer, top_k, rerank=rerank)
+        seconds = time.perf_counter() - started
+        exported = None
+        if export is not None:
+            exported = export_results(results, export, {"layer": str(layer), "store": str(store)})
+    now = time.time_ns()
+    rows = [
+        {
+            "rank": rank,
+            "entry_id": r.entry_id,
+            "layer": r.layer_idx,
+            "score": r.score,
+            "similarity": r.similarity,
+            "cosine": r.cosine,
+            "n_tokens": r.n_tokens,
+            "importance": r.importance,
+            "access_count": r.access_count,
+            "timestamp_ns": r.timestamp,
+            "shard": r.shard_idx,
+        }
+        for rank, r in enumerate(results, start=1)
+    ]
+    if json_output:
+        out.emit_json({"store": str(store), "layer": layer, "top_k": top_k, "rerank": rerank,
+                       "results": rows, "export": str(export) if export else None, "seconds": seconds})
+        return
+    if not results:
+        out.print(f"no entries in layer {layer}")
+        return
+    table = out.table(">rank", ">entry", ">score", ">similarity", ">tokens", ">importance", ">accesses", ">age")
+    for row in rows:
+        table.add_row(str(row["rank"]), str(row["entry_id"]), f"{row['score']:.4f}", f"{row['similarity']:.4f}",
+                      str(row["n_tokens"]), f"{row['importance']:g}", str(row["access_count"]),
+                      human_duration(max(0, now - row["timestamp_ns"]) / 1e9))
+    out.print(table)
+    ranked = "cosine of pooled keys" if rerank else "signature similarity"
+    out.print(f"{len(results)} result(s) from layer {layer}, ranked by {ranked}, in {human_duration(seconds)}")
+    if exported is not None:
+        out.print(f"exported K/V of {len(results)} entries to {export} ({human_bytes(exported)})")

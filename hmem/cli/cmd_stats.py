@@ -1,0 +1,66 @@
+"""``hmem stats``: what a store holds."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from hmem import Store
+from hmem.cli.options import JsonOption, QuietOption, StoreArgument
+from hmem.cli.output import Output, human_bytes
+
+SHARD_ROWS = 20
+
+
+def stats(
+    store: StoreArgument,
+    all_shards: Annotated[bool, typer.Option("--all-shards", help=f"List every shard (default: the first {SHARD_ROWS}).")] = False,
+    json_output: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Show entries, layers, shards, bytes on disk and what compaction would free."""
+    out = Output(json_mode=json_output, quiet=quiet)
+    with Store.open(store, read_only=True) as s:
+        st = s.stats()
+    if json_output:
+        out.emit_json(st.to_dict())
+        return
+    cfg = st.config
+    summary = out.table("", ">value", show_header=False)
+    summary.add_row("store", st.path)
+    summary.add_row("format", f"version {st.format_version}, generation {st.generation}")
+    summary.add_row("entries", f"{st.entries} live, {st.evicted} evicted"
+                    + (f", {st.unflushed} unflushed" if st.unflushed else ""))
+    summary.add_row("layers", str(len(st.layers)))
+    summary.add_row("shards", str(len(st.shards)))
+    summary.add_row("on disk", human_bytes(st.bytes_on_disk))
+    summary.add_row("live K/V", human_bytes(st.live_bytes))
+    summary.add_row("reclaimable", f"{human_bytes(st.reclaimable_bytes)} (run 'hmem compact')"
+                    if st.reclaimable_bytes else "0 B")
+    summary.add_row("accesses", str(st.total_accesses))
+    summary.add_row("config", f"embed_dim {cfg.embed_dim}, hdc_dim {cfg.hdc_dim}, seed {cfg.seed}, "
+                    f"{'INT8' if cfg.quantize_stored else 'F32'}, shards up to {human_bytes(cfg.shard_max_bytes)}")
+    limits = [f"max {cfg.max_entries} entries" if cfg.max_entries else "",
+              f"max {human_bytes(cfg.max_disk_bytes)} on disk" if cfg.max_disk_bytes else ""]
+    summary.add_row("limits", ", ".join(x for x in limits if x) or "none")
+    summary.add_row("kernels", st.kernels)
+    out.print(summary)
+    if st.layers:
+        layers = out.table(">layer", ">entries", title="entries per layer")
+        for layer, count in st.layers.items():
+            layers.add_row(str(layer), str(count))
+        out.print(layers)
+    if st.shards:
+        shards = out.table(">shard", "file", ">size", ">entries", ">evicted", ">dead bytes", title="shards")
+        shown = st.shards if all_shards else st.shards[:SHARD_ROWS]
+        for sh in shown:
+            shards.add_row(str(sh.index), sh.file, human_bytes(sh.bytes), str(sh.entries), str(sh.dead_entries),
+                           human_bytes(sh.dead_bytes))
+        out.print(shards)
+        if len(shown) < len(st.shards):
+            out.print(f"... and {len(st.shards) - len(shown)} more shards (--all-shards lists them)")
+    for name in st.orphan_files:
+        out.warn(f"orphan file {name}: no commit names it; 'hmem compact' removes it")
+    for name in st.foreign_files:
+        out.warn(f"foreign file {name} in the store directory (hmem leaves it alone)")
