@@ -41,10 +41,23 @@ from hmem.prefix_hit import (
     unfold,
     unfold_range,
 )
-from hmem.results import QueryResult, ShardStats, StoreStats
+from hmem.bridge import AugmentedKV, Segment
+from hmem.repair import RepairReport, repair
+from hmem.results import CompactionPlan, CompactionReport, EvictionPlan, QueryResult, ShardStats, StoreStats
 from hmem.store import Entry, Store
+from hmem.verify import Finding, VerifyReport, verify
 
 __all__ = [
+    "AugmentedKV",
+    "CompactionPlan",
+    "CompactionReport",
+    "EvictionPlan",
+    "Finding",
+    "RepairReport",
+    "Segment",
+    "VerifyReport",
+    "repair",
+    "verify",
     "CorruptStoreError",
     "Entry",
     "EntryTooLargeError",

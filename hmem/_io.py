@@ -31,11 +31,13 @@ Buffer = bytes | bytearray | memoryview
 
 class FileRange(NamedTuple):
     """`length` bytes of the file at `path` from `offset`: a part of a new
-    file copied inside the kernel (copy_file_range), never through memory."""
+    file copied from an existing one.  With `check`, the copied bytes are
+    passed to it (it raises to stop the write)."""
 
     path: Path
     offset: int
     length: int
+    check: Callable[[memoryview], None] | None = None
 
 _fault_hook: Callable[[str, str], None] | None = None
 _crash_hits: dict[str, int] = {}
@@ -152,18 +154,28 @@ def write_file(path: Path, parts: Sequence[Buffer | FileRange]) -> int:
     return size
 
 
+_COPY_BLOCK = 8 << 20
+
+
 def _copy_range(fd: int, path: Path, part: FileRange) -> int:
-    """Append `part` to the open file: copy_file_range where the kernel
-    offers it, else read and write in blocks."""
+    """Append `part` to the open file.  Ranges to check go through memory
+    (read, check, write: the bytes are read once either way); others are
+    copied inside the kernel where it offers copy_file_range."""
     src = os.open(part.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
+        if part.check is not None:
+            data = os.pread(src, part.length, part.offset) if part.length else b""
+            if len(data) != part.length:
+                raise OSError(f"{part.path} ended {part.length - len(data)} bytes early")
+            part.check(memoryview(data))
+            return _write_all(fd, path, [data])
         offset, left = part.offset, part.length
         while left:
             _fault("write", path)
             try:
                 n = os.copy_file_range(src, fd, left, offset)
             except (AttributeError, OSError):  # not on this kernel or file system
-                block = os.pread(src, min(left, 8 << 20), offset)
+                block = os.pread(src, min(left, _COPY_BLOCK), offset)
                 n = _write_all(fd, path, [block]) if block else 0
             if n == 0:
                 raise OSError(f"{part.path} ended {left} bytes early")
@@ -235,6 +247,30 @@ def unlink(path: Path, *, missing_ok: bool = True) -> None:
             raise
         return
     fsync_dir(path.parent)
+
+
+def rename_many(pairs: Sequence[tuple[Path, Path]]) -> None:
+    """Rename each pair (all in one directory), then fsync the directory once."""
+    for src, dst in pairs:
+        _fault("rename", src)
+        os.replace(src, dst)
+    if pairs:
+        fsync_dir(pairs[0][1].parent)
+
+
+def unlink_many(paths: Sequence[Path]) -> None:
+    """Remove the files that exist (all in one directory), then fsync the
+    directory once."""
+    removed = False
+    for path in paths:
+        _fault("unlink", path)
+        try:
+            os.unlink(path)
+            removed = True
+        except FileNotFoundError:
+            pass
+    if removed:
+        fsync_dir(paths[0].parent)
 
 
 def make_dir(path: Path) -> None:

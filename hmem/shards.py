@@ -27,6 +27,7 @@ every name.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import mmap
 import os
@@ -161,9 +162,12 @@ class ShardBuilder:
     nothing is copied or checksummed twice.  Views handed out are valid
     until the arenas are reset for the next shard."""
 
-    def __init__(self, index: int, uid: str, arenas: tuple[Arena, Arena]) -> None:
+    def __init__(self, index: int, uid: str, arenas: tuple[Arena, Arena], store_config: str = "") -> None:
+        """`store_config`, the store's config as JSON, goes into the shard's
+        metadata so that a lost index.json can be rebuilt."""
         self.index = index
         self.uid = uid
+        self.store_config = store_config
         self.data_bytes = 0
         self._arenas = arenas
         for arena in arenas:
@@ -233,6 +237,8 @@ class ShardBuilder:
             index[r, :2] = (entry_id, n_tokens)
         header: dict[str, Any] = {INDEX_TENSOR: None}
         metadata = {"format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION, "shard_uid": self.uid}
+        if self.store_config:
+            metadata["store_config"] = self.store_config
         data: list[memoryview | _io.FileRange] = []
         start = index.nbytes
         for region in (0, 1):  # every F32 tensor, then every I8 tensor
@@ -246,7 +252,7 @@ class ShardBuilder:
                 index[row_of[entry_id], 2 + column] = start
                 index[row_of[entry_id], 7 + column] = crc
                 name = f"{kind}_{entry_id}"
-                nbytes = view.length if lent is not None else len(view)
+                nbytes = lent.length if lent is not None else len(view)
                 header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
                                 "data_offsets": [start, start + nbytes]}
                 metadata[CRC_PREFIX + name] = f"{crc:08x}"
@@ -370,6 +376,8 @@ class ShardReader:
     def file_range(self, entry_id: int, kind: str, nbytes: int) -> _io.FileRange:
         """Where a tensor's bytes lie in the file."""
         start, _ = self._locate(entry_id, kind)
+        if start < 0 or self.data_start + start + nbytes > self.size:
+            raise self._bad(f"tensor {kind}_{entry_id} lies outside the file")
         return _io.FileRange(self.path, self.data_start + start, nbytes)
 
     def check(self, entry_id: int, kind: str, tensor: np.ndarray) -> bool:
@@ -418,6 +426,73 @@ def _parse_header(buf: mmap.mmap, name: str) -> tuple[dict[str, str], dict[str, 
             raise bad(f"tensor {tensor}'s size does not match its shape")
         entries[tensor] = (dtype, shape, data_start + start, data_start + end)
     return metadata, entries, data_start
+
+
+_NAME = re.compile(r"^(k|v|p|ks|vs)_(\d+)$")
+
+
+@dataclasses.dataclass
+class ShardScan:
+    """What a shard file holds, read both through its hmem_index and its JSON
+    header, for verify and repair (which must cope with damage)."""
+
+    size: int
+    metadata: dict[str, str]
+    # (entry_id, kind) -> (dtype, shape, absolute start, absolute end, recorded CRC or None)
+    tensors: dict[tuple[int, str], tuple[np.dtype, tuple[int, ...], int, int, int | None]]
+    index_entries: np.ndarray | None  # [entries + 1, 12] view of hmem_index, when readable
+    problems: list[tuple[str, str]]  # (finding code, message)
+
+
+def scan_shard(path: Path) -> ShardScan:
+    """Read a shard's header and index without trusting either."""
+    problems: list[tuple[str, str]] = []
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
+    metadata: dict[str, str] = {}
+    tensors: dict = {}
+    index_entries = None
+    try:
+        metadata, entries, data_start = _parse_header(buf, path.name)
+    except CorruptStoreError as exc:
+        problems.append(("shard.header", exc.message))
+        return ShardScan(size, metadata, tensors, None, problems)
+    for name, (dtype, shape, start, end) in entries.items():
+        match = _NAME.match(name)
+        if match:
+            crc_text = metadata.get(CRC_PREFIX + name)
+            try:
+                crc = int(crc_text, 16) if crc_text is not None else None
+            except ValueError:
+                crc = None
+            tensors[(int(match.group(2)), match.group(1))] = (dtype, shape, start, end, crc)
+        elif name != INDEX_TENSOR:
+            problems.append(("shard.header", f"unexpected tensor {name}"))
+    spec = entries.get(INDEX_TENSOR)
+    if spec is None:
+        problems.append(("shard.index", "no hmem_index tensor"))
+    else:
+        dtype, shape, start, end = spec
+        raw = memoryview(buf)[start:end]
+        recorded = metadata.get(CRC_PREFIX + INDEX_TENSOR)
+        if dtype != DTYPES["I64"] or len(shape) != 2 or shape[1] != INDEX_COLUMNS:
+            problems.append(("shard.index", "hmem_index has the wrong dtype or shape"))
+        elif recorded is None or checksum_kernels.crc32c(raw) != int(recorded, 16):
+            problems.append(("shard.index", "hmem_index fails its checksum"))
+        else:
+            index_entries = np.frombuffer(buf, dtype="<i8", count=shape[0] * shape[1], offset=start).reshape(shape)
+            for row in index_entries[1:]:
+                entry_id = int(row[0])
+                for column, kind in enumerate(KINDS):
+                    offset = int(row[2 + column])
+                    known = tensors.get((entry_id, kind))
+                    if offset < 0:
+                        if known is not None:
+                            problems.append(("shard.mismatch", f"{kind}_{entry_id} is in the header, not the index"))
+                    elif known is None or known[2] != data_start + offset or known[4] != int(row[7 + column]):
+                        problems.append(("shard.mismatch", f"{kind}_{entry_id}: header and index disagree"))
+    return ShardScan(size, metadata, tensors, index_entries, problems)
 
 
 class ShardCache:

@@ -23,6 +23,7 @@ an id given to a put that a crash then loses is never given again.
 from __future__ import annotations
 
 import dataclasses
+import json
 import operator
 import os
 import threading
@@ -34,12 +35,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hmem import _io, kernels, lock, manifest, records, shards
+from hmem import _io, kernels, lock, manifest, records, rewrite, shards
 from hmem.config import StoreConfig
 from hmem.bridge import AugmentedKV, augmented_kv
 from hmem.errors import (
     CorruptStoreError,
     EntryTooLargeError,
+    HmemError,
     InvalidArgumentError,
     InvalidTensorError,
     ReadOnlyStoreError,
@@ -62,6 +64,7 @@ from hmem.results import (
     as_framework,
 )
 from hmem.search import SearchIndex
+from hmem.kernels import checksum as checksum_kernels
 from hmem.tensors import as_rows, importance_value, layer_index, top_k_value
 
 ID_LEASE = 4096  # ids reserved per index.json write
@@ -127,6 +130,7 @@ class Store:
                 hint="use the hmem release that wrote it",
             )
         self._record_size = 40 + cfg.signature_bytes
+        self._config_json = json.dumps(cfg.to_dict(), sort_keys=True)
         self._records = loaded
         self._n = len(loaded)
         self._committed_n = self._n
@@ -193,8 +197,8 @@ class Store:
         try:
             data = manifest.read_bytes(root)
             mf = manifest.parse(root, data)
-            _finish_pending(root, mf)
-            _remove_leftovers(root, mf)
+            rewrite.finish_pending(root, mf)
+            rewrite.remove_leftovers(root, mf)
             loaded = _load_records(root, mf, resolve=False)
             return cls(root, mf, writer=writer, verify_reads=verify_reads, index_bytes=data, loaded=loaded)
         except BaseException:
@@ -399,7 +403,8 @@ class Store:
             self._seal_builder()
             b = None
         if b is None:
-            b = self._builder = shards.ShardBuilder(self._next_shard_index(), uuid.uuid4().hex, self._arenas)
+            b = self._builder = shards.ShardBuilder(self._next_shard_index(), uuid.uuid4().hex, self._arenas,
+                                                    self._config_json)
         return b
 
     def _seal_builder(self) -> None:
@@ -730,7 +735,7 @@ class Store:
     def _plan_compaction(self) -> CompactionPlan:
         live = self._live_positions()
         sizes = np.asarray(self._entry_file_bytes(self._records["n_tokens"][live].astype(np.int64)), dtype=np.int64)
-        groups = _pack(sizes, self.config.shard_max_bytes)
+        groups = rewrite.pack(sizes, self.config.shard_max_bytes)
         orphans, _ = _orphans(self.path, self._shards, self._committed.pending)
         before = _directory_bytes(self.path)
         dead = self._n - len(live)
@@ -784,76 +789,58 @@ class Store:
         orphans, _ = _orphans(self.path, self._shards, self._committed.pending)
         live = self._live_positions()
         sizes = np.asarray(self._entry_file_bytes(self._records["n_tokens"][live].astype(np.int64)), dtype=np.int64)
-        groups = _pack(sizes, self.config.shard_max_bytes)
-        new_shards: list[ShardInfo] = []
-        renames: list[tuple[str, str]] = []
-        new_records = self._records[live].copy()
-        start, done, total = 0, 0, int(sizes.sum())
-        for j, count in enumerate(groups):
-            chunk = slice(start, start + count)
-            builder = shards.ShardBuilder(j, uuid.uuid4().hex, self._arenas)
-            for pos in live[chunk]:
-                row = self._records[pos]
-                entry_id = int(row["entry_id"])
-                lent = {}
-                for kind in self._kinds():
-                    array = self._tensor(int(pos), kind, check=True)  # never carry damage over
-                    reader = self._reader(int(row["shard_idx"]))
-                    lent[kind] = (array.dtype, array.shape, reader.file_range(entry_id, kind, array.nbytes),
-                                  reader.crc(entry_id, kind))
-                builder.add_lent_entry(entry_id, int(row["n_tokens"]), lent)
-            temp = _io.TEMP_PREFIX + "compact." + shards.shard_file(j)
-            size, index_crc = builder.seal(self.path / temp)
-            new_shards.append(ShardInfo(file=shards.shard_file(j), bytes=size, uid=builder.uid,
-                                        entries=builder.entries, index_crc=index_crc))
-            renames.append((temp, shards.shard_file(j)))
-            new_records["shard_idx"][chunk] = j
-            start += count
-            done += int(sizes[chunk].sum())
-            if progress is not None:
-                progress(done, total)
-        _io.crash_point("compact.shards_written")
-        records.seal(new_records)
-        entries_temp = _io.TEMP_PREFIX + "compact." + ENTRIES_FILE
-        _io.write_file(self.path / entries_temp, [new_records.tobytes()])
-        renames.append((entries_temp, ENTRIES_FILE))
-        _io.crash_point("compact.records_written")
-        keep = {info.file for info in new_shards}
-        deletes = [info.file for info in self._shards if info.file not in keep]
-        deletes += [name for name in orphans if name not in keep]
-        mf = dataclasses.replace(self._committed, generation=self._committed.generation + 1,
-                                 record_count=len(new_records), shards=new_shards,
-                                 pending=Pending(renames=renames, deletes=deletes))
-        self._commit(mf)
-        _io.crash_point("compact.committed")
-        self._cache.drop()
+        deletes = [info.file for info in self._shards] + orphans
         try:
-            _finish_pending(self.path, mf)
+            mf, new_records = rewrite.rewrite(
+                self.path, self._committed, self._records[live], [self._sources(int(p)) for p in live], sizes,
+                deletes, arenas=self._arenas, config_json=self._config_json, crash_prefix="compact",
+                progress=progress)
         except BaseException:
-            # Committed, but this object's memory still holds the old
-            # layout: close it; opening the store again finishes the job.
-            self._closed = True
-            if self._lock is not None:
-                self._lock.release()
+            try:
+                committed = manifest.load(self.path).generation != self._committed.generation
+            except HmemError:
+                committed = True
+            if committed:
+                # Committed, but this object's memory still holds the old
+                # layout: close it; opening the store again finishes the job.
+                self._closed = True
+                if self._lock is not None:
+                    self._lock.release()
             raise
-        _io.crash_point("compact.finished")
-        # Done: commit again without the finished steps (the store must not grow).
-        self._commit(dataclasses.replace(mf, generation=mf.generation + 1, pending=Pending()))
+        self._committed = mf
+        self._cache.drop()
         # the new state in memory
         self._records = new_records
         self._n = self._committed_n = len(new_records)
-        self._shards = [dataclasses.replace(info) for info in new_shards]
-        self._shards_committed = len(new_shards)
+        self._shards = [dataclasses.replace(info) for info in mf.shards]
+        self._shards_committed = len(mf.shards)
         self._dirty.clear()
         self._index = SearchIndex(self.config.signature_bytes)
         self._index.add_records(self._records, np.arange(self._n, dtype=np.int64))
         after = _directory_bytes(self.path)
-        return CompactionReport(True, "compacted", shards_before, len(new_shards), before, after,
+        return CompactionReport(True, "compacted", shards_before, len(mf.shards), before, after,
                                 max(0, before - after), self._n, plan.evicted_records, len(orphans),
                                 time.perf_counter() - started)
 
     def _kinds(self) -> tuple[str, ...]:
         return shards.KINDS if self.config.quantize_stored else shards.KINDS[:3]
+
+    def _sources(self, pos: int) -> Callable[[], rewrite.TensorSources]:
+        """Where the tensors of record `pos` lie; each is checked against its
+        CRC as it is copied (compaction must never carry damage over)."""
+        def locate() -> rewrite.TensorSources:
+            row = self._records[pos]
+            entry_id = int(row["entry_id"])
+            reader = self._reader(int(row["shard_idx"]))
+            found = {}
+            for kind in self._kinds():
+                dtype, shape = _tensor_layout(kind, int(row["n_tokens"]), self.config)
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                crc = reader.crc(entry_id, kind)
+                where = reader.file_range(entry_id, kind, nbytes)
+                found[kind] = (dtype, shape, where._replace(check=_crc_check(crc, f"{kind}_{entry_id}", where)), crc)
+            return found
+        return locate
 
     # the bridge
 
@@ -892,6 +879,14 @@ def _entry_tensors(p: _Prepared, quantized: bool) -> dict[str, np.ndarray]:
 _F32, _I8 = np.dtype("<f4"), np.dtype("i1")
 
 
+def _crc_check(expected: int, name: str, where: _io.FileRange) -> Callable[[memoryview], None]:
+    def check(data: memoryview) -> None:
+        if checksum_kernels.crc32c(data) != expected:
+            raise CorruptStoreError(f"tensor {name} in {where.path.name} fails its checksum",
+                                    hint="run 'hmem verify --full', then 'hmem verify --repair'")
+    return check
+
+
 def _tensor_layout(kind: str, n_tokens: int, config: StoreConfig) -> tuple[np.dtype, tuple[int, ...]]:
     """dtype and shape of one tensor of an entry."""
     if kind in ("k", "v"):
@@ -918,22 +913,6 @@ def _directory_bytes(root: Path) -> int:
     (present only while a writer holds it) does not count."""
     return sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(root)
                if e.is_file(follow_symlinks=False) and e.name != lock.LOCK_FILE)
-
-
-def _pack(sizes: np.ndarray, limit: int) -> list[int]:
-    """Entries per shard when entries of `sizes` bytes fill shards in order
-    up to `limit` bytes each (an entry larger than the limit alone)."""
-    counts = []
-    ends = np.cumsum(sizes)
-    start, total = 0, len(sizes)
-    budget = limit - shards.HEADER_FIXED_BYTES
-    while start < total:
-        base = ends[start - 1] if start else 0
-        stop = int(np.searchsorted(ends, base + budget, side="right"))
-        stop = max(stop, start + 1)
-        counts.append(stop - start)
-        start = stop
-    return counts
 
 
 def _orphans(root: Path, known_shards: list[ShardInfo], pending: Pending) -> tuple[list[str], list[str]]:
@@ -983,34 +962,3 @@ def _load_records(root: Path, mf: Manifest, *, resolve: bool) -> np.ndarray:
     return loaded
 
 
-def _finish_pending(root: Path, mf: Manifest) -> None:
-    """Redo the steps the last commit listed (all idempotent): renames first,
-    then record fields in place, then deletions."""
-    for src, dst in mf.pending.renames:
-        if (root / src).exists():
-            _io.rename(root / src, root / dst)
-    updates = mf.pending.record_updates
-    if len(updates):
-        entries = root / ENTRIES_FILE
-        size = 40 + mf.config.signature_bytes
-        _io.write_pieces(entries, records.update_pieces(updates[updates["position"] < mf.record_count], size))
-    for name in mf.pending.deletes:
-        _io.unlink(root / name)
-
-
-def _remove_leftovers(root: Path, mf: Manifest) -> None:
-    """Remove what an interrupted writer left past the commit: temporary
-    files, shards the commit does not name at indices it would use next,
-    and records past the committed count."""
-    named = {s.file for s in mf.shards}
-    for entry in os.scandir(root):
-        if entry.name.startswith(_io.TEMP_PREFIX):
-            _io.unlink(Path(entry.path))
-            continue
-        match = shards.SHARD_NAME.match(entry.name)
-        if match and entry.name not in named and int(match.group(1)) >= len(mf.shards):
-            _io.unlink(Path(entry.path))
-    entries = root / ENTRIES_FILE
-    committed_size = mf.record_count * (40 + mf.config.signature_bytes)
-    if entries.exists() and entries.stat().st_size > committed_size:
-        _io.truncate(entries, committed_size)

@@ -12,7 +12,17 @@ import typer
 from typer.core import TyperGroup
 
 from hmem import HmemError, __version__, kernels
-from hmem.cli import cmd_compact, cmd_demo, cmd_evict, cmd_init, cmd_prefix_hit, cmd_put, cmd_query, cmd_stats
+from hmem.cli import (
+    cmd_compact,
+    cmd_demo,
+    cmd_evict,
+    cmd_init,
+    cmd_prefix_hit,
+    cmd_put,
+    cmd_query,
+    cmd_stats,
+    cmd_verify,
+)
 from hmem.cli.exit_codes import ExitCode, exit_code_for
 from hmem.cli.output import error_line
 
@@ -131,6 +141,7 @@ app.command("query")(cmd_query.query)
 app.command("stats")(cmd_stats.stats)
 app.command("evict")(cmd_evict.evict)
 app.command("compact")(cmd_compact.compact)
+app.command("verify")(cmd_verify.verify_command)
 app.command("prefix-hit")(cmd_prefix_hit.prefix_hit)
 app.command("demo")(cmd_demo.demo)
 

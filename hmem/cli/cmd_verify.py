@@ -1,0 +1,106 @@
+"""``hmem verify``: check a store, and salvage it with --repair."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from hmem import repair, verify
+from hmem.cli.cmd_evict import confirm
+from hmem.cli.exit_codes import ExitCode
+from hmem.cli.options import JsonOption, LockWaitOption, QuietOption, StoreArgument, YesOption
+from hmem.cli.output import Output, human_bytes, human_duration
+from hmem.errors import InvalidArgumentError
+
+STYLE = {"error": "red", "warning": "yellow", "info": "dim"}
+
+
+def _subset(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise InvalidArgumentError(f"--subset {text!r}: expected k/n such as 1/7") from None
+    if not 1 <= k <= n:
+        raise InvalidArgumentError(f"--subset {text!r}: k must be between 1 and n")
+    return k, n
+
+
+def _next_step(codes: set[str], full: bool) -> str:
+    if codes & {"index.pending", "entries.tail", "file.temp"} and len(codes) == 1:
+        return "open the store for writing (any writing command) to finish what was interrupted"
+    if codes <= {"file.orphan", "file.temp", "entries.tail", "index.pending", "file.foreign"}:
+        return "run 'hmem compact' to remove the leftovers"
+    return "run 'hmem verify --repair' to salvage what can be saved" + ("" if full else
+                                                                      " (and 'hmem verify --full' to check every tensor)")
+
+
+def verify_command(
+    store: StoreArgument,
+    full: Annotated[bool, typer.Option("--full", help="Also read every tensor and check its checksum.")] = False,
+    subset: Annotated[str | None, typer.Option("--subset", metavar="K/N",
+                                               help="With --full, check only shards whose index is K-1 modulo N "
+                                               "(e.g. a nightly cron job with 1/7 .. 7/7).")] = None,
+    max_seconds: Annotated[float | None, typer.Option("--max-seconds", min=0.0,
+                                                      help="With --full, stop checking tensors after this long.")] = None,
+    max_findings: Annotated[int, typer.Option("--max-findings", min=1, help="List at most this many findings.")] = 50,
+    do_repair: Annotated[bool, typer.Option("--repair", help="Salvage what can be saved: drop records whose data "
+                                            "is lost, rebuild index.json and shards.")] = False,
+    yes: YesOption = False,
+    lock_wait: LockWaitOption = 0.0,
+    json_output: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Check a store's files and checksums; exit 4 when problems are found.
+
+    The quick check reads index.json, every record and every shard's header
+    and index; --full also reads every tensor. Nothing is written unless
+    --repair is given (which asks first, or --yes).
+    """
+    out = Output(json_mode=json_output, quiet=quiet)
+    report = verify(store, full=full or do_repair, subset=_subset(subset), max_seconds=max_seconds)
+    document: dict = {"verify": report.to_dict(), "repair": None}
+    problems = report.problems
+    shown = report.findings[:max_findings]
+    if shown and not json_output:
+        table = out.table("severity", "code", "file", "problem", "expected")
+        for f in shown:
+            table.add_row(f"[{STYLE[f.severity]}]{f.severity}[/]", f.code, f.file, f.message, f.expected or "")
+        out.print(table)
+        if len(report.findings) > len(shown):
+            out.print(f"... and {len(report.findings) - len(shown)} more findings (--max-findings, --json)")
+    depth = "full" if report.full else "quick"
+    checked = (f"{report.records} records, {report.shards} shards"
+               + (f", {report.tensors_checked} tensors ({human_bytes(report.bytes_checked)})" if report.full else ""))
+    if not problems:
+        out.print(f"ok: {depth} check of {checked} found no problem in {human_duration(report.seconds)}")
+    else:
+        errors = sum(f.severity == "error" for f in problems)
+        out.print(f"{depth} check of {checked}: {errors} error(s), {len(problems) - errors} warning(s); "
+                  + ("repairing" if do_repair else _next_step({f.code for f in problems}, report.full)))
+    if do_repair and problems:
+        if not confirm(f"rewrite {store} keeping only what checks out?", yes):
+            out.print("nothing repaired")
+        else:
+            fixed = repair(store, lock_wait=lock_wait)
+            document["repair"] = fixed.to_dict()
+            lost = len([d for d in fixed.dropped if d[0] is not None])
+            if fixed.action == "tidied":
+                out.print("repaired: finished what an interrupted writer left and removed its leftovers")
+            else:
+                out.print(f"repaired: kept {fixed.entries_kept} entries in {fixed.shards_after} shards"
+                          + (", rebuilt index.json" if fixed.rebuilt_index else "")
+                          + f"; {human_bytes(fixed.bytes_before)} -> {human_bytes(fixed.bytes_after)}")
+            for entry_id, why in fixed.dropped:
+                out.warn(("lost entry %d: " % entry_id if entry_id is not None else "dropped: ") + why)
+            after = verify(store, full=True)
+            document["after"] = after.to_dict()
+            problems = after.problems
+            if lost:
+                out.print(f"{lost} entries could not be saved (listed above)")
+    if json_output:
+        out.emit_json(document)
+    if problems:
+        raise typer.Exit(ExitCode.PROBLEMS_FOUND)

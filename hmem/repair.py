@@ -1,0 +1,185 @@
+"""repair: salvage what can be saved of a damaged store.
+
+Takes the write lock, runs a full verify, and when it finds errors rewrites
+the store (hmem.rewrite) from what checks out:
+
+- the config from index.json, or, when index.json is lost or garbled, from
+  the ``store_config`` every shard carries in its metadata;
+- the records of entries.bin whose checksum matches (when index.json is lost,
+  every whole record; a torn tail is cut off);
+- of those, the live entries whose every tensor is found (through hmem_index
+  or the JSON header of its shard) with a matching CRC-32C.
+
+Everything else is dropped and listed in the report.  A store that verifies
+clean is left untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hmem import _io, lock, manifest, records, rewrite, shards
+from hmem.config import StoreConfig
+from hmem.errors import CorruptStoreError, HmemError
+from hmem.kernels import checksum as checksum_kernels
+from hmem.manifest import Manifest, Pending
+from hmem.projection import Projector
+from hmem.records import ENTRIES_FILE, EVICTED
+from hmem.verify import ERROR, Finding, config_from_shards, verify
+
+ID_MARGIN = 4096  # ids skipped after a rebuilt index, in case lost records held higher ones
+
+
+@dataclasses.dataclass(frozen=True)
+class RepairReport:
+    path: str
+    action: str  # "none", "tidied" (leftovers of an interrupted writer removed) or "rewritten"
+    findings: tuple[Finding, ...]  # what verify found before
+    rebuilt_index: bool
+    entries_kept: int
+    dropped: tuple[tuple[int | None, str], ...]  # (entry id if known, why)
+    shards_after: int
+    bytes_before: int
+    bytes_after: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.iterdir() if p.is_file() and p.name != lock.LOCK_FILE)
+
+
+def repair(path: str | Path, *, lock_wait: float = 0.0) -> RepairReport:
+    """Repair the store at `path` (see the module docstring)."""
+    started = time.perf_counter()
+    root = Path(path)
+    if not root.is_dir():
+        raise CorruptStoreError(f"{root} is not a directory", hint="give the store's directory")
+    writer = lock.WriterLock(root, wait_seconds=lock_wait)
+    try:
+        before = _bytes(root)
+        report = verify(root, full=True)
+        errors = tuple(f for f in report.findings if f.severity == ERROR)
+        if not errors:
+            # Only leftovers of an interrupted writer, if anything: finish
+            # and tidy as a writer opening the store would.
+            if report.problems:
+                mf = manifest.load(root)
+                rewrite.finish_pending(root, mf)
+                rewrite.remove_leftovers(root, mf)
+            return RepairReport(str(root), "tidied" if report.problems else "none", report.findings, False,
+                                report.records, (),
+                                report.shards, before, _bytes(root), time.perf_counter() - started)
+        base, rebuilt = _base_manifest(root)
+        kept, dropped, sources, sizes = _salvage(root, base, rebuilt)
+        _io.crash_point("repair.planned")
+        base.next_entry_id = max(base.next_entry_id, int(kept["entry_id"].max()) + 1 if len(kept) else 1)
+        if rebuilt:
+            base.next_entry_id += ID_MARGIN
+        deletes = [p.name for p in root.iterdir() if p.is_file() and (
+            shards.SHARD_NAME.match(p.name) or p.name.startswith(_io.TEMP_PREFIX))]
+        config_json = json.dumps(base.config.to_dict(), sort_keys=True)
+        mf, _ = rewrite.rewrite(root, base, kept, sources, sizes, deletes,
+                                arenas=(shards.Arena(), shards.Arena()), config_json=config_json,
+                                crash_prefix="repair")
+        return RepairReport(str(root), "rewritten", report.findings, rebuilt, len(kept), tuple(dropped), len(mf.shards),
+                            before, _bytes(root), time.perf_counter() - started)
+    finally:
+        writer.release()
+
+
+def _base_manifest(root: Path) -> tuple[Manifest, bool]:
+    """The manifest to rewrite over, and whether it had to be rebuilt."""
+    try:
+        mf = manifest.load(root)
+        rewrite.finish_pending(root, mf)  # what an interrupted writer left
+        return dataclasses.replace(mf, pending=Pending()), False
+    except (CorruptStoreError, HmemError):
+        pass
+    config = config_from_shards(root)
+    if config is None:
+        raise CorruptStoreError(
+            f"index.json of {root} is lost and no shard carries the store's config",
+            hint="nothing can be rebuilt; restore index.json from a backup")
+    projection = Projector(config.embed_dim, config.hdc_dim, config.seed).describe()
+    shard_files = sorted(int(m.group(1)) for p in root.iterdir() if (m := shards.SHARD_NAME.match(p.name)))
+    count = shard_files[-1] + 1 if shard_files else 0
+    infos = [manifest.ShardInfo(file=shards.shard_file(i), bytes=0, uid="", entries=0, index_crc=0)
+             for i in range(count)]
+    return Manifest(config=config, projection=projection, shards=infos), True
+
+
+def _salvage(root: Path, base: Manifest, rebuilt: bool):
+    """The records to keep, why others go, and where the kept tensors lie."""
+    config: StoreConfig = base.config
+    size = 40 + config.signature_bytes
+    path = root / ENTRIES_FILE
+    available = path.stat().st_size // size if path.exists() else 0
+    count = available if rebuilt else min(available, base.record_count)
+    loaded = np.fromfile(path, dtype=records.record_dtype(config.signature_bytes), count=count) if count else \
+        records.empty(0, config.signature_bytes)
+    dropped: list[tuple[int | None, str]] = []
+    if not rebuilt and available < base.record_count:
+        dropped.append((None, f"{base.record_count - available} committed records are missing from entries.bin"))
+    good = np.ones(len(loaded), dtype=bool)
+    for pos in records.damaged(loaded):
+        good[pos] = False
+        dropped.append((None, f"record {int(pos)} of entries.bin fails its checksum"))
+    order_ok = np.concatenate([[True], np.diff(loaded["entry_id"].astype(np.int64)) > 0]) if len(loaded) else good
+    good &= order_ok
+    live = good & (loaded["shard_idx"] != EVICTED)
+    scans: dict[int, shards.ShardScan | None] = {}
+    kinds = shards.KINDS if config.quantize_stored else shards.KINDS[:3]
+    keep, sources, sizes = [], [], []
+    for pos in np.flatnonzero(live).tolist():
+        entry_id, shard_idx = int(loaded["entry_id"][pos]), int(loaded["shard_idx"][pos])
+        if shard_idx not in scans:
+            file = root / shards.shard_file(shard_idx)
+            try:
+                scans[shard_idx] = shards.scan_shard(file) if file.exists() else None
+            except OSError:
+                scans[shard_idx] = None
+        found = _tensors_of(root, scans[shard_idx], shard_idx, entry_id, int(loaded["n_tokens"][pos]), config,
+                            kinds)
+        if isinstance(found, str):
+            dropped.append((entry_id, found))
+            continue
+        keep.append(pos)
+        sources.append(lambda found=found: found)
+        sizes.append(sum(part.length for _, _, part, _ in found.values())
+                     + len(kinds) * shards.HEADER_BYTES_PER_TENSOR + shards.INDEX_ROW_BYTES)
+    kept = loaded[np.array(keep, dtype=np.int64)]
+    return kept, dropped, sources, np.array(sizes, dtype=np.int64)
+
+
+def _tensors_of(root: Path, scan: shards.ShardScan | None, shard_idx: int, entry_id: int, n_tokens: int,
+                config: StoreConfig, kinds: tuple[str, ...]):
+    """The entry's tensor sources, or why it cannot be kept."""
+    if scan is None:
+        return f"its shard {shards.shard_file(shard_idx)} is missing or unreadable"
+    file = root / shards.shard_file(shard_idx)
+    found = {}
+    with open(file, "rb") as f:
+        for kind in kinds:
+            spec = scan.tensors.get((entry_id, kind))
+            if spec is None:
+                return f"tensor {kind}_{entry_id} is not in {file.name}"
+            dtype, shape, start, end, crc = spec
+            if kind in ("k", "v"):
+                want = ((np.dtype("i1") if config.quantize_stored else np.dtype("<f4")), (n_tokens, config.embed_dim))
+            else:
+                want = (np.dtype("<f4"), (config.embed_dim,) if kind == "p" else (n_tokens,))
+            if (dtype, tuple(shape)) != want:
+                return f"tensor {kind}_{entry_id} has the wrong dtype or shape"
+            f.seek(start)
+            if crc is None or checksum_kernels.crc32c(f.read(end - start)) != crc:
+                return f"tensor {kind}_{entry_id} fails its checksum"
+            found[kind] = (dtype, tuple(shape), _io.FileRange(file, start, end - start), crc)
+    return found

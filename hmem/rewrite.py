@@ -1,0 +1,133 @@
+"""Rewriting a store's files: what compaction and repair share.
+
+Given the records to keep and where each of their tensors lies now (a range
+of an old shard file, already checked against its CRC), write fresh shards
+packed up to shard_max_bytes and numbered from 0, and a fresh entries.bin,
+under temporary names; commit index.json naming them with pending renames
+(temporary -> final) and deletes (old files); then do the renames and
+deletes.  A crash before the commit leaves the old state (the temporary
+files are leftovers the next writer removes); after it, the new state (the
+next writer finishes the pending steps).  docs/format.md, "Compaction".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+import os
+
+from hmem import _io, manifest, records, shards
+from hmem.manifest import Manifest, Pending, ShardInfo
+from hmem.records import ENTRIES_FILE
+
+# kind -> (dtype, shape, where the bytes are, their checked CRC-32C)
+TensorSources = dict[str, tuple[np.dtype, tuple[int, ...], _io.FileRange, int]]
+
+TEMP_PREFIX = _io.TEMP_PREFIX + "rewrite."
+
+
+def pack(sizes: np.ndarray, limit: int) -> list[int]:
+    """Entries per shard when entries of `sizes` bytes fill shards in order
+    up to `limit` bytes each (an entry larger than the limit alone)."""
+    counts = []
+    ends = np.cumsum(sizes)
+    start, total = 0, len(sizes)
+    budget = limit - shards.HEADER_FIXED_BYTES
+    while start < total:
+        base = ends[start - 1] if start else 0
+        stop = max(int(np.searchsorted(ends, base + budget, side="right")), start + 1)
+        counts.append(stop - start)
+        start = stop
+    return counts
+
+
+def rewrite(
+    root: Path,
+    base: Manifest,
+    kept: np.ndarray,
+    sources: Sequence[Callable[[], TensorSources]],
+    sizes: np.ndarray,
+    deletes: Sequence[str],
+    *,
+    arenas: tuple[shards.Arena, shards.Arena],
+    config_json: str,
+    crash_prefix: str,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Manifest, np.ndarray]:
+    """Write the store anew with the records `kept` (in order; sources[i]()
+    gives where record i's tensors are, sizes[i] its bytes in a shard) and
+    commit it over `base`; old files in `deletes` go after the commit.
+    Returns the committed manifest and the new records."""
+    groups = pack(sizes, base.config.shard_max_bytes)
+    new_records = kept.copy()
+    new_shards: list[ShardInfo] = []
+    renames: list[tuple[str, str]] = []
+    start, done, total = 0, 0, int(sizes.sum())
+    for j, count in enumerate(groups):
+        builder = shards.ShardBuilder(j, uuid.uuid4().hex, arenas, config_json)
+        for i in range(start, start + count):
+            builder.add_lent_entry(int(kept["entry_id"][i]), int(kept["n_tokens"][i]), sources[i]())
+        temp = TEMP_PREFIX + shards.shard_file(j)
+        size, index_crc = builder.seal(root / temp)
+        new_shards.append(ShardInfo(file=shards.shard_file(j), bytes=size, uid=builder.uid,
+                                    entries=builder.entries, index_crc=index_crc))
+        renames.append((temp, shards.shard_file(j)))
+        new_records["shard_idx"][start : start + count] = j
+        start += count
+        done += int(sizes[start - count : start].sum())
+        if progress is not None:
+            progress(done, total)
+    _io.crash_point(f"{crash_prefix}.shards_written")
+    records.seal(new_records)
+    entries_temp = TEMP_PREFIX + ENTRIES_FILE
+    _io.write_file(root / entries_temp, [new_records.tobytes()])
+    renames.append((entries_temp, ENTRIES_FILE))
+    _io.crash_point(f"{crash_prefix}.records_written")
+    keep = {info.file for info in new_shards}
+    mf = dataclasses.replace(
+        base, generation=base.generation + 1, record_count=len(new_records), shards=new_shards,
+        pending=Pending(renames=renames, deletes=sorted({name for name in deletes if name not in keep})),
+    )
+    manifest.write(root, mf)
+    _io.crash_point(f"{crash_prefix}.committed")
+    finish_pending(root, mf)
+    _io.crash_point(f"{crash_prefix}.finished")
+    # Done: commit again without the finished steps (the store must not grow).
+    clean = dataclasses.replace(mf, generation=mf.generation + 1, pending=Pending())
+    manifest.write(root, clean)
+    return clean, new_records
+
+
+def finish_pending(root: Path, mf: Manifest) -> None:
+    """Redo the steps the last commit listed (all idempotent): renames first,
+    then record fields in place, then deletions."""
+    _io.rename_many([(root / src, root / dst) for src, dst in mf.pending.renames if (root / src).exists()])
+    updates = mf.pending.record_updates
+    if len(updates):
+        size = 40 + mf.config.signature_bytes
+        _io.write_pieces(root / ENTRIES_FILE,
+                         records.update_pieces(updates[updates["position"] < mf.record_count], size))
+    _io.unlink_many([root / name for name in mf.pending.deletes])
+
+
+def remove_leftovers(root: Path, mf: Manifest) -> None:
+    """Remove what an interrupted writer left past the commit: temporary
+    files, shards the commit does not name at indices it would use next,
+    and records past the committed count."""
+    named = {s.file for s in mf.shards}
+    for entry in os.scandir(root):
+        if entry.name.startswith(_io.TEMP_PREFIX):
+            _io.unlink(Path(entry.path))
+            continue
+        match = shards.SHARD_NAME.match(entry.name)
+        if match and entry.name not in named and int(match.group(1)) >= len(mf.shards):
+            _io.unlink(Path(entry.path))
+    entries = root / ENTRIES_FILE
+    committed_size = mf.record_count * (40 + mf.config.signature_bytes)
+    if entries.exists() and entries.stat().st_size > committed_size:
+        _io.truncate(entries, committed_size)

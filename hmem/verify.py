@@ -1,0 +1,271 @@
+"""verify: check a store's files against each other and against their checksums.
+
+Works on the files directly (no lock, nothing written), so it also examines
+a store that will not open.  Every problem becomes a Finding with a stable
+code (docs/reliability.md lists them), a severity, the file concerned and
+what was expected.
+
+- quick (default): index.json, every record of entries.bin (checksums,
+  order, shard references), every shard's size, header and hmem_index, and
+  the files of the directory;
+- full: also every tensor of every live entry against its CRC-32C, and its
+  shape against the record; ``subset=(k, n)`` limits that to the shards
+  whose index is k - 1 modulo n (a cron job checks 1/7 a night), and
+  ``max_seconds`` stops it early (reported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hmem import _io, lock, manifest, records, shards
+from hmem.config import StoreConfig
+from hmem.errors import CorruptStoreError, HmemError, InvalidArgumentError, NotAStoreError
+from hmem.kernels import checksum as checksum_kernels
+from hmem.records import ENTRIES_FILE, EVICTED
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    code: str
+    severity: str
+    file: str
+    message: str
+    expected: str | None = None
+    entry_id: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    path: str
+    full: bool
+    findings: tuple[Finding, ...]
+    records: int
+    shards: int
+    tensors_checked: int
+    bytes_checked: int
+    complete: bool  # False when max_seconds stopped the full check
+    seconds: float
+
+    @property
+    def problems(self) -> tuple[Finding, ...]:
+        """Findings that need attention (errors and warnings)."""
+        return tuple(f for f in self.findings if f.severity != INFO)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["ok"] = self.ok
+        return out
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.findings: list[Finding] = []
+
+    def add(self, code: str, severity: str, file: str, message: str, expected: str | None = None,
+            entry_id: int | None = None) -> None:
+        self.findings.append(Finding(code, severity, file, message, expected, entry_id))
+
+
+def _kinds(config: StoreConfig) -> tuple[str, ...]:
+    return shards.KINDS if config.quantize_stored else shards.KINDS[:3]
+
+
+def _layout(kind: str, n_tokens: int, config: StoreConfig) -> tuple[np.dtype, tuple[int, ...]]:
+    if kind in ("k", "v"):
+        return (np.dtype("i1") if config.quantize_stored else np.dtype("<f4")), (n_tokens, config.embed_dim)
+    return np.dtype("<f4"), ((config.embed_dim,) if kind == "p" else (n_tokens,))
+
+
+def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | None = None,
+           max_seconds: float | None = None) -> VerifyReport:
+    """Check the store at `path`; see the module docstring."""
+    started = time.perf_counter()
+    root = Path(path)
+    if not root.is_dir() or not any((root / name).exists() for name in (manifest.INDEX_FILE, ENTRIES_FILE)) \
+            and not any(shards.SHARD_NAME.match(p.name) for p in root.iterdir()):
+        raise NotAStoreError(f"{root} holds no hmem store", hint="check the path")
+    if subset is not None:
+        k, n = subset
+        if not (isinstance(k, int) and isinstance(n, int) and 1 <= k <= n):
+            raise InvalidArgumentError(f"subset must be k/n with 1 <= k <= n, got {k}/{n}")
+    out = _Collector()
+    mf = _check_index(root, out)
+    loaded = np.zeros(0)
+    scans: dict[int, shards.ShardScan] = {}
+    tensors = nbytes = 0
+    complete = True
+    if mf is not None:
+        loaded = _check_records(root, mf, out)
+        scans = _check_shards(root, mf, loaded, out)
+        _check_directory(root, mf, out)
+        if full:
+            tensors, nbytes, complete = _check_tensors(root, mf, loaded, scans, out, subset, max_seconds, started)
+            if not complete:
+                out.add("verify.incomplete", INFO, "", f"the full check stopped after {max_seconds} s")
+    return VerifyReport(str(root), full, tuple(out.findings), len(loaded), len(scans), tensors, nbytes,
+                        complete, time.perf_counter() - started)
+
+
+def _check_index(root: Path, out: _Collector) -> manifest.Manifest | None:
+    name = manifest.INDEX_FILE
+    try:
+        mf = manifest.load(root)
+    except NotAStoreError as exc:
+        out.add("index.missing", ERROR, name, exc.message, "an hmem index.json")
+        return None
+    except CorruptStoreError as exc:
+        code = "index.checksum" if "checksum" in exc.message else "index.unreadable"
+        out.add(code, ERROR, name, exc.message)
+        return None
+    except HmemError as exc:  # unsupported format or config
+        out.add("index.format", ERROR, name, exc.message, f"format version {manifest.FORMAT_VERSION}")
+        return None
+    if mf.pending:
+        out.add("index.pending", INFO, name, "the last commit has unfinished steps; the next writer finishes them")
+    return mf
+
+
+def _check_records(root: Path, mf: manifest.Manifest, out: _Collector) -> np.ndarray:
+    path = root / ENTRIES_FILE
+    size = 40 + mf.config.signature_bytes
+    committed = mf.record_count * size
+    try:
+        actual = path.stat().st_size
+    except FileNotFoundError:
+        out.add("entries.missing", ERROR, ENTRIES_FILE, "entries.bin is missing", f"{mf.record_count} records")
+        return records.empty(0, mf.config.signature_bytes)
+    if actual < committed:
+        out.add("entries.truncated", ERROR, ENTRIES_FILE,
+                f"holds {actual // size} whole records of {mf.record_count} committed", f"{committed} bytes")
+    elif actual > committed:
+        out.add("entries.tail", WARNING, ENTRIES_FILE,
+                f"{actual - committed} bytes past the committed records (an interrupted flush; a writer removes them)")
+    count = min(actual // size, mf.record_count)
+    loaded = np.fromfile(path, dtype=records.record_dtype(mf.config.signature_bytes), count=count)
+    records.apply_updates(loaded, mf.pending.record_updates)
+    for pos in records.damaged(loaded):
+        out.add("record.checksum", ERROR, ENTRIES_FILE, f"record {int(pos)} fails its checksum",
+                entry_id=int(loaded["entry_id"][pos]))
+    ids = loaded["entry_id"]
+    if len(ids) > 1 and not np.all(np.diff(ids.astype(np.int64)) > 0):
+        out.add("record.order", ERROR, ENTRIES_FILE, "entry ids are not strictly increasing")
+    if len(ids) and int(ids.max()) >= mf.next_entry_id:
+        out.add("record.id", ERROR, ENTRIES_FILE, f"entry id {int(ids.max())} is not below next_entry_id "
+                f"{mf.next_entry_id}")
+    bad_shard = (loaded["shard_idx"] != EVICTED) & (loaded["shard_idx"] >= len(mf.shards))
+    for pos in np.flatnonzero(bad_shard):
+        out.add("record.shard", ERROR, ENTRIES_FILE, f"record {int(pos)} names shard {int(loaded['shard_idx'][pos])}, "
+                f"which the store does not have", entry_id=int(loaded["entry_id"][pos]))
+    return loaded
+
+
+def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
+                  out: _Collector) -> dict[int, shards.ShardScan]:
+    scans = {}
+    live = loaded["shard_idx"] != EVICTED
+    for idx, info in enumerate(mf.shards):
+        path = root / info.file
+        if not path.exists():
+            out.add("shard.missing", ERROR, info.file, "the shard file is missing",
+                    f"{info.bytes} bytes holding {info.entries} entries")
+            continue
+        size = path.stat().st_size
+        if size != info.bytes:
+            out.add("shard.size", ERROR, info.file, f"{size} bytes", f"{info.bytes} bytes")
+        scan = shards.scan_shard(path)
+        scans[idx] = scan
+        for code, message in scan.problems:
+            out.add(code, ERROR, info.file, message)
+        if scan.metadata and scan.metadata.get("shard_uid") != info.uid:
+            out.add("shard.uid", ERROR, info.file, "the shard's uid differs from the one index.json records",
+                    info.uid)
+        if scan.index_entries is not None:
+            if len(scan.index_entries) - 1 != info.entries:
+                out.add("shard.count", ERROR, info.file, f"holds {len(scan.index_entries) - 1} entries",
+                        f"{info.entries}")
+            index_bytes = memoryview(scan.index_entries.view(np.uint8).reshape(-1))
+            if checksum_kernels.crc32c(index_bytes) != info.index_crc:
+                out.add("shard.index", ERROR, info.file, "hmem_index differs from the one index.json records")
+        mine = loaded[live & (loaded["shard_idx"] == idx)]
+        for entry_id in mine["entry_id"].tolist():
+            missing = [k for k in _kinds(mf.config) if (entry_id, k) not in scan.tensors]
+            if missing and scan.tensors:
+                out.add("shard.entry", ERROR, info.file, f"entry {entry_id} lacks tensors {', '.join(missing)}",
+                        entry_id=entry_id)
+    return scans
+
+
+def _check_directory(root: Path, mf: manifest.Manifest, out: _Collector) -> None:
+    known = {manifest.INDEX_FILE, ENTRIES_FILE, lock.LOCK_FILE, *(s.file for s in mf.shards)}
+    known.update(src for src, _ in mf.pending.renames)
+    for entry in sorted(root.iterdir()):
+        if entry.name in known:
+            continue
+        if entry.name.startswith(_io.TEMP_PREFIX):
+            out.add("file.temp", WARNING, entry.name, "a temporary file of an interrupted writer "
+                    "(the next writer removes it)")
+        elif shards.SHARD_NAME.match(entry.name):
+            out.add("file.orphan", WARNING, entry.name, "a shard file no commit names ('hmem compact' removes it)")
+        else:
+            out.add("file.foreign", INFO, entry.name, "a file hmem did not make (left alone)")
+
+
+def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans: dict[int, shards.ShardScan],
+                   out: _Collector, subset: tuple[int, int] | None, max_seconds: float | None,
+                   started: float) -> tuple[int, int, bool]:
+    checked = nbytes = 0
+    good = np.ones(len(loaded), dtype=bool)
+    good[records.damaged(loaded)] = False
+    for idx, scan in scans.items():
+        if subset is not None and idx % subset[1] != subset[0] - 1:
+            continue
+        info = mf.shards[idx]
+        rows = np.flatnonzero(good & (loaded["shard_idx"] == idx))
+        with open(root / info.file, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if info.bytes else b""
+        for pos in rows.tolist():
+            if max_seconds is not None and time.perf_counter() - started > max_seconds:
+                return checked, nbytes, False
+            entry_id, n_tokens = int(loaded["entry_id"][pos]), int(loaded["n_tokens"][pos])
+            for kind in _kinds(mf.config):
+                spec = scan.tensors.get((entry_id, kind))
+                if spec is None:
+                    continue  # reported by the quick check
+                dtype, shape, start, end, crc = spec
+                want_dtype, want_shape = _layout(kind, n_tokens, mf.config)
+                name = f"{kind}_{entry_id}"
+                if dtype != want_dtype or tuple(shape) != want_shape:
+                    out.add("tensor.shape", ERROR, info.file, f"{name} is {dtype} {list(shape)}",
+                            f"{want_dtype} {list(want_shape)}", entry_id)
+                    continue
+                checked += 1
+                nbytes += end - start
+                if crc is None or checksum_kernels.crc32c(memoryview(data)[start:end]) != crc:
+                    out.add("tensor.checksum", ERROR, info.file, f"{name} fails its checksum",
+                            "CRC-32C " + (f"{crc:08x}" if crc is not None else "recorded"), entry_id)
+    return checked, nbytes, True
+
+
+def config_from_shards(root: Path) -> StoreConfig | None:
+    """The store config a shard's metadata carries (for rebuilding a lost
+    index.json), or None."""
+    for path in sorted(root.glob("shard_*.safetensors")):
+        try:
+            scan = shards.scan_shard(path)
+            return StoreConfig.from_dict(json.loads(scan.metadata["store_config"]))
+        except (KeyError, ValueError, HmemError, OSError):
+            continue
+    return None
