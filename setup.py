@@ -20,7 +20,7 @@ extensions = [
     Extension(
         f"hmem._native.{name}",
         [f"hmem/_native/{name}.pyx"],
-        depends=sorted(glob("hmem/_native/*.h")),
+        depends=sorted(glob("hmem/_native/*.h") + glob("hmem/_native/*.pxi")),
         include_dirs=["hmem/_native"],
         extra_compile_args=COMPILE_ARGS,
     )

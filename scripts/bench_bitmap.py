@@ -24,12 +24,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -38,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 import hmem
 from hmem import Bitmap, Layout
 from hmem._reference import bitops as ref
+from benchlib import machine_facts
 
 WINDOWS = (-1, -1, -1, -1, 4, 4, 8, 1)
 
@@ -145,33 +143,6 @@ def percentile(sorted_values: list[int], q: float) -> int:
 
 
 # ---- machine facts ------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def machine_facts() -> dict[str, str]:
-    import numpy
-
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "hmem": hmem.__version__,
-        "kernels": hmem.kernels.describe(),
-        "cpu_paths": ", ".join(hmem.kernels.available_cpu_paths()),
-        "cpu": cpu_model(),
-        "cpus": str(os.cpu_count()),
-        "platform": platform.platform(),
-        "numpy": numpy.__version__,
-    }
 
 
 # ---- the run ------------------------------------------------------------------

@@ -38,10 +38,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -52,6 +50,8 @@ import numpy as np
 
 import hmem
 from hmem._native import _checksum, _hamming, _projection
+
+import benchlib
 
 try:
     import faiss
@@ -348,32 +348,10 @@ def search_table(rows: list[dict]) -> str:
     return render(header, body, left=2)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def machine_facts() -> dict[str, str]:
-    import os
-
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "hmem": hmem.__version__,
-        "kernels": hmem.kernels.describe(),
-        "cpu_paths": ", ".join(hmem.kernels.available_cpu_paths()),
-        "cpu": cpu_model(),
-        "cpus": str(os.cpu_count()),
-        "platform": platform.platform(),
-        "numpy": np.__version__,
-        "faiss": "not importable" if faiss is None else f"{faiss.__version__}, {faiss.omp_get_max_threads()} threads",
-    }
+    facts = benchlib.machine_facts()
+    facts["faiss"] = "not importable" if faiss is None else f"{faiss.__version__}, {faiss.omp_get_max_threads()} threads"
+    return facts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -254,3 +254,155 @@ def run_python(tmp_path):
         return proc
 
     return run
+
+
+# ---- verify, repair and corruption (tests/test_verify.py, tests/test_corruption.py) ----
+#
+# One small store per setting (F32 / INT8), built once per session and copied
+# by each test before it damages it: three layers, five shards (a small
+# shard_max_bytes), three evicted entries, some access counts.  What the
+# clean store returns (every entry's K/V, every probe query's ranking) is
+# recorded so that a damaged or repaired copy can be compared with it.
+
+import shutil as _shutil  # noqa: E402
+import types as _types  # noqa: E402
+
+RELIABILITY_EMBED, RELIABILITY_HDC = 16, 256
+
+
+def _build_reliability_template(path: _Path, quantized: bool) -> _types.SimpleNamespace:
+    import hmem
+
+    rng = _np.random.default_rng(7)
+    puts: dict[int, tuple] = {}
+    with hmem.Store.create(path, embed_dim=RELIABILITY_EMBED, hdc_dim=RELIABILITY_HDC,
+                           shard_max_bytes=4200 if quantized else 3400, quantize_stored=quantized) as store:
+        for i in range(14):
+            n = 1 + i % 3
+            keys = rng.standard_normal((n, RELIABILITY_EMBED)).astype(_np.float32)
+            values = rng.standard_normal((n, RELIABILITY_EMBED)).astype(_np.float32)
+            # entries 3, 8 and 12 get the lowest importance: evict(11) takes them
+            entry_id = store.put(keys, values, layer_idx=i % 3, importance=0.1 if i in (2, 7, 11) else 1.0 + i)
+            puts[entry_id] = (keys, values, i % 3)
+        store.flush()
+        assert store.evict(11) == 3
+        for entry_id in (1, 2, 4, 5, 5, 6):  # access counts that must survive a repair
+            keys, _, layer = puts[entry_id]
+            store.query(keys, layer, 1)
+    recs = hmem.records.read(path / "entries.bin", 14, RELIABILITY_HDC // 8)
+    evicted = {int(r["entry_id"]) for r in recs if r["shard_idx"] == hmem.records.EVICTED}
+    assert evicted == {3, 8, 12}
+    live = set(puts) - evicted
+    shard_of = {int(r["entry_id"]): int(r["shard_idx"]) for r in recs if int(r["entry_id"]) in live}
+    queries = [(puts[i][0], puts[i][2]) for i in sorted(puts)]
+    kv: dict[int, tuple] = {}
+    results: list[list[tuple]] = []
+    with hmem.Store.open(path, read_only=True) as reader:
+        for q, layer in queries:
+            found = reader.query(q, layer, top_k=len(puts))
+            results.append([(r.entry_id, r.similarity, r.cosine) for r in found])
+            for r in found:
+                kv[r.entry_id] = (_np.array(r.keys), _np.array(r.values))
+    assert set(kv) == live
+    for entry_id in live:
+        keys, values, _ = puts[entry_id]
+        if quantized:  # within half a scale step of the input (docs/format.md)
+            assert _np.all(_np.abs(kv[entry_id][0] - keys) <= _np.abs(keys).max(axis=1, keepdims=True) / 254 + 1e-6)
+        else:
+            assert kv[entry_id][0].tobytes() == keys.tobytes() and kv[entry_id][1].tobytes() == values.tobytes()
+    assert len(set(shard_of.values())) >= 4
+    return _types.SimpleNamespace(path=path, quantized=quantized, puts=puts, kv=kv, live=live, evicted=evicted,
+                                  shard_of=shard_of, records=recs, queries=queries, results=results,
+                                  top_k=len(puts))
+
+
+@pytest.fixture(scope="session")
+def reliability_template(tmp_path_factory):
+    """``reliability_template(quantized)`` -> a namespace describing a small
+    closed store (built once per session per setting; copy it with
+    ``clone_store`` before changing it): ``path``, ``quantized``, ``puts``
+    {entry id: (keys, values, layer)}, ``kv`` {live entry id: (keys, values)
+    as the clean store returns them}, ``live`` and ``evicted`` (entry ids),
+    ``shard_of`` {live entry id: shard index}, ``records`` (entries.bin),
+    ``queries`` [(query rows, layer)], ``results`` [[(entry id, similarity,
+    cosine)] per query, top_k=``top_k`` covering every entry of a layer]."""
+    built: dict[bool, _types.SimpleNamespace] = {}
+
+    def get(quantized: bool) -> _types.SimpleNamespace:
+        if quantized not in built:
+            root = tmp_path_factory.mktemp("reliability")
+            built[quantized] = _build_reliability_template(root / ("int8" if quantized else "f32"), quantized)
+        return built[quantized]
+
+    return get
+
+
+@pytest.fixture
+def clone_store(tmp_path):
+    """``clone_store(template, name="s")`` -> a fresh copy of the template's
+    store directory under tmp_path (lock file included, empty)."""
+
+    def clone(template, name: str = "s") -> _Path:
+        dst = tmp_path / name
+        _shutil.copytree(template.path, dst)
+        return dst
+
+    return clone
+
+
+@pytest.fixture(scope="session")
+def dir_state():
+    """``dir_state(path)`` -> {file name: (bytes, mtime_ns)} of a directory,
+    for asserting that something wrote nothing at all."""
+
+    def state(path) -> dict[str, tuple[bytes, int]]:
+        root = _Path(path)
+        return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(root.iterdir()) if p.is_file()}
+
+    return state
+
+
+@pytest.fixture(scope="session")
+def probe_store():
+    """``probe_store(path, template, read_only=...)`` opens the store and runs
+    every probe query of the template.  Opening and each query must either
+    raise CorruptStoreError / NotAStoreError / StoreChangedError or return
+    exactly what the clean store returned (ids, scores, K/V bit for bit).
+    Returns a namespace: ``opened``, ``open_error``, ``served`` and
+    ``refused`` (query counts), ``errors`` (the refusals' exception types).
+    With ``keep`` (entry ids), the clean results are first restricted to
+    those entries (a repaired store that dropped the others)."""
+    import hmem
+
+    allowed = (hmem.CorruptStoreError, hmem.NotAStoreError, hmem.StoreChangedError)
+
+    def probe(path, template, *, read_only: bool, keep: set | None = None) -> _types.SimpleNamespace:
+        out = _types.SimpleNamespace(opened=False, open_error=None, served=0, refused=0, errors=[])
+        try:
+            store = hmem.Store.open(path, read_only=read_only)
+        except allowed as exc:
+            assert exc.message and exc.hint, exc  # a clear error: what happened, what to do
+            out.open_error = type(exc)
+            return out
+        out.opened = True
+        with store:
+            for (q, layer), expected in zip(template.queries, template.results):
+                try:
+                    found = store.query(q, layer, top_k=template.top_k, count_access=False)
+                except allowed as exc:
+                    assert exc.message, exc
+                    out.refused += 1
+                    out.errors.append(type(exc))
+                    continue
+                if keep is not None:
+                    expected = [row for row in expected if row[0] in keep]
+                assert [(r.entry_id, r.similarity, r.cosine) for r in found] == expected
+                for r in found:
+                    keys, values = template.kv[r.entry_id]
+                    assert r.keys.dtype == keys.dtype and r.keys.shape == keys.shape
+                    assert _np.asarray(r.keys).tobytes() == keys.tobytes()
+                    assert _np.asarray(r.values).tobytes() == values.tobytes()
+                out.served += 1
+        return out
+
+    return probe

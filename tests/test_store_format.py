@@ -170,8 +170,7 @@ def test_pending_record_updates_carry_the_new_access_counts(tmp_path, read_index
         assert updates["checksum"].tolist() == hmem.records.checksums(reader._records[[0, 2]]).tolist()
     store._lock.release()  # drop the writer without letting it finish step 4
     store._closed = True
-    with Store.open(path) as again:  # the next writer finishes step 4
-        pass
+    Store.open(path).close()  # the next writer finishes step 4
     on_disk = hmem.records.read(path / "entries.bin", 4, HDC // 8)
     assert on_disk["access_count"].tolist() == [1, 0, 2, 0]
     assert not hmem.records.damaged(on_disk).size
@@ -231,7 +230,7 @@ def _old_store(path: Path) -> np.ndarray:
 @pytest.mark.parametrize("point,expect", CRASH_POINTS, ids=[p for p, _ in CRASH_POINTS])
 def test_a_crash_during_flush_leaves_the_old_or_the_new_state(tmp_path, run_python, point, expect):
     path = tmp_path / "s"
-    old = _old_store(path)
+    _old_store(path)
     old_state = state_of(path)
     assert old_state["entries"] == 6 and len(old_state["shards"]) >= 2
     # the state after the flush, from the same work done without a crash on a copy

@@ -22,26 +22,8 @@ cdef extern from "bitops.h" nogil:
     void hm_set_range(uint8_t *buf, size_t start, size_t end)
     void hm_clear_range(uint8_t *buf, size_t start, size_t end)
     uint64_t hm_popcount(const uint8_t *buf, size_t nbytes)
-    int hm_best_path()
-    int hm_select_path(int limit)
-    int hm_path
-    const char *hm_path_names[]
 
-PATH_NAMES = ("portable", "popcnt", "avx512-vpopcntdq")
-
-
-def best_path():
-    """Index in PATH_NAMES of the fastest path this CPU supports."""
-    return hm_best_path()
-
-
-def select_path(int limit):
-    """Use the fastest supported path not above `limit`; returns the index used."""
-    return hm_select_path(limit)
-
-
-def active_path():
-    return hm_path
+include "cpu_paths.pxi"
 
 
 cdef inline uint64_t hm_popcount_byte(unsigned x) noexcept nogil:

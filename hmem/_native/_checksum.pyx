@@ -20,29 +20,12 @@ from libc.stdint cimport uint8_t, uint32_t
 cdef extern from "checksum.h" nogil:
     void hm_crc32c_init()
     uint32_t hm_crc32c(uint32_t crc, const uint8_t *p, size_t n)
-    int hm_best_path()
-    int hm_select_path(int limit)
-    int hm_path
 
-PATH_NAMES = ("portable", "popcnt", "avx512-vpopcntdq")
+include "cpu_paths.pxi"
 
+# Every path but "portable" uses the SSE4.2 crc32 instruction when the CPU has it.
 hm_crc32c_init()
 hm_select_path(len(PATH_NAMES) - 1)
-
-
-def best_path():
-    """Index in PATH_NAMES of the fastest path this CPU supports."""
-    return hm_best_path()
-
-
-def select_path(int limit):
-    """Use the fastest supported path not above `limit`; returns the index used.
-    Every path but "portable" uses the SSE4.2 crc32 instruction when the CPU has it."""
-    return hm_select_path(limit)
-
-
-def active_path():
-    return hm_path
 
 
 def _byte_view(data):

@@ -21,27 +21,10 @@ cdef extern from "hamming.h" nogil:
                       int32_t *out)
     size_t hm_topk(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nbytes,
                    const uint8_t *alive, size_t cap, int32_t *dists, int64_t *rows)
-    int hm_best_path()
-    int hm_select_path(int limit)
-    int hm_path
 
-PATH_NAMES = ("portable", "popcnt", "avx512-vpopcntdq")
+include "cpu_paths.pxi"
 
 hm_select_path(len(PATH_NAMES) - 1)
-
-
-def best_path():
-    """Index in PATH_NAMES of the fastest path this CPU supports."""
-    return hm_best_path()
-
-
-def select_path(int limit):
-    """Use the fastest supported path not above `limit`; returns the index used."""
-    return hm_select_path(limit)
-
-
-def active_path():
-    return hm_path
 
 
 cdef Py_ssize_t _check_shapes(const unsigned char[::1] query,

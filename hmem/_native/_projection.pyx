@@ -27,28 +27,11 @@ cdef extern from "projection.h" nogil:
     int hm_signature(const float *rows, size_t n, size_t d, const uint8_t *signs,
                      size_t m, size_t rounds, size_t hdc_dim, uint8_t *out, double *sum_out)
     void hm_splitmix64(uint64_t seed, size_t count, uint64_t *out)
-    int hm_best_path()
-    int hm_select_path(int limit)
-    int hm_path
 
-PATH_NAMES = ("portable", "popcnt", "avx512-vpopcntdq")
+include "cpu_paths.pxi"
 
 hm_projection_init()
 hm_select_path(len(PATH_NAMES) - 1)
-
-
-def best_path():
-    """Index in PATH_NAMES of the fastest path this CPU supports."""
-    return hm_best_path()
-
-
-def select_path(int limit):
-    """Use the fastest supported path not above `limit`; returns the index used."""
-    return hm_select_path(limit)
-
-
-def active_path():
-    return hm_path
 
 
 def variant():
