@@ -132,8 +132,13 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool):
     for pos in records.damaged(loaded):
         good[pos] = False
         dropped.append((None, f"record {int(pos)} of entries.bin fails its checksum"))
-    order_ok = np.concatenate([[True], np.diff(loaded["entry_id"].astype(np.int64)) > 0]) if len(loaded) else good
-    good &= order_ok
+    # ids must increase: among the sound records, drop any id not above the
+    # highest before it (a damaged record's id is not consulted)
+    ids = loaded["entry_id"].astype(np.int64)
+    highest = np.maximum.accumulate(np.where(good, ids, -1))
+    for pos in np.flatnonzero(good[1:] & (ids[1:] <= highest[:-1])) + 1:
+        good[pos] = False
+        dropped.append((int(ids[pos]), f"record {int(pos)} repeats or reverses an earlier entry id"))
     live = good & (loaded["shard_idx"] != EVICTED)
     scans: dict[int, shards.ShardScan | None] = {}
     kinds = shards.KINDS if config.quantize_stored else shards.KINDS[:3]
@@ -143,7 +148,10 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool):
         if shard_idx not in scans:
             file = root / shards.shard_file(shard_idx)
             try:
-                scans[shard_idx] = shards.scan_shard(file) if file.exists() else None
+                known = base.shards[shard_idx].index_crc if not rebuilt and shard_idx < len(base.shards) else None
+                scans[shard_idx] = shards.scan_shard(file, embed_dim=config.embed_dim,
+                                                     quantized=config.quantize_stored,
+                                                     index_crc=known) if file.exists() else None
             except OSError:
                 scans[shard_idx] = None
         found = _tensors_of(root, scans[shard_idx], shard_idx, entry_id, int(loaded["n_tokens"][pos]), config,
@@ -172,11 +180,8 @@ def _tensors_of(root: Path, scan: shards.ShardScan | None, shard_idx: int, entry
             if spec is None:
                 return f"tensor {kind}_{entry_id} is not in {file.name}"
             dtype, shape, start, end, crc = spec
-            if kind in ("k", "v"):
-                want = ((np.dtype("i1") if config.quantize_stored else np.dtype("<f4")), (n_tokens, config.embed_dim))
-            else:
-                want = (np.dtype("<f4"), (config.embed_dim,) if kind == "p" else (n_tokens,))
-            if (dtype, tuple(shape)) != want:
+            want = shards.tensor_layout(kind, n_tokens, config.embed_dim, config.quantize_stored)
+            if (dtype, tuple(shape)) != want or end > scan.size:
                 return f"tensor {kind}_{entry_id} has the wrong dtype or shape"
             f.seek(start)
             if crc is None or checksum_kernels.crc32c(f.read(end - start)) != crc:

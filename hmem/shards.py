@@ -433,66 +433,118 @@ _NAME = re.compile(r"^(k|v|p|ks|vs)_(\d+)$")
 
 @dataclasses.dataclass
 class ShardScan:
-    """What a shard file holds, read both through its hmem_index and its JSON
-    header, for verify and repair (which must cope with damage)."""
+    """What a shard file holds, read through its hmem_index and its JSON
+    header independently, for verify and repair (which must cope with
+    damage to either)."""
 
     size: int
     metadata: dict[str, str]
-    # (entry_id, kind) -> (dtype, shape, absolute start, absolute end, recorded CRC or None)
+    # (entry_id, kind) -> (dtype, shape, absolute start, absolute end, recorded CRC or None);
+    # from hmem_index when it is sound, else from the JSON header
     tensors: dict[tuple[int, str], tuple[np.dtype, tuple[int, ...], int, int, int | None]]
-    index_entries: np.ndarray | None  # [entries + 1, 12] view of hmem_index, when readable
+    index_entries: np.ndarray | None  # [entries + 1, 12] view of a sound hmem_index
     problems: list[tuple[str, str]]  # (finding code, message)
 
 
-def scan_shard(path: Path) -> ShardScan:
-    """Read a shard's header and index without trusting either."""
+def tensor_layout(kind: str, n_tokens: int, embed_dim: int, quantized: bool) -> tuple[np.dtype, tuple[int, ...]]:
+    """dtype and shape of one tensor of an entry."""
+    if kind in ("k", "v"):
+        return (DTYPES["I8"] if quantized else DTYPES["F32"]), (n_tokens, embed_dim)
+    return DTYPES["F32"], ((embed_dim,) if kind == "p" else (n_tokens,))
+
+
+_MAGIC_BYTES = INDEX_MAGIC.to_bytes(8, "little")
+
+
+def shard_metadata(path: Path) -> dict[str, str]:
+    """The __metadata__ of a shard file (raises CorruptStoreError)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        if size < 8:
+            raise CorruptStoreError(f"shard {path.name} is too short to be safetensors")
+        buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+    return _parse_header(buf, path.name)[0]
+
+
+def _find_index(buf: Any, data_start: int | None) -> tuple[np.ndarray | None, int]:
+    """hmem_index and where it starts: at the data start the header gives,
+    or, when that is damaged, at the first 8-aligned place holding its magic."""
+    size = len(buf)
+    candidates = [data_start] if data_start is not None else []
+    at = 8
+    while (at := buf.find(_MAGIC_BYTES, at)) != -1 and len(candidates) < 4:
+        if at % 8 == 0:
+            candidates.append(at)
+        at += 1
+    for start in candidates:
+        if start is None or start + 2 * INDEX_ROW_BYTES > size:
+            continue
+        head = np.frombuffer(buf, dtype="<i8", count=INDEX_COLUMNS, offset=start)
+        entries = int(head[2])
+        if head[0] != INDEX_MAGIC or head[1] != INDEX_VERSION or not 0 <= entries <= (size - start) // INDEX_ROW_BYTES - 1:
+            continue
+        rows = entries + 1
+        return np.frombuffer(buf, dtype="<i8", count=rows * INDEX_COLUMNS, offset=start).reshape(rows, INDEX_COLUMNS), start
+    return None, -1
+
+
+def scan_shard(path: Path, *, embed_dim: int, quantized: bool, index_crc: int | None = None) -> ShardScan:
+    """Read a shard without trusting its header or its index.  `index_crc`
+    is what index.json records for the index (None when it is lost)."""
     problems: list[tuple[str, str]] = []
     with open(path, "rb") as f:
         size = f.seek(0, 2)
         buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
     metadata: dict[str, str] = {}
-    tensors: dict = {}
-    index_entries = None
+    from_header: dict = {}
+    data_start = None
     try:
         metadata, entries, data_start = _parse_header(buf, path.name)
+        for name, (dtype, shape, start, end) in entries.items():
+            match = _NAME.match(name)
+            if match:
+                crc_text = metadata.get(CRC_PREFIX + name)
+                try:
+                    crc = int(crc_text, 16) if crc_text is not None else None
+                except ValueError:
+                    crc = None
+                from_header[(int(match.group(2)), match.group(1))] = (dtype, shape, start, end, crc)
+            elif name != INDEX_TENSOR:
+                problems.append(("shard.header", f"unexpected tensor {name}"))
     except CorruptStoreError as exc:
         problems.append(("shard.header", exc.message))
-        return ShardScan(size, metadata, tensors, None, problems)
-    for name, (dtype, shape, start, end) in entries.items():
-        match = _NAME.match(name)
-        if match:
-            crc_text = metadata.get(CRC_PREFIX + name)
-            try:
-                crc = int(crc_text, 16) if crc_text is not None else None
-            except ValueError:
-                crc = None
-            tensors[(int(match.group(2)), match.group(1))] = (dtype, shape, start, end, crc)
-        elif name != INDEX_TENSOR:
-            problems.append(("shard.header", f"unexpected tensor {name}"))
-    spec = entries.get(INDEX_TENSOR)
-    if spec is None:
-        problems.append(("shard.index", "no hmem_index tensor"))
+    index, index_start = _find_index(buf, data_start)
+    if index is None:
+        problems.append(("shard.index", "no readable hmem_index"))
     else:
-        dtype, shape, start, end = spec
-        raw = memoryview(buf)[start:end]
-        recorded = metadata.get(CRC_PREFIX + INDEX_TENSOR)
-        if dtype != DTYPES["I64"] or len(shape) != 2 or shape[1] != INDEX_COLUMNS:
-            problems.append(("shard.index", "hmem_index has the wrong dtype or shape"))
-        elif recorded is None or checksum_kernels.crc32c(raw) != int(recorded, 16):
+        expected = index_crc
+        if expected is None:
+            try:
+                expected = int(metadata[CRC_PREFIX + INDEX_TENSOR], 16)
+            except (KeyError, ValueError):
+                expected = None
+        if expected is not None and checksum_kernels.crc32c(_bytes_view(index)) != expected:
             problems.append(("shard.index", "hmem_index fails its checksum"))
-        else:
-            index_entries = np.frombuffer(buf, dtype="<i8", count=shape[0] * shape[1], offset=start).reshape(shape)
-            for row in index_entries[1:]:
-                entry_id = int(row[0])
-                for column, kind in enumerate(KINDS):
-                    offset = int(row[2 + column])
-                    known = tensors.get((entry_id, kind))
-                    if offset < 0:
-                        if known is not None:
-                            problems.append(("shard.mismatch", f"{kind}_{entry_id} is in the header, not the index"))
-                    elif known is None or known[2] != data_start + offset or known[4] != int(row[7 + column]):
-                        problems.append(("shard.mismatch", f"{kind}_{entry_id}: header and index disagree"))
-    return ShardScan(size, metadata, tensors, index_entries, problems)
+            index = None
+    if index is None:
+        return ShardScan(size, metadata, from_header, None, problems)
+    from_index = {}
+    for row in index[1:]:
+        entry_id, n_tokens = int(row[0]), int(row[1])
+        for column, kind in enumerate(KINDS):
+            offset = int(row[2 + column])
+            if offset < 0:
+                continue
+            dtype, shape = tensor_layout(kind, n_tokens, embed_dim, quantized)
+            start = index_start + offset
+            end = start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            from_index[(entry_id, kind)] = (dtype, shape, start, end, int(row[7 + column]))
+    if from_header:
+        for key in from_header.keys() | from_index.keys():
+            a, b = from_header.get(key), from_index.get(key)
+            if a is None or b is None or a[2:] != b[2:] or tuple(a[1]) != tuple(b[1]):
+                problems.append(("shard.mismatch", f"{key[1]}_{key[0]}: the JSON header and hmem_index disagree"))
+    return ShardScan(size, metadata, from_index, index, problems)
 
 
 class ShardCache:

@@ -120,6 +120,7 @@ class Store:
         self._verify_reads = verify_reads
         self._closed = False
         self._committed = mf  # what index.json says now
+        self._listed_pending = bool(mf.pending)
         self._index_bytes = index_bytes
         cfg = mf.config
         self.config = cfg
@@ -236,6 +237,9 @@ class Store:
             try:
                 if not self.read_only:
                     self._flush(exact_ids=True)
+                    if self._listed_pending and not self._committed.pending:
+                        # every listed step is done: leave index.json saying so
+                        self._commit(dataclasses.replace(self._committed, generation=self._committed.generation + 1))
             finally:
                 self._closed = True
                 self._cache.drop()
@@ -464,6 +468,7 @@ class Store:
     def _commit(self, mf: Manifest) -> None:
         self._index_bytes = manifest.write(self.path, mf)
         self._committed = mf
+        self._listed_pending = bool(mf.pending)  # index.json lists steps (done or not)
 
     # ---- query ----------------------------------------------------------------
 
@@ -504,9 +509,12 @@ class Store:
             return results
 
     def _cosines(self, positions: np.ndarray, target: np.ndarray) -> np.ndarray:
+        # Row by row with numpy's own reduction (not a BLAS product, whose
+        # rounding depends on a row's place in the block): an entry's cosine
+        # is the same whatever the other candidates, and equal keys tie.
         pooled = np.stack([self._tensor(int(pos), "p") for pos in positions]).astype(np.float64)
-        norms = np.linalg.norm(pooled, axis=1) * np.linalg.norm(target)
-        dots = pooled @ target
+        norms = np.sqrt((pooled * pooled).sum(axis=1)) * np.sqrt((target * target).sum())
+        dots = (pooled * target).sum(axis=1)
         return np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0)
 
     def _count_access(self, positions: np.ndarray) -> None:
@@ -548,7 +556,8 @@ class Store:
             # The open shard's memory is reused after it is sealed: copy.
             return self._builder.get(entry_id, kind).copy()
         reader = self._reader(shard_idx)
-        dtype, shape = _tensor_layout(kind, int(row["n_tokens"]), self.config)
+        dtype, shape = shards.tensor_layout(kind, int(row["n_tokens"]), self.config.embed_dim,
+                                            self.config.quantize_stored)
         array = reader.tensor(entry_id, kind, dtype, shape)
         wanted = self._verify_reads if check is None else check
         if wanted and (entry_id, kind) not in reader.verified and not reader.check(entry_id, kind, array):
@@ -563,7 +572,21 @@ class Store:
             raise CorruptStoreError(f"a record names shard {shard_idx}, which the store does not have",
                                     hint="run 'hmem verify'")
         path = _resolve(self.path, info.file, self._committed.pending)
-        return self._cache.get(shard_idx, path, info)
+        try:
+            return self._cache.get(shard_idx, path, info)
+        except CorruptStoreError:
+            # A reader whose files a writer has since replaced or removed
+            # (compaction) sees them as missing: say what really happened.
+            if self.read_only and self._store_changed():
+                raise StoreChangedError(f"{self.path} was changed by a writer since it was opened",
+                                        hint="open it again") from None
+            raise
+
+    def _store_changed(self) -> bool:
+        try:
+            return manifest.read_bytes(self.path) != self._index_bytes
+        except HmemError:
+            return True
 
     # ---- management -------------------------------------------------------------
 
@@ -808,6 +831,7 @@ class Store:
                     self._lock.release()
             raise
         self._committed = mf
+        self._listed_pending = False  # rewrite's last commit lists no steps
         self._cache.drop()
         # the new state in memory
         self._records = new_records
@@ -834,7 +858,8 @@ class Store:
             reader = self._reader(int(row["shard_idx"]))
             found = {}
             for kind in self._kinds():
-                dtype, shape = _tensor_layout(kind, int(row["n_tokens"]), self.config)
+                dtype, shape = shards.tensor_layout(kind, int(row["n_tokens"]), self.config.embed_dim,
+                                                    self.config.quantize_stored)
                 nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
                 crc = reader.crc(entry_id, kind)
                 where = reader.file_range(entry_id, kind, nbytes)
@@ -876,24 +901,13 @@ def _entry_tensors(p: _Prepared, quantized: bool) -> dict[str, np.ndarray]:
     return {"k": kq, "v": vq, "p": p.pooled, "ks": ks, "vs": vs}
 
 
-_F32, _I8 = np.dtype("<f4"), np.dtype("i1")
-
-
 def _crc_check(expected: int, name: str, where: _io.FileRange) -> Callable[[memoryview], None]:
+    """A check for _io's copy: the bytes must match their recorded CRC-32C."""
     def check(data: memoryview) -> None:
         if checksum_kernels.crc32c(data) != expected:
             raise CorruptStoreError(f"tensor {name} in {where.path.name} fails its checksum",
                                     hint="run 'hmem verify --full', then 'hmem verify --repair'")
     return check
-
-
-def _tensor_layout(kind: str, n_tokens: int, config: StoreConfig) -> tuple[np.dtype, tuple[int, ...]]:
-    """dtype and shape of one tensor of an entry."""
-    if kind in ("k", "v"):
-        return (_I8 if config.quantize_stored else _F32), (n_tokens, config.embed_dim)
-    if kind == "p":
-        return _F32, (config.embed_dim,)
-    return _F32, (n_tokens,)
 
 
 def _count_value(value: Any, name: str) -> int:

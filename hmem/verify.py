@@ -83,12 +83,6 @@ def _kinds(config: StoreConfig) -> tuple[str, ...]:
     return shards.KINDS if config.quantize_stored else shards.KINDS[:3]
 
 
-def _layout(kind: str, n_tokens: int, config: StoreConfig) -> tuple[np.dtype, tuple[int, ...]]:
-    if kind in ("k", "v"):
-        return (np.dtype("i1") if config.quantize_stored else np.dtype("<f4")), (n_tokens, config.embed_dim)
-    return np.dtype("<f4"), ((config.embed_dim,) if kind == "p" else (n_tokens,))
-
-
 def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | None = None,
            max_seconds: float | None = None) -> VerifyReport:
     """Check the store at `path`; see the module docstring."""
@@ -139,7 +133,7 @@ def _check_index(root: Path, out: _Collector) -> manifest.Manifest | None:
 
 
 def _check_records(root: Path, mf: manifest.Manifest, out: _Collector) -> np.ndarray:
-    path = root / ENTRIES_FILE
+    path = _resolve(root, ENTRIES_FILE, mf)
     size = 40 + mf.config.signature_bytes
     committed = mf.record_count * size
     try:
@@ -159,13 +153,14 @@ def _check_records(root: Path, mf: manifest.Manifest, out: _Collector) -> np.nda
     for pos in records.damaged(loaded):
         out.add("record.checksum", ERROR, ENTRIES_FILE, f"record {int(pos)} fails its checksum",
                 entry_id=int(loaded["entry_id"][pos]))
-    ids = loaded["entry_id"]
+    ids = loaded["entry_id"][np.setdiff1d(np.arange(len(loaded)), records.damaged(loaded))]
     if len(ids) > 1 and not np.all(np.diff(ids.astype(np.int64)) > 0):
         out.add("record.order", ERROR, ENTRIES_FILE, "entry ids are not strictly increasing")
     if len(ids) and int(ids.max()) >= mf.next_entry_id:
         out.add("record.id", ERROR, ENTRIES_FILE, f"entry id {int(ids.max())} is not below next_entry_id "
                 f"{mf.next_entry_id}")
     bad_shard = (loaded["shard_idx"] != EVICTED) & (loaded["shard_idx"] >= len(mf.shards))
+    bad_shard[records.damaged(loaded)] = False
     for pos in np.flatnonzero(bad_shard):
         out.add("record.shard", ERROR, ENTRIES_FILE, f"record {int(pos)} names shard {int(loaded['shard_idx'][pos])}, "
                 f"which the store does not have", entry_id=int(loaded["entry_id"][pos]))
@@ -176,8 +171,9 @@ def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
                   out: _Collector) -> dict[int, shards.ShardScan]:
     scans = {}
     live = loaded["shard_idx"] != EVICTED
+    live[records.damaged(loaded)] = False  # a damaged record's fields mean nothing
     for idx, info in enumerate(mf.shards):
-        path = root / info.file
+        path = _resolve(root, info.file, mf)
         if not path.exists():
             out.add("shard.missing", ERROR, info.file, "the shard file is missing",
                     f"{info.bytes} bytes holding {info.entries} entries")
@@ -185,7 +181,8 @@ def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
         size = path.stat().st_size
         if size != info.bytes:
             out.add("shard.size", ERROR, info.file, f"{size} bytes", f"{info.bytes} bytes")
-        scan = shards.scan_shard(path)
+        scan = shards.scan_shard(path, embed_dim=mf.config.embed_dim, quantized=mf.config.quantize_stored,
+                                 index_crc=info.index_crc)
         scans[idx] = scan
         for code, message in scan.problems:
             out.add(code, ERROR, info.file, message)
@@ -234,7 +231,7 @@ def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans:
             continue
         info = mf.shards[idx]
         rows = np.flatnonzero(good & (loaded["shard_idx"] == idx))
-        with open(root / info.file, "rb") as f:
+        with open(_resolve(root, info.file, mf), "rb") as f:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if info.bytes else b""
         for pos in rows.tolist():
             if max_seconds is not None and time.perf_counter() - started > max_seconds:
@@ -245,7 +242,8 @@ def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans:
                 if spec is None:
                     continue  # reported by the quick check
                 dtype, shape, start, end, crc = spec
-                want_dtype, want_shape = _layout(kind, n_tokens, mf.config)
+                want_dtype, want_shape = shards.tensor_layout(kind, n_tokens, mf.config.embed_dim,
+                                                              mf.config.quantize_stored)
                 name = f"{kind}_{entry_id}"
                 if dtype != want_dtype or tuple(shape) != want_shape:
                     out.add("tensor.shape", ERROR, info.file, f"{name} is {dtype} {list(shape)}",
@@ -259,13 +257,21 @@ def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans:
     return checked, nbytes, True
 
 
+def _resolve(root: Path, name: str, mf: manifest.Manifest) -> Path:
+    """Where a file the commit names is now: the source of a pending rename
+    to it while that rename has not happened yet (as readers see it)."""
+    for src, dst in mf.pending.renames:
+        if dst == name and (root / src).exists():
+            return root / src
+    return root / name
+
+
 def config_from_shards(root: Path) -> StoreConfig | None:
     """The store config a shard's metadata carries (for rebuilding a lost
     index.json), or None."""
     for path in sorted(root.glob("shard_*.safetensors")):
         try:
-            scan = shards.scan_shard(path)
-            return StoreConfig.from_dict(json.loads(scan.metadata["store_config"]))
+            return StoreConfig.from_dict(json.loads(shards.shard_metadata(path)["store_config"]))
         except (KeyError, ValueError, HmemError, OSError):
             continue
     return None
