@@ -574,12 +574,17 @@ class Store:
         path = _resolve(self.path, info.file, self._committed.pending)
         try:
             return self._cache.get(shard_idx, path, info)
-        except CorruptStoreError:
-            # A reader whose files a writer has since replaced or removed
-            # (compaction) sees them as missing: say what really happened.
-            if self.read_only and self._store_changed():
+        except (CorruptStoreError, StoreChangedError) as exc:
+            # Say what really happened: a reader whose files a writer has
+            # since replaced (compaction) sees them as missing or foreign;
+            # when nothing was committed since, the file itself is damaged.
+            changed = self._store_changed()
+            if changed and self.read_only:
                 raise StoreChangedError(f"{self.path} was changed by a writer since it was opened",
                                         hint="open it again") from None
+            if isinstance(exc, StoreChangedError) and not changed:
+                raise CorruptStoreError(f"shard {info.file} is not the file the store names (its uid differs)",
+                                        hint="run 'hmem verify'") from None
             raise
 
     def _store_changed(self) -> bool:
@@ -810,6 +815,14 @@ class Store:
         before = _directory_bytes(self.path)
         shards_before = len(self._shards)
         orphans, _ = _orphans(self.path, self._shards, self._committed.pending)
+        if not plan.evicted_records and plan.shards_after >= len(self._shards):
+            # Nothing to rewrite (no evicted data, no shards to merge): only
+            # leftovers to delete.
+            _io.unlink_many([self.path / name for name in orphans])
+            after = _directory_bytes(self.path)
+            return CompactionReport(True, "removed orphan files", shards_before, shards_before, before, after,
+                                    max(0, before - after), self._live_count(), 0, len(orphans),
+                                    time.perf_counter() - started)
         live = self._live_positions()
         sizes = np.asarray(self._entry_file_bytes(self._records["n_tokens"][live].astype(np.int64)), dtype=np.int64)
         deletes = [info.file for info in self._shards] + orphans
