@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import mmap
+import os
 import re
+import stat
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -38,11 +41,12 @@ import numpy as np
 from hmem import _io
 from hmem.errors import HmemError, InvalidArgumentError
 from hmem.store import Entry, Store
+from hmem.tensors import importance_value
 
 SUFFIX = ".safetensors"
 
-_LAYERED = re.compile(r"^layers?[._](\d+)[._](k|v|keys|values)$")
-_NUMBERED = re.compile(r"^(k|v|keys|values)[._](\d+)$")
+_LAYERED = re.compile(r"^layers?[._](\d{1,10})[._](k|v|keys|values)$")
+_NUMBERED = re.compile(r"^(k|v|keys|values)[._](\d{1,18})$")
 _SINGLE = {"k": "k", "v": "v", "keys": "k", "values": "v"}
 
 _FLOAT_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": None}
@@ -106,6 +110,8 @@ class _File:
 
     def __init__(self, path: Path) -> None:
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise BadFileError("not a regular file")
             with open(path, "rb") as f:
                 size = f.seek(0, 2)
                 if size < 8:
@@ -113,8 +119,6 @@ class _File:
                 self._map = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
         except FileNotFoundError:
             raise BadFileError("no such file") from None
-        except IsADirectoryError:
-            raise BadFileError("a directory") from None
         except PermissionError:
             raise BadFileError("permission denied") from None
         except OSError as exc:
@@ -125,7 +129,7 @@ class _File:
             raise BadFileError(f"header length {length} runs past the end of the file")
         try:
             header = json.loads(bytes(self._map[8 : 8 + length]))
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise BadFileError("the header is not valid JSON") from None
         if not isinstance(header, dict):
             raise BadFileError("the header is not a JSON object")
@@ -137,18 +141,26 @@ class _File:
         for name, spec in header.items():
             try:
                 dtype = str(spec["dtype"])
-                shape = tuple(int(x) for x in spec["shape"])
-                begin, end = (int(x) for x in spec["data_offsets"])
-            except (KeyError, TypeError, ValueError):
+                shape = tuple(_header_int(x) for x in spec["shape"])
+                begin, end = (_header_int(x) for x in spec["data_offsets"])
+            except (KeyError, TypeError, ValueError, OverflowError):
                 raise BadFileError(f"tensor {name!r} has a malformed header entry") from None
-            if any(x < 0 for x in shape) or not 0 <= begin <= end <= data_len:
+            if not 0 <= begin <= end <= data_len:
                 raise BadFileError(f"tensor {name!r} lies outside the file's data")
             item = _ITEM_SIZES.get(dtype)
             if item is None:
                 raise BadFileError(f"tensor {name!r} has unknown dtype {dtype}")
-            if end - begin != int(np.prod(shape, dtype=np.int64)) * item:
+            if end - begin != math.prod(shape) * item:  # Python ints: no overflow
                 raise BadFileError(f"tensor {name!r}: its byte size does not match shape {list(shape)}")
             self.tensors[name] = (dtype, shape, begin, end)
+        # As safetensors requires: tensors back to back, covering the data.
+        at = 0
+        for name, (_, _, begin, end) in sorted(self.tensors.items(), key=lambda item: (item[1][2], item[1][3])):
+            if begin != at:
+                raise BadFileError(f"tensor {name!r} {'overlaps another' if begin < at else 'leaves a gap before it'}")
+            at = end
+        if at != data_len:
+            raise BadFileError(f"{data_len - at} bytes after the last tensor belong to none")
 
     def array(self, name: str) -> np.ndarray:
         """The tensor as a float array (a view for F32/F16/F64, a float32 copy for BF16)."""
@@ -173,6 +185,13 @@ def read_tensor(path: Path, names: tuple[str, ...]) -> np.ndarray:
     if len(f.tensors) == 1:
         return f.array(next(iter(f.tensors)))
     raise BadFileError(f"no tensor named {' or '.join(names)} and more than one tensor")
+
+
+def _header_int(value: Any) -> int:
+    """A non-negative integer of a header, refusing floats, bools and absurd sizes."""
+    if type(value) is not int or not 0 <= value < 1 << 62:
+        raise ValueError(f"{value!r} is not a size")
+    return value
 
 
 def _metadata_number(metadata: dict, key: str, cast: Callable[[str], Any]) -> Any:
@@ -235,8 +254,8 @@ def import_files(
     caller flushes (or closes) the store."""
     if layer is not None and (isinstance(layer, bool) or not 0 <= int(layer) <= 0xFFFFFFFF):
         raise InvalidArgumentError(f"layer must be between 0 and {0xFFFFFFFF}, got {layer}")
-    if importance is not None and not (np.isfinite(importance) and importance >= 0):
-        raise InvalidArgumentError(f"importance must be finite and >= 0, got {importance}")
+    if importance is not None:
+        importance = importance_value(importance)
     results = []
     for path in find_files(paths):
         try:

@@ -43,9 +43,40 @@ def read_owner(store_dir: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def _settled_owner(store_dir: Path) -> dict | None:
+    """The owner record, waiting a moment for a holder that has just taken
+    the lock and not yet written it; failing that, the holder's pid as the
+    kernel's lock table (Linux /proc/locks) gives it."""
+    for _ in range(10):
+        owner = read_owner(store_dir)
+        if owner:
+            return owner
+        time.sleep(0.01)
+    pid = _flock_holder(store_dir / LOCK_FILE)
+    return {"pid": pid} if pid is not None else None
+
+
+def _flock_holder(path: Path) -> int | None:
+    """Pid holding a FLOCK write lock on `path`, from /proc/locks."""
+    try:
+        inode = os.stat(path).st_ino
+        with open("/proc/locks") as table:
+            for line in table:
+                fields = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[3] == "WRITE" \
+                        and fields[5].rsplit(":", 1)[-1] == str(inode):
+                    return int(fields[4])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def describe_owner(owner: dict | None) -> str:
     if not owner:
         return "another process"
+    if set(owner) == {"pid"}:
+        return f"pid {owner['pid']} (just taking the lock)"
     return (
         f"pid {owner.get('pid', '?')} on {owner.get('host', '?')} "
         f"({owner.get('command', '?')}, since {owner.get('since', '?')})"
@@ -66,7 +97,7 @@ class WriterLock:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     os.close(fd)
-                    owner = describe_owner(read_owner(store_dir))
+                    owner = describe_owner(_settled_owner(store_dir))
                     raise StoreLockedError(
                         f"{store_dir} is locked for writing by {owner}",
                         hint="wait for it to finish, or retry with a lock wait such as --lock-wait 30",

@@ -98,8 +98,7 @@ def read(path: Path, count: int, signature_bytes: int) -> np.ndarray:
             f"{path} holds {size // dtype.itemsize} whole records but the store commits {count}",
             hint="run 'hmem verify' to see what can be saved",
         )
-    records = np.fromfile(path, dtype=dtype, count=count)
-    return records
+    return np.fromfile(path, dtype=dtype, count=count)
 
 
 def updates_for(records: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import mmap
 import os
 import re
@@ -45,7 +46,7 @@ from hmem.kernels import quantize as quantize_kernels
 
 SHARD_FORMAT = "hmem-shard"
 SHARD_FORMAT_VERSION = "1"
-SHARD_NAME = re.compile(r"^shard_(\d{4,})\.safetensors$")
+SHARD_NAME = re.compile(r"^shard_(\d{4,9})\.safetensors$")
 CRC_PREFIX = "crc32c:"
 
 INDEX_TENSOR = "hmem_index"
@@ -403,7 +404,7 @@ def _parse_header(buf: mmap.mmap, name: str) -> tuple[dict[str, str], dict[str, 
         raise bad(f"header length {length} runs past the end of the file")
     try:
         header = json.loads(bytes(buf[8 : 8 + length]))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise bad("the header is not valid JSON") from None
     if not isinstance(header, dict):
         raise bad("the header is not a JSON object")
@@ -416,19 +417,21 @@ def _parse_header(buf: mmap.mmap, name: str) -> tuple[dict[str, str], dict[str, 
     for tensor, spec in header.items():
         try:
             dtype = DTYPES[spec["dtype"]]
-            shape = tuple(int(x) for x in spec["shape"])
-            start, end = (int(x) for x in spec["data_offsets"])
+            shape = tuple(x for x in spec["shape"])
+            start, end = (x for x in spec["data_offsets"])
+            if not all(type(x) is int and 0 <= x < 1 << 62 for x in (*shape, start, end)):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
             raise bad(f"tensor {tensor} has a malformed entry") from None
-        if any(x < 0 for x in shape) or not 0 <= start <= end <= data_len:
+        if not 0 <= start <= end <= data_len:
             raise bad(f"tensor {tensor} lies outside the data")
-        if end - start != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        if end - start != math.prod(shape) * dtype.itemsize:  # Python ints: no overflow
             raise bad(f"tensor {tensor}'s size does not match its shape")
         entries[tensor] = (dtype, shape, data_start + start, data_start + end)
     return metadata, entries, data_start
 
 
-_NAME = re.compile(r"^(k|v|p|ks|vs)_(\d+)$")
+_NAME = re.compile(r"^(k|v|p|ks|vs)_(\d{1,20})$")
 
 
 @dataclasses.dataclass

@@ -573,7 +573,13 @@ class Store:
                                     hint="run 'hmem verify'")
         path = _resolve(self.path, info.file, self._committed.pending)
         try:
-            return self._cache.get(shard_idx, path, info)
+            try:
+                return self._cache.get(shard_idx, path, info)
+            except CorruptStoreError:
+                if path == self.path / info.file:
+                    raise
+                # the pending rename happened in between: the file has its final name now
+                return self._cache.get(shard_idx, self.path / info.file, info)
         except (CorruptStoreError, StoreChangedError) as exc:
             # Say what really happened: a reader whose files a writer has
             # since replaced (compaction) sees them as missing or foreign;
@@ -973,7 +979,7 @@ def _load_records(root: Path, mf: Manifest, *, resolve: bool) -> np.ndarray:
     path = _resolve(root, ENTRIES_FILE, mf.pending) if resolve else root / ENTRIES_FILE
     try:
         loaded = records.read(path, mf.record_count, mf.config.signature_bytes)
-    except CorruptStoreError:
+    except (CorruptStoreError, FileNotFoundError):
         if path == root / ENTRIES_FILE:
             raise
         loaded = records.read(root / ENTRIES_FILE, mf.record_count, mf.config.signature_bytes)  # renamed meanwhile

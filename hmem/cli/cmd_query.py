@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import zipfile
 from pathlib import Path
 from typing import Annotated
 
@@ -23,11 +24,17 @@ def load_query(path: Path) -> np.ndarray:
     'q', 'keys' or 'k', or its only tensor)."""
     if path.suffix == ".npy":
         try:
-            return np.load(path, allow_pickle=False)
+            # mapped, not loaded: a header claiming a huge shape fails
+            # against the file's real size instead of allocating it
+            tokens = np.load(path, allow_pickle=False, mmap_mode="r")
         except FileNotFoundError:
             raise InvalidArgumentError(f"--query {path}: no such file") from None
-        except (OSError, ValueError) as exc:
-            raise InvalidArgumentError(f"--query {path}: not a readable .npy file ({exc})") from None
+        except (OSError, ValueError, EOFError, TypeError, MemoryError, zipfile.BadZipFile) as exc:
+            raise InvalidArgumentError(f"--query {path}: not a readable .npy file ({exc or type(exc).__name__})") \
+                from None
+        if not isinstance(tokens, np.ndarray):
+            raise InvalidArgumentError(f"--query {path}: an .npz archive, not one .npy array")
+        return tokens
     try:
         return read_tensor(path, QUERY_TENSOR_NAMES)
     except BadFileError as exc:

@@ -18,4 +18,7 @@ def parse_size(text: str, option: str) -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise InvalidArgumentError(f"{option} {text!r}: expected a size such as 1048576, 512MiB or 10G")
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1)) * _UNITS[unit]
+    if not value < 2**64:
+        raise InvalidArgumentError(f"{option} {text!r} is larger than 2^64 bytes")
+    return int(value)
