@@ -3,7 +3,7 @@
 All compiler settings live here.  The kernels are compiled for a portable
 baseline of the target architecture (no -march=native): faster instruction
 paths (hardware popcount, AVX-512 VPOPCNTDQ) are compiled as separate
-functions with per-function target attributes in ``hmem/_native/bitops.h``
+functions with per-function target attributes in ``hmem/kernels/_native/bitops.h``
 and chosen at run time from the CPU's feature flags.  -ffp-contract=off
 keeps the compiler from fusing a multiply and an add: the signature
 projection must give the same bits as its numpy reference.
@@ -18,10 +18,10 @@ COMPILE_ARGS = ["-O3", "-fno-strict-aliasing", "-ffp-contract=off", "-Wno-unused
 
 extensions = [
     Extension(
-        f"hmem._native.{name}",
-        [f"hmem/_native/{name}.pyx"],
-        depends=sorted(glob("hmem/_native/*.h") + glob("hmem/_native/*.pxi")),
-        include_dirs=["hmem/_native"],
+        f"hmem.kernels._native.{name}",
+        [f"hmem/kernels/_native/{name}.pyx"],
+        depends=sorted(glob("hmem/kernels/_native/*.h") + glob("hmem/kernels/_native/*.pxi")),
+        include_dirs=["hmem/kernels/_native"],
         extra_compile_args=COMPILE_ARGS,
     )
     for name in ("_bitops", "_checksum", "_hamming", "_projection", "_quantize")

@@ -4,7 +4,7 @@ The public names of the library; everything else is internal.
 """
 
 from hmem._version import __version__
-from hmem.bitmap import Bitmap
+from hmem.prefix_hit.bitmap import Bitmap
 from hmem.config import StoreConfig
 from hmem.errors import (
     CorruptStoreError,
@@ -21,7 +21,7 @@ from hmem.errors import (
     StoreLockedError,
     UnsupportedFormatError,
 )
-from hmem.prefix_hit import (
+from hmem.prefix_hit.operators import (
     FULL_ATTENTION_WINDOW,
     GroupHit,
     Layout,
@@ -41,11 +41,11 @@ from hmem.prefix_hit import (
     unfold,
     unfold_range,
 )
-from hmem.bridge import AugmentedKV, Segment
-from hmem.repair import RepairReport, repair
-from hmem.results import CompactionPlan, CompactionReport, EvictionPlan, QueryResult, ShardStats, StoreStats
-from hmem.store import Entry, Store
-from hmem.verify import Finding, VerifyReport, verify
+from hmem.store.bridge import AugmentedKV, Segment
+from hmem.recovery.repair import RepairReport, repair
+from hmem.store.results import CompactionPlan, CompactionReport, EvictionPlan, QueryResult, ShardStats, StoreStats
+from hmem.store.store import Entry, Store
+from hmem.recovery.verify import Finding, VerifyReport, verify
 
 __all__ = [
     "AugmentedKV",

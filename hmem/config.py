@@ -6,14 +6,13 @@ The config is saved in index.json; a reopened store uses it as saved.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any
 
+from hmem import validation
 from hmem.errors import InvalidArgumentError, UnsupportedFormatError
 
 MiB = 1 << 20
-U32_MAX = (1 << 32) - 1
-U64_MAX = (1 << 64) - 1
+U64_MAX = validation.U64_MAX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,16 +41,7 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int, high: int) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool):
-                raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
-            try:
-                value = operator.index(value)
-            except TypeError:
-                raise InvalidArgumentError(f"{name} must be an integer, got {value!r}") from None
-            if not low <= value <= high:
-                raise InvalidArgumentError(f"{name} must be between {low} and {high}, got {value}")
-            object.__setattr__(self, name, value)
+            object.__setattr__(self, name, validation.integer(getattr(self, name), name, low=low, high=high))
 
         integer("embed_dim", 1, 1 << 20)
         integer("hdc_dim", 64, 1 << 20)
@@ -62,8 +52,7 @@ class StoreConfig:
         integer("max_disk_bytes", 0, U64_MAX)
         integer("shard_max_bytes", 1, U64_MAX)
         integer("max_open_shards", 1, 1 << 16)
-        if not isinstance(self.quantize_stored, bool):
-            raise InvalidArgumentError(f"quantize_stored must be true or false, got {self.quantize_stored!r}")
+        validation.flag(self.quantize_stored, "quantize_stored")
 
     @property
     def signature_bytes(self) -> int:

@@ -7,7 +7,7 @@ and each layout it times
 
 - native: ``hmem.fold_unfold_ranked`` (fold -> highest set bit -> unfold in
   the compiled kernels), the library call and nothing else;
-- reference: ``hmem._reference.bitops.fold_into`` + ``highest_set_bit`` +
+- reference: ``hmem.kernels.reference.bitops.fold_into`` + ``highest_set_bit`` +
   ``unfold_into`` on fresh bytearrays, measured in the same run.
 
 Before timing a case the script checks that both pipelines give the same hit
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 import hmem
 from hmem import Bitmap, Layout
-from hmem._reference import bitops as ref
+from hmem.kernels.reference import bitops as ref
 from benchlib import machine_facts
 
 WINDOWS = (-1, -1, -1, -1, 4, 4, 8, 1)

@@ -11,7 +11,7 @@ matrix as the store keeps them.  For each size it times
 - all 32 layers, top-5 and top-100: a scan of every layer then a merge of
   the per-layer results by (distance, layer, row);
 
-with the native kernel (hmem._native._hamming.topk) beside, measured in the
+with the native kernel (hmem.kernels._native._hamming.topk) beside, measured in the
 same run on the same matrices: numpy (xor + np.bitwise_count + argpartition),
 faiss IndexBinaryFlat (one index per layer; skipped when faiss is not
 importable), and the memory-read floor (sigs.view(np.uint64).sum() over the
@@ -49,7 +49,7 @@ from collections.abc import Callable
 import numpy as np
 
 import hmem
-from hmem._native import _checksum, _hamming, _projection
+from hmem.kernels._native import _checksum, _hamming, _projection
 
 import benchlib
 

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from hmem import kernels
-from hmem._native import _bitops
+from hmem.kernels._native import _bitops
 
 _COMMON = dict(
     deadline=None,
@@ -167,8 +167,8 @@ def snapshot_dir():
 @pytest.fixture(scope="session")
 def ref_signature():
     """``ref_signature(keys, embed_dim, hdc_dim, seed)`` -> the packed signature of
-    float32 rows, computed by hmem._reference.projection (the format's definition)."""
-    from hmem._reference import projection as ref
+    float32 rows, computed by hmem.kernels.reference.projection (the format's definition)."""
+    from hmem.kernels.reference import projection as ref
 
     def sig(keys, embed_dim: int, hdc_dim: int, seed: int = 0) -> _np.ndarray:
         m = max(64, 1 << (embed_dim - 1).bit_length())
@@ -214,7 +214,7 @@ def rewrite_index():
 @pytest.fixture(scope="session")
 def read_index():
     """``read_index(store_dir)`` -> index.json as a dict, pending record updates decoded."""
-    from hmem.records import UPDATE_DTYPE
+    from hmem.formats.records import UPDATE_DTYPE
 
     def read(store_dir) -> dict:
         doc = _json.loads((_Path(store_dir) / "index.json").read_text())
@@ -227,8 +227,8 @@ def read_index():
 
 @pytest.fixture(scope="session")
 def read_records():
-    """``read_records(store_dir)`` -> the committed records of entries.bin (hmem.records.read)."""
-    from hmem import records
+    """``read_records(store_dir)`` -> the committed records of entries.bin (hmem.formats.records.read)."""
+    from hmem.formats import records
 
     def read(store_dir) -> _np.ndarray:
         doc = _json.loads((_Path(store_dir) / "index.json").read_text())
@@ -293,8 +293,8 @@ def _build_reliability_template(path: _Path, quantized: bool) -> _types.SimpleNa
         # lists no pending step: the template verifies with no finding at all.
         store.flush()
     assert not hmem.verify(path, full=True).findings
-    recs = hmem.records.read(path / "entries.bin", 14, RELIABILITY_HDC // 8)
-    evicted = {int(r["entry_id"]) for r in recs if r["shard_idx"] == hmem.records.EVICTED}
+    recs = hmem.formats.records.read(path / "entries.bin", 14, RELIABILITY_HDC // 8)
+    evicted = {int(r["entry_id"]) for r in recs if r["shard_idx"] == hmem.formats.records.EVICTED}
     assert evicted == {3, 8, 12}
     live = set(puts) - evicted
     shard_of = {int(r["entry_id"]): int(r["shard_idx"]) for r in recs if int(r["entry_id"]) in live}

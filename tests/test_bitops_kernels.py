@@ -1,5 +1,5 @@
-"""The native kernels (hmem._native._bitops) against their pure-Python twins
-(hmem._reference.bitops), on every CPU path this machine can run, plus the
+"""The native kernels (hmem.kernels._native._bitops) against their pure-Python twins
+(hmem.kernels.reference.bitops), on every CPU path this machine can run, plus the
 kernel-selection switch in hmem.kernels."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hmem import kernels
-from hmem._native import _bitops
-from hmem._reference import bitops as ref
+from hmem.kernels._native import _bitops
+from hmem.kernels.reference import bitops as ref
 
 # ---- helpers and strategies ------------------------------------------------------
 
@@ -115,7 +115,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_environment_switches():
     out = _run(
-        "import hmem, hmem.kernels as k; from hmem._reference import bitops as r;"
+        "import hmem, hmem.kernels as k; from hmem.kernels.reference import bitops as r;"
         "print(k.KERNEL_SET, k.bitops.fold_into is r.fold_into, k.cpu_path(),"
         " hmem.fold_unfold(hmem.Bitmap.from_indices([0, 1, 3], 4), 4, [-1])[0])",
         HMEM_KERNELS="reference",

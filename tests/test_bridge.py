@@ -10,7 +10,7 @@ import pytest
 
 import hmem
 from hmem import Store
-from hmem.bridge import AugmentedKV, Segment
+from hmem.store.bridge import AugmentedKV, Segment
 
 torch = pytest.importorskip("torch")
 

@@ -117,7 +117,7 @@ def test_missing_kernels_is_a_clear_error():
         "import sys, importlib.abc\n"
         "class Block(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path, target=None):\n"
-        "        if name == 'hmem._native._bitops': raise ImportError('no compiled module')\n"
+        "        if name == 'hmem.kernels._native._bitops': raise ImportError('no compiled module')\n"
         "sys.meta_path.insert(0, Block())\n"
         "from hmem.cli import main\n"
         "sys.argv = ['hmem', '--version']\n"

@@ -26,11 +26,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import hmem
-import hmem.store as store_module
+import hmem.store.store as store_module
 from hmem import Store
-from hmem._reference import hamming as ref_hamming
-from hmem._reference import projection as ref_projection
-from hmem.records import EVICTED
+from hmem.kernels.reference import hamming as ref_hamming
+from hmem.kernels.reference import projection as ref_projection
+from hmem.formats.records import EVICTED
 
 EMBED, HDC, SEED = 16, 256, 7
 M = 64

@@ -141,7 +141,7 @@ def live_seeds(path: Path) -> dict[int, int]:
     out = {}
     with Store.open(path, read_only=True) as store:
         rows = store._records[: store._n]
-        for pos in np.flatnonzero(rows["shard_idx"] != hmem.records.EVICTED):
+        for pos in np.flatnonzero(rows["shard_idx"] != hmem.formats.records.EVICTED):
             seed = int(rows["importance"][pos])
             k, v = store._kv(int(pos))
             want = kv(seed)

@@ -378,7 +378,7 @@ def test_damage_is_found_refused_or_served_and_repaired(case, quantized, reliabi
     assert {f.code for f in after.findings} <= {"file.foreign"}
     with Store.open(root, read_only=True) as store:
         kept = {int(i) for i, s in zip(store._records["entry_id"][: store._n], store._records["shard_idx"][: store._n])
-                if s != hmem.records.EVICTED}
+                if s != hmem.formats.records.EVICTED}
         assert store.stats().entries == len(kept)
     if case.action == "rewritten":
         assert fixed.entries_kept == len(kept)
@@ -419,7 +419,7 @@ def _damaged_copy(root: Path, suffix: str) -> Path:
 def _assert_records_kept(root: Path, tpl, kept: set[int]) -> None:
     """Every kept entry's record is the clean one but for shard_idx (and checksum)."""
     doc = json.loads((root / "index.json").read_text())
-    recs = hmem.records.read(root / "entries.bin", doc["record_count"], HDC // 8)
+    recs = hmem.formats.records.read(root / "entries.bin", doc["record_count"], HDC // 8)
     by_id = {int(r["entry_id"]): r for r in recs}
     for entry_id in kept:
         now, then = by_id[entry_id], tpl.records[record_position(tpl, entry_id)]
@@ -439,7 +439,7 @@ def test_repair_keeps_every_entry_whose_data_survived(case, quantized, reliabili
     case.damage(root, tpl)
     fixed = hmem.repair(root)
     with Store.open(root, read_only=True) as store:
-        kept = {int(r["entry_id"]) for r in store._records[: store._n] if r["shard_idx"] != hmem.records.EVICTED}
+        kept = {int(r["entry_id"]) for r in store._records[: store._n] if r["shard_idx"] != hmem.formats.records.EVICTED}
     assert kept == tpl.live - case.lost(tpl), fixed.dropped
     assert len(fixed.dropped) == len(case.lost(tpl)) or case.record_damage
 
@@ -456,7 +456,7 @@ def test_repair_lists_every_entry_it_drops(quantized, reliability_template, clon
     fixed = hmem.repair(root)
     assert (None, "record 4 of entries.bin fails its checksum") in fixed.dropped
     with Store.open(root, read_only=True) as store:
-        kept = {int(r["entry_id"]) for r in store._records[: store._n] if r["shard_idx"] != hmem.records.EVICTED}
+        kept = {int(r["entry_id"]) for r in store._records[: store._n] if r["shard_idx"] != hmem.formats.records.EVICTED}
     named = {i for i, _ in fixed.dropped if i is not None} | {TARGET}
     assert tpl.live - kept <= named, (tpl.live - kept, fixed.dropped)
 

@@ -42,7 +42,7 @@ import pytest
 
 import hmem
 from hmem import Store, _io
-from hmem.records import EVICTED
+from hmem.formats.records import EVICTED
 
 EMBED, HDC = 16, 256
 SHARD_MAX = 3000  # two or three entries a shard: batches roll over mid-way
@@ -260,7 +260,8 @@ _RUNNER = r'''
 import json, os, shutil, sys, traceback
 import numpy as np
 import hmem
-from hmem import _io, manifest
+from hmem import _io
+from hmem.formats import manifest
 
 EMBED = %(embed)d
 %(kv_src)s

@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 
 from hmem import Store
 from hmem.cli.app import app
-from hmem.records import EVICTED
+from hmem.formats.records import EVICTED
 
 EMBED, HDC = 16, 256
 BASE_ENV = {"COLUMNS": "200", "NO_COLOR": "1", "FORCE_COLOR": None, "TTY_COMPATIBLE": None,

@@ -1,5 +1,5 @@
-"""The store's native kernels (hmem._native._checksum, _hamming, _projection)
-against their numpy/Python twins in hmem._reference, on every CPU path this
+"""The store's native kernels (hmem.kernels._native._checksum, _hamming, _projection)
+against their numpy/Python twins in hmem.kernels.reference, on every CPU path this
 machine can run; known values of CRC-32C and SplitMix64; the tie rule of
 top-k; and the angle test that chose the signature projection."""
 
@@ -17,10 +17,10 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from hmem import kernels
-from hmem._native import _checksum, _hamming, _projection
-from hmem._reference import checksum as ref_checksum
-from hmem._reference import hamming as ref_hamming
-from hmem._reference import projection as ref_projection
+from hmem.kernels._native import _checksum, _hamming, _projection
+from hmem.kernels.reference import checksum as ref_checksum
+from hmem.kernels.reference import hamming as ref_hamming
+from hmem.kernels.reference import projection as ref_projection
 
 NATIVE = (_checksum, _hamming, _projection)
 REFERENCE = (ref_checksum, ref_hamming, ref_projection)

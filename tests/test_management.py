@@ -24,9 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmem
-import hmem.store as store_module
+import hmem.store.store as store_module
 from hmem import Entry, Store, _io
-from hmem.records import EVICTED
+from hmem.formats.records import EVICTED
 
 F = np.float32
 EMBED, HDC = 16, 256
@@ -146,10 +146,10 @@ def assert_compact_layout(path: Path, shard_max_bytes: int):
         assert size <= shard_max_bytes or s["entries"] == 1, (s, shard_max_bytes)
     assert (path / "entries.bin").stat().st_size == doc["record_count"] * doc["record_size"]
     assert not [p.name for p in path.iterdir() if p.name.startswith(_io.TEMP_PREFIX)]
-    recs = hmem.records.read(path / "entries.bin", doc["record_count"], doc["config"]["hdc_dim"] // 8)
+    recs = hmem.formats.records.read(path / "entries.bin", doc["record_count"], doc["config"]["hdc_dim"] // 8)
     assert not (recs["shard_idx"] == EVICTED).any()
     assert recs["entry_id"].tolist() == sorted(recs["entry_id"].tolist())
-    assert not hmem.records.damaged(recs).size
+    assert not hmem.formats.records.damaged(recs).size
     return doc, recs
 
 
@@ -865,8 +865,8 @@ def assert_clean(path: Path):
     for s in doc["shards"]:
         assert (path / s["file"]).stat().st_size == s["bytes"]
     assert (path / "entries.bin").stat().st_size == doc["record_count"] * doc["record_size"]
-    recs = hmem.records.read(path / "entries.bin", doc["record_count"], HDC // 8)
-    assert not hmem.records.damaged(recs).size
+    recs = hmem.formats.records.read(path / "entries.bin", doc["record_count"], HDC // 8)
+    assert not hmem.formats.records.damaged(recs).size
     with Store.open(path, read_only=True) as reader:
         assert np.array_equal(reader._records[: reader._n], recs)  # nothing pending left undone
 

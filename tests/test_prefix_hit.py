@@ -33,7 +33,7 @@ from hmem import (
     unfold,
     unfold_range,
 )
-from hmem._reference import bitops as ref
+from hmem.kernels.reference import bitops as ref
 
 GM, CM = Layout.GROUP_MAJOR, Layout.CHUNK_MAJOR
 

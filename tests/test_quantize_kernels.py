@@ -17,9 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from hmem import Store, kernels, shards
-from hmem._native import _quantize as native
-from hmem._reference import quantize as ref
+from hmem import Store, kernels
+
+from hmem.store import shards
+from hmem.kernels._native import _quantize as native
+from hmem.kernels.reference import quantize as ref
 
 F = np.float32
 F32_MAX = float(np.finfo(F).max)

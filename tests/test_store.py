@@ -21,8 +21,8 @@ from safetensors import safe_open
 
 import hmem
 from hmem import Entry, Store, StoreConfig
-from hmem._reference import hamming as ref_hamming
-from hmem._reference import projection as ref_projection
+from hmem.kernels.reference import hamming as ref_hamming
+from hmem.kernels.reference import projection as ref_projection
 from hmem.kernels import checksum as crc_kernels
 
 MiB = 1 << 20
@@ -165,7 +165,7 @@ def test_config_is_saved_and_used_on_reopen(tmp_path, ref_signature):
         assert np.abs(hit.keys - other).max() <= np.abs(other).max() / 127  # quantized, as saved
     with Store.open(tmp_path / "s", read_only=True) as reader:
         assert reader.config == cfg
-    rec = hmem.records.read(tmp_path / "s" / "entries.bin", 2, 64)
+    rec = hmem.formats.records.read(tmp_path / "s" / "entries.bin", 2, 64)
     assert same_bytes(rec["signature"][0], ref_signature(keys, 24, 512, 12345))
     assert same_bytes(rec["signature"][1], ref_signature(other, 24, 512, 12345))
     assert not same_bytes(rec["signature"][0], ref_signature(keys, 24, 512, 0))
@@ -352,7 +352,7 @@ def test_ids_strictly_increase_and_are_never_reused(tmp_path):
         store.close()
     assert ids == sorted(set(ids)) and ids[0] == 1
     with Store.open(tmp_path / "s", read_only=True) as reader:
-        recs = hmem.records.read(tmp_path / "s" / "entries.bin", len(ids), 32)
+        recs = hmem.formats.records.read(tmp_path / "s" / "entries.bin", len(ids), 32)
         assert recs["entry_id"].tolist() == ids
         assert reader.stats().entries == len(ids)
 
@@ -360,12 +360,12 @@ def test_ids_strictly_increase_and_are_never_reused(tmp_path):
 _CRASH_PUTS = """
 import json, os, sys
 import numpy as np
-import hmem, hmem.store
+import hmem, hmem.store.store
 lease = int(sys.argv[1]) if len(sys.argv) > 1 else 0
 path = {path!r}
 store = hmem.Store.open(path)
 if {lease}:
-    hmem.store.ID_LEASE = {lease}
+    hmem.store.store.ID_LEASE = {lease}
 rng = np.random.default_rng(5)
 ids = []
 for i in range({n}):
@@ -404,7 +404,7 @@ def test_ids_handed_out_before_a_crash_are_never_reused(tmp_path, run_python, le
 
 _SIG_IN_SUBPROCESS = """
 import numpy as np
-from hmem.projection import Projector
+from hmem.store.projection import Projector
 import hmem
 rows = np.random.default_rng(77).standard_normal((5, 40)).astype(np.float32)
 print(Projector(40, 1024, 987654321).signature(rows).tobytes().hex())
@@ -728,7 +728,7 @@ def test_result_fields(tmp_path):
         assert hit2.cosine is None and hit2.score == hit2.similarity == 1.0
         assert hit2.shard_idx == 1  # the second entry did not fit the first shard
         assert same_bytes(hit2.keys, k2) and same_bytes(hit2.values, v2)
-    stamps = hmem.records.read(tmp_path / "s" / "entries.bin", 2, 32)["timestamp"]
+    stamps = hmem.formats.records.read(tmp_path / "s" / "entries.bin", 2, 32)["timestamp"]
     assert stamps[0] == hit.timestamp
     store.close()
 
@@ -924,7 +924,7 @@ def test_queries_count_accesses_and_flush_persists_them(tmp_path):
     for h in store.query(keys[2], 0, 2):
         expected[h.entry_id] += 1
     store.flush()
-    recs = hmem.records.read(tmp_path / "s" / "entries.bin", 7, 32)
+    recs = hmem.formats.records.read(tmp_path / "s" / "entries.bin", 7, 32)
     assert dict(zip(recs["entry_id"].tolist(), recs["access_count"].tolist())) == expected
     with Store.open(tmp_path / "s", read_only=True) as reader:  # visible beside the writer
         for h in reader.query(keys[0], 0, 7):
@@ -934,9 +934,9 @@ def test_queries_count_accesses_and_flush_persists_them(tmp_path):
         for h in store.query(keys[0], 0, 7):
             expected[h.entry_id] += 1
             assert h.access_count == expected[h.entry_id]
-    recs = hmem.records.read(tmp_path / "s" / "entries.bin", 7, 32)
+    recs = hmem.formats.records.read(tmp_path / "s" / "entries.bin", 7, 32)
     assert dict(zip(recs["entry_id"].tolist(), recs["access_count"].tolist())) == expected
-    assert not hmem.records.damaged(recs).size
+    assert not hmem.formats.records.damaged(recs).size
 
 
 def test_read_only_store_answers_without_counting_and_refuses_writes(tmp_path, snapshot_dir):
@@ -986,7 +986,7 @@ def test_puts_roll_over_to_new_shards_within_the_limit(tmp_path):
             big_ids.append(eid)
     store.close()
     doc = json.loads((tmp_path / "s" / "index.json").read_text())
-    recs = hmem.records.read(tmp_path / "s" / "entries.bin", 40, 32)
+    recs = hmem.formats.records.read(tmp_path / "s" / "entries.bin", 40, 32)
     assert len(doc["shards"]) > 5
     assert np.all(np.diff(recs["shard_idx"].astype(np.int64)) >= 0)  # shards fill in put order
     seen = set()
@@ -1265,7 +1265,7 @@ def test_bad_put_raises_and_writes_nothing(store_factory, snapshot_dir, name, kw
     assert store.stats().entries == 2 and store.stats().layers == {0: 1, 3: 1}
     assert store.put(k, k) == 3  # the failed puts took no id
     store.flush()
-    recs = hmem.records.read(store.path / "entries.bin", 3, 32)
+    recs = hmem.formats.records.read(store.path / "entries.bin", 3, 32)
     assert recs["entry_id"].tolist() == [1, 2, 3]
 
 

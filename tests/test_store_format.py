@@ -65,8 +65,8 @@ def assert_clean(path):
     for s in doc["shards"]:
         assert (path / s["file"]).stat().st_size == s["bytes"]
     assert (path / "entries.bin").stat().st_size == doc["record_count"] * doc["record_size"]
-    recs = hmem.records.read(path / "entries.bin", doc["record_count"], HDC // 8)  # no pending applied
-    assert not hmem.records.damaged(recs).size
+    recs = hmem.formats.records.read(path / "entries.bin", doc["record_count"], HDC // 8)  # no pending applied
+    assert not hmem.formats.records.damaged(recs).size
     with Store.open(path, read_only=True) as reader:
         assert np.array_equal(reader._records[: reader._n], recs)
 
@@ -163,17 +163,17 @@ def test_pending_record_updates_carry_the_new_access_counts(tmp_path, read_index
     assert updates["position"].tolist() == [0, 2]
     assert updates["access_count"].tolist() == [1, 2]
     assert updates["shard_idx"].tolist() == [0, 0]
-    on_disk = hmem.records.read(path / "entries.bin", 4, HDC // 8)
+    on_disk = hmem.formats.records.read(path / "entries.bin", 4, HDC // 8)
     assert on_disk["access_count"].tolist() == [0, 0, 0, 0]  # not yet written in place
     with Store.open(path, read_only=True) as reader:  # a reader applies them
         assert reader._records["access_count"][:4].tolist() == [1, 0, 2, 0]
-        assert updates["checksum"].tolist() == hmem.records.checksums(reader._records[[0, 2]]).tolist()
+        assert updates["checksum"].tolist() == hmem.formats.records.checksums(reader._records[[0, 2]]).tolist()
     store._lock.release()  # drop the writer without letting it finish step 4
     store._closed = True
     Store.open(path).close()  # the next writer finishes step 4
-    on_disk = hmem.records.read(path / "entries.bin", 4, HDC // 8)
+    on_disk = hmem.formats.records.read(path / "entries.bin", 4, HDC // 8)
     assert on_disk["access_count"].tolist() == [1, 0, 2, 0]
-    assert not hmem.records.damaged(on_disk).size
+    assert not hmem.formats.records.damaged(on_disk).size
 
 
 def test_lock_file_names_its_holder(tmp_path):
@@ -401,9 +401,9 @@ def test_access_counts_saturate_at_the_u32_limit(tmp_path):
     k = np.ones((1, EMBED), F)
     with Store.create(path, embed_dim=EMBED, hdc_dim=HDC) as store:
         store.put(k, k)
-    recs = hmem.records.read(path / "entries.bin", 1, HDC // 8)
+    recs = hmem.formats.records.read(path / "entries.bin", 1, HDC // 8)
     recs["access_count"] = 0xFFFFFFFF - 1
-    hmem.records.seal(recs)
+    hmem.formats.records.seal(recs)
     (path / "entries.bin").write_bytes(recs.tobytes())
     with Store.open(path) as store:
         assert [store.query(k, 0, 1)[0].access_count for _ in range(3)] == [0xFFFFFFFF] * 3

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hmem import Store
-from hmem._reference import hamming as ref_hamming
-from hmem._reference import projection as ref_projection
+from hmem.kernels.reference import hamming as ref_hamming
+from hmem.kernels.reference import projection as ref_projection
 
 EMBED, HDC, SEED = 16, 256, 11
 M = 64

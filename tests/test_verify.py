@@ -57,7 +57,7 @@ def flip_tensor(root: Path, tpl, entry_id: int, kind: str = "k") -> None:
 
 def live_ids(root: Path) -> set[int]:
     with Store.open(root, read_only=True) as store:
-        return {int(r["entry_id"]) for r in store._records[: store._n] if r["shard_idx"] != hmem.records.EVICTED}
+        return {int(r["entry_id"]) for r in store._records[: store._n] if r["shard_idx"] != hmem.formats.records.EVICTED}
 
 
 def tensor_count(tpl) -> int:

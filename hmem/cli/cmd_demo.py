@@ -16,7 +16,7 @@ from hmem import Bitmap, Store, StoreConfig, explain_prefix_hit, presence_map
 from hmem.cli.options import JsonOption, QuietOption
 from hmem.cli.output import Output, human_bytes
 from hmem.errors import InvalidArgumentError
-from hmem.kvfiles import import_files, read_entries
+from hmem.transfer.kvfiles import import_files, read_entries
 
 EMBED_DIM = 128
 TOKENS = 32

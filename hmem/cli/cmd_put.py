@@ -12,10 +12,10 @@ import typer
 from hmem import Store
 from hmem.cli.exit_codes import ExitCode
 from hmem.cli.options import STORE_ENV, DryRunOption, JsonOption, LockWaitOption, QuietOption
-from hmem.manifest import INDEX_FILE
+from hmem.formats.manifest import INDEX_FILE
 from hmem.cli.output import Output, human_bytes
 from hmem.errors import InvalidArgumentError
-from hmem.kvfiles import find_files, import_files
+from hmem.transfer.kvfiles import find_files, import_files
 
 
 def _store_and_inputs(paths: list[Path]) -> tuple[Path, list[Path]]:

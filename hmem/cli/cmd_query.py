@@ -14,7 +14,7 @@ from hmem import Store
 from hmem.cli.options import JsonOption, LockWaitOption, QuietOption, StoreArgument
 from hmem.cli.output import Output, human_bytes, human_duration
 from hmem.errors import InvalidArgumentError
-from hmem.kvfiles import BadFileError, export_results, read_tensor
+from hmem.transfer.kvfiles import BadFileError, export_results, read_tensor
 
 QUERY_TENSOR_NAMES = ("query", "q", "keys", "k")
 

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from hmem import repair, verify
+
 from hmem.cli.cmd_evict import confirm
 from hmem.cli.exit_codes import ExitCode
 from hmem.cli.options import JsonOption, LockWaitOption, QuietOption, StoreArgument, YesOption

@@ -21,9 +21,15 @@ import numpy as np
 
 import os
 
-from hmem import _io, manifest, records, shards
-from hmem.manifest import Manifest, Pending, ShardInfo
-from hmem.records import ENTRIES_FILE
+from hmem import _io
+
+from hmem.formats import manifest
+
+from hmem.formats import records
+
+from hmem.store import shards
+from hmem.formats.manifest import Manifest, Pending, ShardInfo
+from hmem.formats.records import ENTRIES_FILE
 
 # kind -> (dtype, shape, where the bytes are, their checked CRC-32C)
 TensorSources = dict[str, tuple[np.dtype, tuple[int, ...], _io.FileRange, int]]

@@ -40,8 +40,8 @@ import numpy as np
 
 from hmem import _io
 from hmem.errors import HmemError, InvalidArgumentError
-from hmem.store import Entry, Store
-from hmem.tensors import importance_value
+from hmem.store.store import Entry, Store
+from hmem import validation
 
 SUFFIX = ".safetensors"
 
@@ -255,7 +255,7 @@ def import_files(
     if layer is not None and (isinstance(layer, bool) or not 0 <= int(layer) <= 0xFFFFFFFF):
         raise InvalidArgumentError(f"layer must be between 0 and {0xFFFFFFFF}, got {layer}")
     if importance is not None:
-        importance = importance_value(importance)
+        importance = validation.importance(importance)
     results = []
     for path in find_files(paths):
         try:

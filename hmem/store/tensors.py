@@ -8,12 +8,11 @@ become float32 exactly; float64 is rounded to float32, the stored dtype.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import numpy as np
 
-from hmem.errors import InvalidArgumentError, InvalidTensorError
+from hmem.errors import InvalidTensorError
 
 
 def is_torch(x: Any) -> bool:
@@ -64,39 +63,3 @@ def as_rows(x: Any, what: str, embed_dim: int, *, allow_vector: bool = False) ->
     if not np.isfinite(rows).all():
         raise InvalidTensorError(f"{what} holds NaN or infinite values")
     return rows
-
-
-def layer_index(value: Any) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"layer_idx must be an integer, got {value!r}")
-    try:
-        layer = operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"layer_idx must be an integer, got {value!r}") from None
-    if not 0 <= layer <= 0xFFFFFFFF:
-        raise InvalidArgumentError(f"layer_idx must be between 0 and {0xFFFFFFFF}, got {layer}")
-    return layer
-
-
-def importance_value(value: Any) -> float:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"importance must be a number, got {value!r}")
-    try:
-        imp = float(value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"importance must be a number, got {value!r}") from None
-    if not np.isfinite(imp) or imp < 0 or imp > float(np.finfo(np.float32).max):
-        raise InvalidArgumentError(f"importance must be finite and >= 0, got {value!r}")
-    return imp
-
-
-def top_k_value(value: Any) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"top_k must be an integer, got {value!r}")
-    try:
-        k = operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"top_k must be an integer, got {value!r}") from None
-    if k < 1:
-        raise InvalidArgumentError(f"top_k must be >= 1, got {k}")
-    return k

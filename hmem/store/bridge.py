@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hmem.errors import InvalidTensorError
-from hmem.tensors import is_torch
+from hmem.store.tensors import is_torch
 
 if TYPE_CHECKING:
-    from hmem.store import Store
+    from hmem.store.store import Store
 
 
 @dataclasses.dataclass(frozen=True)

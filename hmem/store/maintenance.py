@@ -18,18 +18,27 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hmem import _io, lock, manifest, rewrite, shards
-from hmem.bridge import AugmentedKV, augmented_kv
+from hmem import _io
+
+from hmem.store import lock
+
+from hmem.formats import manifest
+
+from hmem.store import rewrite
+
+from hmem.store import shards
+from hmem.store.bridge import AugmentedKV, augmented_kv
+from hmem import validation
 from hmem.errors import CorruptStoreError, EntryTooLargeError, HmemError, InvalidArgumentError
 from hmem.kernels import checksum as checksum_kernels
-from hmem.manifest import Pending, ShardInfo
-from hmem.policy import eviction_order, scores
-from hmem.records import ENTRIES_FILE, EVICTED
-from hmem.results import CompactionPlan, CompactionReport, EvictionPlan
-from hmem.search import SearchIndex
+from hmem.formats.manifest import Pending, ShardInfo
+from hmem.store.policy import eviction_order, scores
+from hmem.formats.records import ENTRIES_FILE, EVICTED
+from hmem.store.results import CompactionPlan, CompactionReport, EvictionPlan
+from hmem.store.search import SearchIndex
 
 if TYPE_CHECKING:
-    from hmem.store import _Prepared
+    from hmem.store.store import _Prepared
 
 DISK_LOW_WATER = 0.9  # a put past max_disk_bytes makes room down to this share, then compacts
 FIXED_OVERHEAD_BYTES = 16 * 1024  # index.json, the lock and a shard's fixed header, at most
@@ -46,7 +55,7 @@ class StoreMaintenance:
         """What evict(target_entries) would remove, without changing anything."""
         with self._mutex:
             self._check_open()
-            target = _count_value(target_entries, "target_entries")
+            target = validation.count(target_entries, "target_entries")
             live = self._live_positions()
             victims = eviction_order(self._records, live)[: max(0, len(live) - target)]
             return self._eviction_plan(target, len(live), victims)
@@ -67,7 +76,7 @@ class StoreMaintenance:
         freed by the next compaction.  Returns how many were evicted."""
         with self._mutex:
             self._check_writable()
-            target = _count_value(target_entries, "target_entries")
+            target = validation.count(target_entries, "target_entries")
             live = self._live_positions()
             victims = eviction_order(self._records, live)[: max(0, len(live) - target)]
             self._evict_positions(victims)
@@ -294,17 +303,6 @@ def _crc_check(expected: int, name: str, where: _io.FileRange) -> Callable[[memo
             raise CorruptStoreError(f"tensor {name} in {where.path.name} fails its checksum",
                                     hint="run 'hmem verify --full', then 'hmem verify --repair'")
     return check
-
-def _count_value(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
-    try:
-        count = operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}") from None
-    if count < 0:
-        raise InvalidArgumentError(f"{name} must be >= 0, got {count}")
-    return count
 
 def directory_bytes(root: Path) -> int:
     """Bytes of the files of a store directory; the lock file's owner record

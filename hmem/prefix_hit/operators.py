@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hmem.bitmap import Bitmap
+from hmem.prefix_hit.bitmap import Bitmap
 from hmem.errors import InvalidArgumentError
 from hmem.kernels import bitops
 

@@ -36,7 +36,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hmem import _io, kernels, lock, manifest, records, rewrite, shards
+from hmem import _io, kernels
+
+from hmem.store import lock
+
+from hmem.formats import manifest
+
+from hmem.formats import records
+
+from hmem.store import rewrite
+
+from hmem.store import shards
 from hmem.config import StoreConfig
 from hmem.errors import (
     CorruptStoreError,
@@ -49,13 +59,14 @@ from hmem.errors import (
     StoreExistsError,
     UnsupportedFormatError,
 )
-from hmem.maintenance import StoreMaintenance, directory_bytes, orphan_files
-from hmem.manifest import Manifest, Pending, ShardInfo
-from hmem.projection import Projector, similarity
-from hmem.records import ENTRIES_FILE, EVICTED
-from hmem.results import QueryResult, ShardStats, StoreStats, as_framework
-from hmem.search import SearchIndex
-from hmem.tensors import as_rows, importance_value, layer_index, top_k_value
+from hmem.store.maintenance import StoreMaintenance, directory_bytes, orphan_files
+from hmem.formats.manifest import Manifest, Pending, ShardInfo
+from hmem.store.projection import Projector, similarity
+from hmem.formats.records import ENTRIES_FILE, EVICTED
+from hmem.store.results import QueryResult, ShardStats, StoreStats, as_framework
+from hmem.store.search import SearchIndex
+from hmem import validation
+from hmem.store.tensors import as_rows
 
 ID_LEASE = 4096  # ids reserved per index.json write
 _READ_RETRIES = 5
@@ -294,8 +305,8 @@ class Store(StoreMaintenance):
             raise InvalidTensorError(f"keys {list(k.shape)} and values {list(v.shape)} differ in shape")
         if k.shape[0] > _U32_MAX:
             raise InvalidTensorError(f"an entry holds at most {_U32_MAX} tokens")
-        layer = layer_index(layer_idx)
-        imp = importance_value(importance)
+        layer = validation.layer_index(layer_idx)
+        imp = validation.importance(importance)
         signature, mean = self._projector.signature_and_mean(k)
         return _Prepared(k, v, layer, imp, signature, mean.astype(np.float32))
 
@@ -473,11 +484,11 @@ class Store(StoreMaintenance):
         with self._mutex:
             self._check_open()
             q = as_rows(query, "query", self.config.embed_dim, allow_vector=True)
-            layer = layer_index(layer_idx)
-            k = top_k_value(top_k)
+            layer = validation.layer_index(layer_idx)
+            k = validation.top_k(top_k)
             if framework not in FRAMEWORKS:
                 raise InvalidArgumentError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
-            factor = top_k_value(shortlist_factor) if rerank else 1
+            factor = validation.integer(shortlist_factor, "shortlist_factor", low=1) if rerank else 1
             signature, q_mean = self._projector.signature_and_mean(q)
             positions, dists = self._index.search(layer, signature, k * factor)
             sims = similarity(dists, self.config.hdc_dim)

@@ -6,7 +6,7 @@ pure-Python reference twins.
   KernelUnavailableError: hmem never falls back to the slow path on its own.
   (Loading happens on first use so that ``import hmem`` and the command
   line can still start and report the problem in one line.)
-- ``HMEM_KERNELS=reference`` uses hmem._reference, explicitly and slowly.
+- ``HMEM_KERNELS=reference`` uses hmem.kernels.reference, explicitly and slowly.
 - ``HMEM_CPU=portable|popcnt|avx512-vpopcntdq`` caps the native CPU path of
   every kernel module (the fastest one the CPU supports is used otherwise);
   tests use it to run every path against the reference.
@@ -30,13 +30,13 @@ KERNEL_SET: str = os.environ.get(KERNELS_ENV, "native").strip().lower() or "nati
 
 def _import(name: str) -> ModuleType:
     if KERNEL_SET == "reference":
-        return importlib.import_module(f"hmem._reference.{name}")
+        return importlib.import_module(f"hmem.kernels.reference.{name}")
     if KERNEL_SET != "native":
         raise KernelUnavailableError(
             f"unknown {KERNELS_ENV}={KERNEL_SET!r}", hint="use 'native' or 'reference'"
         )
     try:
-        module = importlib.import_module(f"hmem._native._{name}")
+        module = importlib.import_module(f"hmem.kernels._native._{name}")
     except ImportError as exc:  # the extension was not built or cannot load
         raise KernelUnavailableError(
             f"hmem's compiled kernels cannot be loaded ({exc})",

@@ -23,14 +23,24 @@ from pathlib import Path
 
 import numpy as np
 
-from hmem import _io, lock, manifest, records, rewrite, shards
+from hmem import _io
+
+from hmem.store import lock
+
+from hmem.formats import manifest
+
+from hmem.formats import records
+
+from hmem.store import rewrite
+
+from hmem.store import shards
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError
 from hmem.kernels import checksum as checksum_kernels
-from hmem.manifest import Manifest, Pending
-from hmem.projection import Projector
-from hmem.records import ENTRIES_FILE, EVICTED
-from hmem.verify import ERROR, Finding, config_from_shards, verify
+from hmem.formats.manifest import Manifest, Pending
+from hmem.store.projection import Projector
+from hmem.formats.records import ENTRIES_FILE, EVICTED
+from hmem.recovery.verify import ERROR, Finding, config_from_shards, verify
 
 ID_MARGIN = 4096  # ids skipped after a rebuilt index, in case lost records held higher ones
 

@@ -29,7 +29,7 @@ from hmem._version import __version__
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, NotAStoreError, UnsupportedFormatError
 from hmem.kernels import checksum as checksum_kernels
-from hmem.records import UPDATE_DTYPE
+from hmem.formats.records import UPDATE_DTYPE
 
 INDEX_FILE = "index.json"
 FORMAT_NAME = "hmem-store"

@@ -24,11 +24,19 @@ from pathlib import Path
 
 import numpy as np
 
-from hmem import _io, lock, manifest, records, shards
+from hmem import _io
+
+from hmem.store import lock
+
+from hmem.formats import manifest
+
+from hmem.formats import records
+
+from hmem.store import shards
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError, InvalidArgumentError, NotAStoreError
 from hmem.kernels import checksum as checksum_kernels
-from hmem.records import ENTRIES_FILE, EVICTED
+from hmem.formats.records import ENTRIES_FILE, EVICTED
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 

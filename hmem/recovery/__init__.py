@@ -1,0 +1,1 @@
+"""Checking and repairing stores: verify and repair (docs/reliability.md)."""
