@@ -8,6 +8,7 @@ from hmem.prefix_hit.bitmap import Bitmap
 from hmem.config import StoreConfig
 from hmem.errors import (
     CorruptStoreError,
+    EntryNotFoundError,
     EntryTooLargeError,
     HmemError,
     InvalidArgumentError,
@@ -43,11 +44,46 @@ from hmem.prefix_hit.operators import (
 )
 from hmem.store.bridge import AugmentedKV, Segment
 from hmem.recovery.repair import RepairReport, repair
-from hmem.store.results import CompactionPlan, CompactionReport, EvictionPlan, QueryResult, ShardStats, StoreStats
-from hmem.store.store import Entry, Store
+from hmem.formats.manifest import FORMAT_VERSION
+from hmem.kernels import describe as kernel_info
+from hmem.store.results import (
+    CompactionPlan,
+    CompactionReport,
+    EntryInfo,
+    EvictionPlan,
+    QueryResult,
+    ShardStats,
+    StoredEntry,
+    StoreStats,
+)
+from hmem.store.store import Entry, Store, is_store
+from hmem.transfer.kvfiles import (
+    BadFileError,
+    FileResult,
+    ImportReport,
+    export_results,
+    find_files as find_kv_files,
+    import_files,
+    read_entries as read_kv_file,
+    read_tensor as read_tensor_file,
+)
 from hmem.recovery.verify import Finding, VerifyReport, verify
 
 __all__ = [
+    "BadFileError",
+    "EntryInfo",
+    "EntryNotFoundError",
+    "FORMAT_VERSION",
+    "FileResult",
+    "ImportReport",
+    "StoredEntry",
+    "export_results",
+    "find_kv_files",
+    "import_files",
+    "is_store",
+    "kernel_info",
+    "read_kv_file",
+    "read_tensor_file",
     "AugmentedKV",
     "CompactionPlan",
     "CompactionReport",

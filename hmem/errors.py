@@ -66,3 +66,22 @@ class InvalidTensorError(InvalidArgumentError):
 
 class EntryTooLargeError(InvalidArgumentError):
     """An entry can never fit the store's limits."""
+
+
+class Hint:
+    """What to do next, in the library's own terms.  Errors carry these
+    exact strings as their hint; the command line words each as the command
+    to run (hmem/cli/exit_codes.py), so a library user is never told about a
+    flag and a shell user never about a function."""
+
+    VERIFY = "check the store with hmem.verify(path)"
+    VERIFY_FULL = "check every tensor with hmem.verify(path, full=True)"
+    REPAIR = "salvage what passes its checksums with hmem.repair(path)"
+    VERIFY_THEN_REPAIR = "see the damage with hmem.verify(path, full=True), then hmem.repair(path)"
+    LOCK_WAIT = "wait for the writer to finish, or open with lock_wait=SECONDS to wait for it"
+    CREATE = "create one with Store.create(path, embed_dim=...)"
+    OPEN_AGAIN = "open the store again"
+
+
+class EntryNotFoundError(HmemError, KeyError):
+    """No live entry has this id: it was never given, or it was evicted or deleted."""

@@ -36,6 +36,35 @@ class QueryResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class EntryInfo:
+    """The metadata of one live entry (``Store.entries``)."""
+
+    entry_id: int
+    layer_idx: int
+    n_tokens: int
+    importance: float
+    access_count: int
+    created: int  # nanoseconds since the Unix epoch
+    shard_idx: int
+    bytes: int  # what the entry takes in its shard, index row and header entries included
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredEntry:
+    """One entry read back by id (``Store.get``): its metadata and its K/V,
+    [n_tokens, embed_dim] float32 read-only arrays, bit-exact as put (INT8
+    stores give the dequantized rows)."""
+
+    info: EntryInfo
+    keys: np.ndarray
+    values: np.ndarray
+
+    @property
+    def entry_id(self) -> int:
+        return self.info.entry_id
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardStats:
     index: int
     file: str

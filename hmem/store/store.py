@@ -30,7 +30,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,6 +50,7 @@ from hmem.store import shards
 from hmem.config import StoreConfig
 from hmem.errors import (
     CorruptStoreError,
+    EntryNotFoundError,
     HmemError,
     InvalidArgumentError,
     InvalidTensorError,
@@ -63,7 +64,7 @@ from hmem.store.maintenance import StoreMaintenance, directory_bytes, orphan_fil
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.store.projection import Projector, similarity
 from hmem.formats.records import ENTRIES_FILE, EVICTED
-from hmem.store.results import QueryResult, ShardStats, StoreStats, as_framework
+from hmem.store.results import EntryInfo, QueryResult, ShardStats, StoredEntry, StoreStats, as_framework
 from hmem.store.search import SearchIndex
 from hmem import validation
 from hmem.store.tensors import as_rows
@@ -611,6 +612,53 @@ class Store(StoreMaintenance):
         return (shards.entry_bytes(n_tokens, self.config.embed_dim, quantized)
                 + tensors * shards.HEADER_BYTES_PER_TENSOR + shards.INDEX_ROW_BYTES)
 
+    # ---- reading entries by id -----------------------------------------------------
+
+    def entry_ids(self, layer_idx: int | None = None) -> list[int]:
+        """Ids of the live entries (of one layer, if given), ascending."""
+        with self._mutex:
+            self._check_open()
+            return [int(i) for i in self._records["entry_id"][self._live_in(layer_idx)]]
+
+    def entries(self, layer_idx: int | None = None) -> Iterator[EntryInfo]:
+        """The metadata of the live entries (of one layer, if given), by
+        ascending id: a snapshot taken when iteration starts."""
+        with self._mutex:
+            self._check_open()
+            positions = self._live_in(layer_idx)
+            rows = self._records[positions].copy()
+            sizes = np.asarray(self._entry_file_bytes(rows["n_tokens"].astype(np.int64)), dtype=np.int64)
+        for row, size in zip(rows, sizes.tolist()):
+            yield _entry_info(row, size)
+
+    def get(self, entry_id: int) -> StoredEntry:
+        """One live entry's metadata and K/V (read-only arrays, bit-exact as
+        put).  Raises EntryNotFoundError for an id that is not live."""
+        with self._mutex:
+            self._check_open()
+            pos = self._position(validation.integer(entry_id, "entry_id", low=0))
+            keys, values = self._kv(pos)
+            keys, values = _read_only(keys), _read_only(values)
+            row = self._records[pos]
+            size = int(self._entry_file_bytes(int(row["n_tokens"])))
+            return StoredEntry(_entry_info(row, size), keys, values)
+
+    def _live_in(self, layer_idx: int | None) -> np.ndarray:
+        live = self._live_positions()
+        if layer_idx is not None:
+            layer = validation.layer_index(layer_idx)
+            live = live[self._records["layer_idx"][live] == layer]
+        return live
+
+    def _position(self, entry_id: int) -> int:
+        """Where the live entry `entry_id` is in the records (ids ascend)."""
+        ids = self._records["entry_id"][: self._n]
+        pos = int(np.searchsorted(ids, entry_id))
+        if pos >= self._n or int(ids[pos]) != entry_id or self._records["shard_idx"][pos] == EVICTED:
+            raise EntryNotFoundError(f"the store at {self.path} holds no entry {entry_id}",
+                                     hint="list the live ids with Store.entry_ids()")
+        return pos
+
     def stats(self) -> StoreStats:
         with self._mutex:
             self._check_open()
@@ -676,6 +724,25 @@ def _entry_tensors(p: _Prepared, quantized: bool) -> dict[str, np.ndarray]:
 
 
 
+
+
+def _entry_info(row: np.void, size: int) -> EntryInfo:
+    return EntryInfo(entry_id=int(row["entry_id"]), layer_idx=int(row["layer_idx"]), n_tokens=int(row["n_tokens"]),
+                     importance=float(row["importance"]), access_count=int(row["access_count"]),
+                     created=int(row["timestamp"]), shard_idx=int(row["shard_idx"]), bytes=size)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def is_store(path: str | os.PathLike) -> bool:
+    """Whether `path` is a directory holding an hmem store (it has an
+    index.json; whether that is sound is verify's question)."""
+    root = Path(path)
+    return root.is_dir() and (root / manifest.INDEX_FILE).is_file()
 
 
 def _resolve(root: Path, name: str, pending: Pending) -> Path:
