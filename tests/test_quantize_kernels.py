@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from hmem import Store, kernels
 
-from hmem.store import shards
+from hmem.store import quantize
 from hmem.kernels._native import _quantize as native
 from hmem.kernels.reference import quantize as ref
 
@@ -97,9 +97,9 @@ def test_native_matches_reference_on_every_cpu_path(rows, on_every_cpu_path):
     for got in results.values():
         assert_same(got, want)
     assert_same(run(kernels.quantize, rows), want)
-    q, scales = shards.quantize_rows(np.ascontiguousarray(rows))  # what the store calls
+    q, scales = quantize.quantize_rows(np.ascontiguousarray(rows))  # what the store calls
     assert np.array_equal(q, want[0]) and np.array_equal(scales.view(np.uint32), want[1].view(np.uint32))
-    assert np.array_equal(shards.dequantize_rows(q, scales).view(np.uint32), want[2].view(np.uint32))
+    assert np.array_equal(quantize.dequantize_rows(q, scales).view(np.uint32), want[2].view(np.uint32))
 
 
 def test_every_cpu_path_is_selected_for_the_quantize_kernels(cpu_paths, on_cpu_path):

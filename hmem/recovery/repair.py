@@ -33,7 +33,9 @@ from hmem.formats import records
 
 from hmem.store import rewrite
 
-from hmem.store import shards
+from hmem.store import shard_builder
+
+from hmem.formats import shard_file
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError
 from hmem.kernels import checksum as checksum_kernels
@@ -94,10 +96,10 @@ def repair(path: str | Path, *, lock_wait: float = 0.0) -> RepairReport:
         if rebuilt:
             base.next_entry_id += ID_MARGIN
         deletes = [p.name for p in root.iterdir() if p.is_file() and (
-            shards.SHARD_NAME.match(p.name) or p.name.startswith(_io.TEMP_PREFIX))]
+            shard_file.SHARD_NAME.match(p.name) or p.name.startswith(_io.TEMP_PREFIX))]
         config_json = json.dumps(base.config.to_dict(), sort_keys=True)
         mf, _ = rewrite.rewrite(root, base, kept, sources, sizes, deletes,
-                                arenas=(shards.Arena(), shards.Arena()), config_json=config_json,
+                                arenas=(shard_builder.Arena(), shard_builder.Arena()), config_json=config_json,
                                 crash_prefix="repair")
         return RepairReport(str(root), "rewritten", report.findings, rebuilt, len(kept), tuple(dropped), len(mf.shards),
                             before, _bytes(root), time.perf_counter() - started)
@@ -119,9 +121,9 @@ def _base_manifest(root: Path) -> tuple[Manifest, bool]:
             f"index.json of {root} is lost and no shard carries the store's config",
             hint="nothing can be rebuilt; restore index.json from a backup")
     projection = Projector(config.embed_dim, config.hdc_dim, config.seed).describe()
-    shard_files = sorted(int(m.group(1)) for p in root.iterdir() if (m := shards.SHARD_NAME.match(p.name)))
+    shard_files = sorted(int(m.group(1)) for p in root.iterdir() if (m := shard_file.SHARD_NAME.match(p.name)))
     count = shard_files[-1] + 1 if shard_files else 0
-    infos = [manifest.ShardInfo(file=shards.shard_file(i), bytes=0, uid="", entries=0, index_crc=0)
+    infos = [manifest.ShardInfo(file=shard_file.shard_file(i), bytes=0, uid="", entries=0, index_crc=0)
              for i in range(count)]
     return Manifest(config=config, projection=projection, shards=infos), True
 
@@ -150,16 +152,16 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool):
         good[pos] = False
         dropped.append((int(ids[pos]), f"record {int(pos)} repeats or reverses an earlier entry id"))
     live = good & (loaded["shard_idx"] != EVICTED)
-    scans: dict[int, shards.ShardScan | None] = {}
-    kinds = shards.KINDS if config.quantize_stored else shards.KINDS[:3]
+    scans: dict[int, shard_file.ShardScan | None] = {}
+    kinds = shard_file.KINDS if config.quantize_stored else shard_file.KINDS[:3]
     keep, sources, sizes = [], [], []
     for pos in np.flatnonzero(live).tolist():
         entry_id, shard_idx = int(loaded["entry_id"][pos]), int(loaded["shard_idx"][pos])
         if shard_idx not in scans:
-            file = root / shards.shard_file(shard_idx)
+            file = root / shard_file.shard_file(shard_idx)
             try:
                 known = base.shards[shard_idx].index_crc if not rebuilt and shard_idx < len(base.shards) else None
-                scans[shard_idx] = shards.scan_shard(file, embed_dim=config.embed_dim,
+                scans[shard_idx] = shard_file.scan_shard(file, embed_dim=config.embed_dim,
                                                      quantized=config.quantize_stored,
                                                      index_crc=known) if file.exists() else None
             except OSError:
@@ -172,17 +174,17 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool):
         keep.append(pos)
         sources.append(lambda found=found: found)
         sizes.append(sum(part.length for _, _, part, _ in found.values())
-                     + len(kinds) * shards.HEADER_BYTES_PER_TENSOR + shards.INDEX_ROW_BYTES)
+                     + len(kinds) * shard_file.HEADER_BYTES_PER_TENSOR + shard_file.INDEX_ROW_BYTES)
     kept = loaded[np.array(keep, dtype=np.int64)]
     return kept, dropped, sources, np.array(sizes, dtype=np.int64)
 
 
-def _tensors_of(root: Path, scan: shards.ShardScan | None, shard_idx: int, entry_id: int, n_tokens: int,
+def _tensors_of(root: Path, scan: shard_file.ShardScan | None, shard_idx: int, entry_id: int, n_tokens: int,
                 config: StoreConfig, kinds: tuple[str, ...]):
     """The entry's tensor sources, or why it cannot be kept."""
     if scan is None:
-        return f"its shard {shards.shard_file(shard_idx)} is missing or unreadable"
-    file = root / shards.shard_file(shard_idx)
+        return f"its shard {shard_file.shard_file(shard_idx)} is missing or unreadable"
+    file = root / shard_file.shard_file(shard_idx)
     found = {}
     with open(file, "rb") as f:
         for kind in kinds:
@@ -190,7 +192,7 @@ def _tensors_of(root: Path, scan: shards.ShardScan | None, shard_idx: int, entry
             if spec is None:
                 return f"tensor {kind}_{entry_id} is not in {file.name}"
             dtype, shape, start, end, crc = spec
-            want = shards.tensor_layout(kind, n_tokens, config.embed_dim, config.quantize_stored)
+            want = shard_file.tensor_layout(kind, n_tokens, config.embed_dim, config.quantize_stored)
             if (dtype, tuple(shape)) != want or end > scan.size:
                 return f"tensor {kind}_{entry_id} has the wrong dtype or shape"
             f.seek(start)

@@ -32,7 +32,7 @@ from hmem.formats import manifest
 
 from hmem.formats import records
 
-from hmem.store import shards
+from hmem.formats import shard_file
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError, InvalidArgumentError, NotAStoreError
 from hmem.kernels import checksum as checksum_kernels
@@ -88,7 +88,7 @@ class _Collector:
 
 
 def _kinds(config: StoreConfig) -> tuple[str, ...]:
-    return shards.KINDS if config.quantize_stored else shards.KINDS[:3]
+    return shard_file.KINDS if config.quantize_stored else shard_file.KINDS[:3]
 
 
 def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | None = None,
@@ -97,7 +97,7 @@ def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | No
     started = time.perf_counter()
     root = Path(path)
     if not root.is_dir() or not any((root / name).exists() for name in (manifest.INDEX_FILE, ENTRIES_FILE)) \
-            and not any(shards.SHARD_NAME.match(p.name) for p in root.iterdir()):
+            and not any(shard_file.SHARD_NAME.match(p.name) for p in root.iterdir()):
         raise NotAStoreError(f"{root} holds no hmem store", hint="check the path")
     if subset is not None:
         k, n = subset
@@ -106,7 +106,7 @@ def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | No
     out = _Collector()
     mf = _check_index(root, out)
     loaded = np.zeros(0)
-    scans: dict[int, shards.ShardScan] = {}
+    scans: dict[int, shard_file.ShardScan] = {}
     tensors = nbytes = 0
     complete = True
     if mf is not None:
@@ -176,7 +176,7 @@ def _check_records(root: Path, mf: manifest.Manifest, out: _Collector) -> np.nda
 
 
 def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
-                  out: _Collector) -> dict[int, shards.ShardScan]:
+                  out: _Collector) -> dict[int, shard_file.ShardScan]:
     scans = {}
     live = loaded["shard_idx"] != EVICTED
     live[records.damaged(loaded)] = False  # a damaged record's fields mean nothing
@@ -189,7 +189,7 @@ def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
         size = path.stat().st_size
         if size != info.bytes:
             out.add("shard.size", ERROR, info.file, f"{size} bytes", f"{info.bytes} bytes")
-        scan = shards.scan_shard(path, embed_dim=mf.config.embed_dim, quantized=mf.config.quantize_stored,
+        scan = shard_file.scan_shard(path, embed_dim=mf.config.embed_dim, quantized=mf.config.quantize_stored,
                                  index_crc=info.index_crc)
         scans[idx] = scan
         for code, message in scan.problems:
@@ -222,13 +222,13 @@ def _check_directory(root: Path, mf: manifest.Manifest, out: _Collector) -> None
         if entry.name.startswith(_io.TEMP_PREFIX):
             out.add("file.temp", WARNING, entry.name, "a temporary file of an interrupted writer "
                     "(the next writer removes it)")
-        elif shards.SHARD_NAME.match(entry.name):
+        elif shard_file.SHARD_NAME.match(entry.name):
             out.add("file.orphan", WARNING, entry.name, "a shard file no commit names ('hmem compact' removes it)")
         else:
             out.add("file.foreign", INFO, entry.name, "a file hmem did not make (left alone)")
 
 
-def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans: dict[int, shards.ShardScan],
+def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans: dict[int, shard_file.ShardScan],
                    out: _Collector, subset: tuple[int, int] | None, max_seconds: float | None,
                    started: float) -> tuple[int, int, bool]:
     checked = nbytes = 0
@@ -250,7 +250,7 @@ def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans:
                 if spec is None:
                     continue  # reported by the quick check
                 dtype, shape, start, end, crc = spec
-                want_dtype, want_shape = shards.tensor_layout(kind, n_tokens, mf.config.embed_dim,
+                want_dtype, want_shape = shard_file.tensor_layout(kind, n_tokens, mf.config.embed_dim,
                                                               mf.config.quantize_stored)
                 name = f"{kind}_{entry_id}"
                 if dtype != want_dtype or tuple(shape) != want_shape:
@@ -279,7 +279,7 @@ def config_from_shards(root: Path) -> StoreConfig | None:
     index.json), or None."""
     for path in sorted(root.glob("shard_*.safetensors")):
         try:
-            return StoreConfig.from_dict(json.loads(shards.shard_metadata(path)["store_config"]))
+            return StoreConfig.from_dict(json.loads(shard_file.shard_metadata(path)["store_config"]))
         except (KeyError, ValueError, HmemError, OSError):
             continue
     return None

@@ -26,7 +26,7 @@ from hmem.formats import manifest
 
 from hmem.store import rewrite
 
-from hmem.store import shards
+from hmem.formats import shard_file
 from hmem.store.bridge import AugmentedKV, augmented_kv
 from hmem import validation
 from hmem.errors import CorruptStoreError, EntryTooLargeError, HmemError, InvalidArgumentError
@@ -266,7 +266,7 @@ class StoreMaintenance:
                                 time.perf_counter() - started)
 
     def _kinds(self) -> tuple[str, ...]:
-        return shards.KINDS if self.config.quantize_stored else shards.KINDS[:3]
+        return shard_file.KINDS if self.config.quantize_stored else shard_file.KINDS[:3]
 
     def _sources(self, pos: int) -> Callable[[], rewrite.TensorSources]:
         """Where the tensors of record `pos` lie; each is checked against its
@@ -277,7 +277,7 @@ class StoreMaintenance:
             reader = self._reader(int(row["shard_idx"]))
             found = {}
             for kind in self._kinds():
-                dtype, shape = shards.tensor_layout(kind, int(row["n_tokens"]), self.config.embed_dim,
+                dtype, shape = shard_file.tensor_layout(kind, int(row["n_tokens"]), self.config.embed_dim,
                                                     self.config.quantize_stored)
                 nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
                 crc = reader.crc(entry_id, kind)
@@ -321,7 +321,7 @@ def orphan_files(root: Path, known_shards: list[ShardInfo], pending: Pending) ->
         if entry.name in known:
             continue
         if entry.is_file(follow_symlinks=False) and (
-                entry.name.startswith(_io.TEMP_PREFIX) or shards.SHARD_NAME.match(entry.name)):
+                entry.name.startswith(_io.TEMP_PREFIX) or shard_file.SHARD_NAME.match(entry.name)):
             orphans.append(entry.name)
         else:
             foreign.append(entry.name)

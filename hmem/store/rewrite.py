@@ -27,7 +27,9 @@ from hmem.formats import manifest
 
 from hmem.formats import records
 
-from hmem.store import shards
+from hmem.store import shard_builder
+
+from hmem.formats import shard_file
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.formats.records import ENTRIES_FILE
 
@@ -43,7 +45,7 @@ def pack(sizes: np.ndarray, limit: int) -> list[int]:
     counts = []
     ends = np.cumsum(sizes)
     start, total = 0, len(sizes)
-    budget = limit - shards.HEADER_FIXED_BYTES
+    budget = limit - shard_file.HEADER_FIXED_BYTES
     while start < total:
         base = ends[start - 1] if start else 0
         stop = max(int(np.searchsorted(ends, base + budget, side="right")), start + 1)
@@ -60,7 +62,7 @@ def rewrite(
     sizes: np.ndarray,
     deletes: Sequence[str],
     *,
-    arenas: tuple[shards.Arena, shards.Arena],
+    arenas: tuple[shard_builder.Arena, shard_builder.Arena],
     config_json: str,
     crash_prefix: str,
     progress: Callable[[int, int], None] | None = None,
@@ -75,14 +77,14 @@ def rewrite(
     renames: list[tuple[str, str]] = []
     start, done, total = 0, 0, int(sizes.sum())
     for j, count in enumerate(groups):
-        builder = shards.ShardBuilder(j, uuid.uuid4().hex, arenas, config_json)
+        builder = shard_builder.ShardBuilder(j, uuid.uuid4().hex, arenas, config_json)
         for i in range(start, start + count):
             builder.add_lent_entry(int(kept["entry_id"][i]), int(kept["n_tokens"][i]), sources[i]())
-        temp = TEMP_PREFIX + shards.shard_file(j)
+        temp = TEMP_PREFIX + shard_file.shard_file(j)
         size, index_crc = builder.seal(root / temp)
-        new_shards.append(ShardInfo(file=shards.shard_file(j), bytes=size, uid=builder.uid,
+        new_shards.append(ShardInfo(file=shard_file.shard_file(j), bytes=size, uid=builder.uid,
                                     entries=builder.entries, index_crc=index_crc))
-        renames.append((temp, shards.shard_file(j)))
+        renames.append((temp, shard_file.shard_file(j)))
         new_records["shard_idx"][start : start + count] = j
         start += count
         done += int(sizes[start - count : start].sum())
@@ -130,7 +132,7 @@ def remove_leftovers(root: Path, mf: Manifest) -> None:
         if entry.name.startswith(_io.TEMP_PREFIX):
             _io.unlink(Path(entry.path))
             continue
-        match = shards.SHARD_NAME.match(entry.name)
+        match = shard_file.SHARD_NAME.match(entry.name)
         if match and entry.name not in named and int(match.group(1)) >= len(mf.shards):
             _io.unlink(Path(entry.path))
     entries = root / ENTRIES_FILE

@@ -46,7 +46,13 @@ from hmem.formats import records
 
 from hmem.store import rewrite
 
-from hmem.store import shards
+from hmem.store import quantize
+
+from hmem.store import shard_builder
+
+from hmem.formats import shard_file
+
+from hmem.store import shard_reader
 from hmem.config import StoreConfig
 from hmem.errors import (
     CorruptStoreError,
@@ -139,9 +145,9 @@ class Store(StoreMaintenance):
         self._shards = [dataclasses.replace(info) for info in mf.shards]  # committed, then sealed since
         self._shards_committed = len(self._shards)
         self._builder_dead = [0, 0]  # evicted entries (count, bytes) of the open shard
-        self._builder: shards.ShardBuilder | None = None
-        self._arenas = (shards.Arena(), shards.Arena())  # reused by every open shard
-        self._cache = shards.ShardCache(cfg.max_open_shards)
+        self._builder: shard_builder.ShardBuilder | None = None
+        self._arenas = (shard_builder.Arena(), shard_builder.Arena())  # reused by every open shard
+        self._cache = shard_reader.ShardCache(cfg.max_open_shards)
         self._index = SearchIndex(cfg.signature_bytes)
         self._index.add_records(self._records, np.arange(self._n, dtype=np.int64))
 
@@ -354,7 +360,7 @@ class Store(StoreMaintenance):
         """Whether adding entries of these file sizes will seal the open shard."""
         b = self._builder
         entries = b.entries if b is not None else 0
-        bound = b.file_bytes_bound() if b is not None else shards.HEADER_FIXED_BYTES
+        bound = b.file_bytes_bound() if b is not None else shard_file.HEADER_FIXED_BYTES
         for size in sizes:
             if entries and bound + size > self.config.shard_max_bytes:
                 return True
@@ -396,7 +402,7 @@ class Store(StoreMaintenance):
     def _next_shard_index(self) -> int:
         return len(self._shards)
 
-    def _builder_for(self, entry_bytes: int) -> shards.ShardBuilder:
+    def _builder_for(self, entry_bytes: int) -> shard_builder.ShardBuilder:
         """The open shard, sealed first and replaced when this entry would
         push it past shard_max_bytes (an entry larger than the limit gets a
         shard of its own)."""
@@ -405,7 +411,7 @@ class Store(StoreMaintenance):
             self._seal_builder()
             b = None
         if b is None:
-            b = self._builder = shards.ShardBuilder(self._next_shard_index(), uuid.uuid4().hex, self._arenas,
+            b = self._builder = shard_builder.ShardBuilder(self._next_shard_index(), uuid.uuid4().hex, self._arenas,
                                                     self._config_json)
         return b
 
@@ -413,7 +419,7 @@ class Store(StoreMaintenance):
         b = self._builder
         if b is None or not b.entries:
             return
-        name = shards.shard_file(b.index)
+        name = shard_file.shard_file(b.index)
         size, index_crc = b.seal(self.path / name)
         dead_entries, dead_bytes = self._builder_dead
         self._shards.append(ShardInfo(file=name, bytes=size, uid=b.uid, entries=b.entries, index_crc=index_crc,
@@ -541,8 +547,8 @@ class Store(StoreMaintenance):
     def _kv(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
         keys, values = self._tensor(pos, "k"), self._tensor(pos, "v")
         if self.config.quantize_stored:
-            keys = shards.dequantize_rows(keys, self._tensor(pos, "ks"))
-            values = shards.dequantize_rows(values, self._tensor(pos, "vs"))
+            keys = quantize.dequantize_rows(keys, self._tensor(pos, "ks"))
+            values = quantize.dequantize_rows(values, self._tensor(pos, "vs"))
         return keys, values
 
     def _tensor(self, pos: int, kind: str, *, check: bool | None = None) -> np.ndarray:
@@ -554,7 +560,7 @@ class Store(StoreMaintenance):
             # The open shard's memory is reused after it is sealed: copy.
             return self._builder.get(entry_id, kind).copy()
         reader = self._reader(shard_idx)
-        dtype, shape = shards.tensor_layout(kind, int(row["n_tokens"]), self.config.embed_dim,
+        dtype, shape = shard_file.tensor_layout(kind, int(row["n_tokens"]), self.config.embed_dim,
                                             self.config.quantize_stored)
         array = reader.tensor(entry_id, kind, dtype, shape)
         wanted = self._verify_reads if check is None else check
@@ -563,7 +569,7 @@ class Store(StoreMaintenance):
                                     "fails its checksum", hint="run 'hmem verify --full'")
         return array
 
-    def _reader(self, shard_idx: int) -> shards.ShardReader:
+    def _reader(self, shard_idx: int) -> shard_reader.ShardReader:
         if shard_idx < len(self._shards):
             info = self._shards[shard_idx]
         else:
@@ -609,8 +615,8 @@ class Store(StoreMaintenance):
         """Bytes an entry of n_tokens takes in a shard, header entries and index row included."""
         quantized = self.config.quantize_stored
         tensors = 5 if quantized else 3
-        return (shards.entry_bytes(n_tokens, self.config.embed_dim, quantized)
-                + tensors * shards.HEADER_BYTES_PER_TENSOR + shards.INDEX_ROW_BYTES)
+        return (shard_file.entry_bytes(n_tokens, self.config.embed_dim, quantized)
+                + tensors * shard_file.HEADER_BYTES_PER_TENSOR + shard_file.INDEX_ROW_BYTES)
 
     # ---- reading entries by id -----------------------------------------------------
 
@@ -679,7 +685,7 @@ class Store(StoreMaintenance):
                 layers=self._index.layer_counts(),
                 shards=shard_rows,
                 bytes_on_disk=self.size(),
-                live_bytes=int(shards.entry_bytes(n_tokens, self.config.embed_dim, self.config.quantize_stored).sum()),
+                live_bytes=int(shard_file.entry_bytes(n_tokens, self.config.embed_dim, self.config.quantize_stored).sum()),
                 reclaimable_bytes=self._plan_compaction().reclaimable_bytes,
                 orphan_files=orphans,
                 foreign_files=foreign,
@@ -713,8 +719,8 @@ class Store(StoreMaintenance):
 def _entry_tensors(p: _Prepared, quantized: bool) -> dict[str, np.ndarray]:
     if not quantized:
         return {"k": p.keys, "v": p.values, "p": p.pooled}
-    kq, ks = shards.quantize_rows(p.keys)
-    vq, vs = shards.quantize_rows(p.values)
+    kq, ks = quantize.quantize_rows(p.keys)
+    vq, vs = quantize.quantize_rows(p.values)
     return {"k": kq, "v": vq, "p": p.pooled, "ks": ks, "vs": vs}
 
 

@@ -1,0 +1,232 @@
+"""The shard file format: standard safetensors holding the K/V tensors of entries.
+
+A shard is written once, whole, and never modified.  Layout of the file
+(the safetensors format):
+
+    u64 little-endian   N, the length of the JSON header
+    N bytes             JSON header, padded with spaces to a multiple of 8
+    data                the tensors' bytes, back to back
+
+The data region starts with ``hmem_index``, an I64 tensor of
+[entries + 1, 12]: a header row (magic "HMEMIDX1", version, entry count,
+the shard uid as two 64-bit halves) and one row per entry (entry_id,
+n_tokens, the data offsets of its k, v, p, ks, vs tensors, -1 where absent,
+and the CRC-32C of each).  hmem reads shards through this index, a
+zero-copy view that needs no JSON parsing, so opening a shard costs
+microseconds whatever its number of tensors.  The JSON header still lists
+every tensor, so any safetensors reader opens the file; ``verify`` checks
+that both agree.
+
+After the index come every F32 tensor, then every I8 tensor, so F32 data is
+4-byte aligned and reads as zero-copy numpy views of the memory map.
+``__metadata__`` holds ``format`` = "hmem-shard", ``format_version`` = "1",
+``shard_uid`` and, per tensor, ``crc32c:<name>``.  docs/format.md lists
+every name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import mmap
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hmem.errors import CorruptStoreError, Hint
+from hmem.kernels import checksum as checksum_kernels
+
+SHARD_FORMAT = "hmem-shard"
+SHARD_FORMAT_VERSION = "1"
+SHARD_NAME = re.compile(r"^shard_(\d{4,9})\.safetensors$")
+CRC_PREFIX = "crc32c:"
+
+INDEX_TENSOR = "hmem_index"
+INDEX_MAGIC = int.from_bytes(b"HMEMIDX1", "little")
+INDEX_VERSION = 1
+INDEX_COLUMNS = 12
+KINDS = ("k", "v", "p", "ks", "vs")  # index columns 2-6 (offsets) and 7-11 (CRCs)
+
+DTYPES: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "I8": np.dtype("i1"), "I64": np.dtype("<i8")}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_HEADER_ALIGN = 8
+# Upper bound of one tensor's share of the JSON header: its entry with
+# 20-digit offsets and shape numbers, plus its checksum in the metadata.
+HEADER_BYTES_PER_TENSOR = 200
+HEADER_FIXED_BYTES = 256 + INDEX_COLUMNS * 8  # the metadata, the length word, the index's header row
+INDEX_ROW_BYTES = INDEX_COLUMNS * 8
+
+
+def shard_file(index: int) -> str:
+    return f"shard_{index:04d}.safetensors"
+
+
+def entry_bytes(n_tokens: int, embed_dim: int, quantized: bool) -> int:
+    """Tensor bytes one entry adds to a shard (keys, values, pooled key,
+    scales), not counting its index row and header entries."""
+    if quantized:
+        return 2 * n_tokens * embed_dim + 4 * embed_dim + 2 * 4 * n_tokens
+    return 2 * 4 * n_tokens * embed_dim + 4 * embed_dim
+
+
+def parse_header(buf: mmap.mmap, name: str) -> tuple[dict[str, str], dict[str, tuple], int]:
+    def bad(why: str) -> CorruptStoreError:
+        return CorruptStoreError(f"shard {name} has a damaged header: {why}", hint="run 'hmem verify'")
+
+    (length,) = struct.unpack_from("<Q", buf, 0)
+    if length > len(buf) - 8:
+        raise bad(f"header length {length} runs past the end of the file")
+    try:
+        header = json.loads(bytes(buf[8 : 8 + length]))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise bad("the header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    metadata = header.pop("__metadata__", {}) or {}
+    if not isinstance(metadata, dict) or metadata.get("format") != SHARD_FORMAT:
+        raise bad("it is not an hmem shard")
+    data_start = 8 + length
+    data_len = len(buf) - data_start
+    entries: dict[str, tuple] = {}
+    for tensor, spec in header.items():
+        try:
+            dtype = DTYPES[spec["dtype"]]
+            shape = tuple(x for x in spec["shape"])
+            start, end = (x for x in spec["data_offsets"])
+            if not all(type(x) is int and 0 <= x < 1 << 62 for x in (*shape, start, end)):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {tensor} has a malformed entry") from None
+        if not 0 <= start <= end <= data_len:
+            raise bad(f"tensor {tensor} lies outside the data")
+        if end - start != math.prod(shape) * dtype.itemsize:  # Python ints: no overflow
+            raise bad(f"tensor {tensor}'s size does not match its shape")
+        entries[tensor] = (dtype, shape, data_start + start, data_start + end)
+    return metadata, entries, data_start
+
+
+_NAME = re.compile(r"^(k|v|p|ks|vs)_(\d{1,20})$")
+
+
+@dataclasses.dataclass
+class ShardScan:
+    """What a shard file holds, read through its hmem_index and its JSON
+    header independently, for verify and repair (which must cope with
+    damage to either)."""
+
+    size: int
+    metadata: dict[str, str]
+    # (entry_id, kind) -> (dtype, shape, absolute start, absolute end, recorded CRC or None);
+    # from hmem_index when it is sound, else from the JSON header
+    tensors: dict[tuple[int, str], tuple[np.dtype, tuple[int, ...], int, int, int | None]]
+    index_entries: np.ndarray | None  # [entries + 1, 12] view of a sound hmem_index
+    problems: list[tuple[str, str]]  # (finding code, message)
+
+
+def tensor_layout(kind: str, n_tokens: int, embed_dim: int, quantized: bool) -> tuple[np.dtype, tuple[int, ...]]:
+    """dtype and shape of one tensor of an entry."""
+    if kind in ("k", "v"):
+        return (DTYPES["I8"] if quantized else DTYPES["F32"]), (n_tokens, embed_dim)
+    return DTYPES["F32"], ((embed_dim,) if kind == "p" else (n_tokens,))
+
+
+_MAGIC_BYTES = INDEX_MAGIC.to_bytes(8, "little")
+
+
+def shard_metadata(path: Path) -> dict[str, str]:
+    """The __metadata__ of a shard file (raises CorruptStoreError)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        if size < 8:
+            raise CorruptStoreError(f"shard {path.name} is too short to be safetensors")
+        buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+    return parse_header(buf, path.name)[0]
+
+
+def _find_index(buf: Any, data_start: int | None) -> tuple[np.ndarray | None, int]:
+    """hmem_index and where it starts: at the data start the header gives,
+    or, when that is damaged, at the first 8-aligned place holding its magic."""
+    size = len(buf)
+    candidates = [data_start] if data_start is not None else []
+    at = 8
+    while (at := buf.find(_MAGIC_BYTES, at)) != -1 and len(candidates) < 4:
+        if at % 8 == 0:
+            candidates.append(at)
+        at += 1
+    for start in candidates:
+        if start is None or start + 2 * INDEX_ROW_BYTES > size:
+            continue
+        head = np.frombuffer(buf, dtype="<i8", count=INDEX_COLUMNS, offset=start)
+        entries = int(head[2])
+        if head[0] != INDEX_MAGIC or head[1] != INDEX_VERSION or not 0 <= entries <= (size - start) // INDEX_ROW_BYTES - 1:
+            continue
+        rows = entries + 1
+        return np.frombuffer(buf, dtype="<i8", count=rows * INDEX_COLUMNS, offset=start).reshape(rows, INDEX_COLUMNS), start
+    return None, -1
+
+
+def scan_shard(path: Path, *, embed_dim: int, quantized: bool, index_crc: int | None = None) -> ShardScan:
+    """Read a shard without trusting its header or its index.  `index_crc`
+    is what index.json records for the index (None when it is lost)."""
+    problems: list[tuple[str, str]] = []
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
+    metadata: dict[str, str] = {}
+    from_header: dict = {}
+    data_start = None
+    try:
+        metadata, entries, data_start = parse_header(buf, path.name)
+        for name, (dtype, shape, start, end) in entries.items():
+            match = _NAME.match(name)
+            if match:
+                crc_text = metadata.get(CRC_PREFIX + name)
+                try:
+                    crc = int(crc_text, 16) if crc_text is not None else None
+                except ValueError:
+                    crc = None
+                from_header[(int(match.group(2)), match.group(1))] = (dtype, shape, start, end, crc)
+            elif name != INDEX_TENSOR:
+                problems.append(("shard.header", f"unexpected tensor {name}"))
+    except CorruptStoreError as exc:
+        problems.append(("shard.header", exc.message))
+    index, index_start = _find_index(buf, data_start)
+    if index is None:
+        problems.append(("shard.index", "no readable hmem_index"))
+    else:
+        expected = index_crc
+        if expected is None:
+            try:
+                expected = int(metadata[CRC_PREFIX + INDEX_TENSOR], 16)
+            except (KeyError, ValueError):
+                expected = None
+        if expected is not None and checksum_kernels.crc32c(bytes_view(index)) != expected:
+            problems.append(("shard.index", "hmem_index fails its checksum"))
+            index = None
+    if index is None:
+        return ShardScan(size, metadata, from_header, None, problems)
+    from_index = {}
+    for row in index[1:]:
+        entry_id, n_tokens = int(row[0]), int(row[1])
+        for column, kind in enumerate(KINDS):
+            offset = int(row[2 + column])
+            if offset < 0:
+                continue
+            dtype, shape = tensor_layout(kind, n_tokens, embed_dim, quantized)
+            start = index_start + offset
+            end = start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            from_index[(entry_id, kind)] = (dtype, shape, start, end, int(row[7 + column]))
+    if from_header:
+        for key in from_header.keys() | from_index.keys():
+            a, b = from_header.get(key), from_index.get(key)
+            if a is None or b is None or a[2:] != b[2:] or tuple(a[1]) != tuple(b[1]):
+                problems.append(("shard.mismatch", f"{key[1]}_{key[0]}: the JSON header and hmem_index disagree"))
+    return ShardScan(size, metadata, from_index, index, problems)
+
+
+def bytes_view(array: np.ndarray) -> memoryview:
+    return memoryview(array).cast("B")

@@ -1,0 +1,182 @@
+"""Reading shard files: memory-mapped readers that go through a shard's
+hmem_index, and a bounded cache of them (the format is
+hmem/formats/shard_file.py and docs/format.md)."""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hmem import _io
+from hmem.errors import CorruptStoreError, Hint, StoreChangedError
+from hmem.formats.shard_file import (
+    INDEX_COLUMNS,
+    INDEX_MAGIC,
+    INDEX_ROW_BYTES,
+    INDEX_VERSION,
+    KINDS,
+    bytes_view,
+    parse_header,
+)
+from hmem.kernels import checksum as checksum_kernels
+
+
+def _signed64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+class ShardState:
+    """What this process has checked of one shard file (known by its uid),
+    kept while its map comes and goes: shard files never change."""
+
+    __slots__ = ("uid", "uid_halves", "ids", "verified")
+
+    def __init__(self, uid: str) -> None:
+        value = int(uid, 16)
+        self.uid = uid
+        self.uid_halves = (_signed64(value >> 64), _signed64(value & ((1 << 64) - 1)))
+        self.ids: np.ndarray | None = None  # entry ids of the index, once it passed its checksum
+        self.verified: set[tuple[int, str]] = set()  # (entry_id, kind) whose CRC matched
+
+
+class ShardReader:
+    """One shard file, memory-mapped, read through its hmem_index tensor."""
+
+    def __init__(self, path: Path, info: Any, state: ShardState) -> None:
+        """Map the file described by the ShardInfo `info`; check its index
+        (checksum, header row, uid) unless `state` says it was checked."""
+        self.path = path
+        self.uid = info.uid
+        self.state = state
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise CorruptStoreError(f"shard {path.name} is missing", hint="run 'hmem verify'") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != info.bytes:
+                raise CorruptStoreError(f"shard {path.name} is {actual} bytes, the store expects {info.bytes}",
+                                        hint="run 'hmem verify'")
+            self._map = mmap.mmap(fd, actual, access=mmap.ACCESS_READ) if actual else None
+        finally:
+            os.close(fd)
+        self.size = actual
+        self.data_start, self.index = self._load_index(info.entries, info.index_crc)
+
+    @property
+    def verified(self) -> set[tuple[int, str]]:
+        return self.state.verified
+
+    def _bad(self, why: str) -> CorruptStoreError:
+        return CorruptStoreError(f"shard {self.path.name} is damaged: {why}", hint="run 'hmem verify'")
+
+    def _load_index(self, entries: int, index_crc: int) -> tuple[int, np.ndarray]:
+        if self._map is None or self.size < 8:
+            raise self._bad("too short to be safetensors")
+        (length,) = struct.unpack_from("<Q", self._map, 0)
+        data_start = 8 + length
+        index_bytes = (entries + 1) * INDEX_ROW_BYTES
+        if length > self.size or data_start + index_bytes > self.size:
+            raise self._bad("its header or index runs past the end of the file")
+        index = np.frombuffer(self._map, dtype="<i8", count=(entries + 1) * INDEX_COLUMNS,
+                              offset=data_start).reshape(entries + 1, INDEX_COLUMNS)
+        if (int(index[0, 3]), int(index[0, 4])) != self.state.uid_halves:
+            raise StoreChangedError(f"shard {self.path.name} was replaced since the store was opened",
+                                    hint="open the store again")
+        if self.state.ids is None:
+            if checksum_kernels.crc32c(bytes_view(index)) != index_crc:
+                raise self._bad("its entry index fails its checksum")
+            if index[0, 0] != INDEX_MAGIC or index[0, 1] != INDEX_VERSION or index[0, 2] != entries:
+                raise self._bad("its entry index has a wrong header row")
+            self.state.ids = np.ascontiguousarray(index[1:, 0])
+        return data_start, index
+
+    def _locate(self, entry_id: int, kind: str) -> tuple[int, int]:
+        ids = self.state.ids
+        row = int(np.searchsorted(ids, entry_id))
+        if row >= len(ids) or ids[row] != entry_id:
+            raise self._bad(f"it holds no entry {entry_id}")
+        column = KINDS.index(kind)
+        return int(self.index[row + 1, 2 + column]), int(self.index[row + 1, 7 + column])
+
+    def tensor(self, entry_id: int, kind: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A read-only view of one tensor in the memory map (no copy)."""
+        start, _ = self._locate(entry_id, kind)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        begin = self.data_start + start
+        if start < 0 or begin + nbytes > self.size:
+            raise self._bad(f"tensor {kind}_{entry_id} lies outside the file")
+        if nbytes >= 1 << 16:  # read ahead instead of faulting page by page
+            aligned = begin - begin % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_WILLNEED, aligned, begin + nbytes - aligned)
+        count = nbytes // dtype.itemsize
+        return np.frombuffer(self._map, dtype=dtype, count=count, offset=begin).reshape(shape)
+
+    def crc(self, entry_id: int, kind: str) -> int:
+        """The CRC-32C the index records for a tensor."""
+        return self._locate(entry_id, kind)[1]
+
+    def file_range(self, entry_id: int, kind: str, nbytes: int) -> _io.FileRange:
+        """Where a tensor's bytes lie in the file."""
+        start, _ = self._locate(entry_id, kind)
+        if start < 0 or self.data_start + start + nbytes > self.size:
+            raise self._bad(f"tensor {kind}_{entry_id} lies outside the file")
+        return _io.FileRange(self.path, self.data_start + start, nbytes)
+
+    def check(self, entry_id: int, kind: str, tensor: np.ndarray) -> bool:
+        """Whether `tensor` (read from this shard) matches its recorded CRC-32C."""
+        _, expected = self._locate(entry_id, kind)
+        ok = checksum_kernels.crc32c(bytes_view(tensor)) == expected
+        if ok:
+            self.verified.add((entry_id, kind))
+        return ok
+
+    def header(self) -> tuple[dict[str, str], dict[str, tuple]]:
+        """The JSON header, parsed and checked (for verify and tests)."""
+        metadata, entries, _ = parse_header(self._map, self.path.name)
+        return metadata, entries
+
+
+class ShardCache:
+    """At most `capacity` shard files memory-mapped at once (least recently
+    used is dropped first).  Arrays already handed out keep their own map
+    alive until they are freed.  What was checked of each shard is kept
+    across evictions (ShardState, by uid)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._open: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
+        self._states: dict[str, ShardState] = {}
+
+    def get(self, index: int, path: Path, info: Any) -> ShardReader:
+        """The reader of shard `index` (file at `path`, described by the
+        ShardInfo `info`)."""
+        reader = self._open.get(index)
+        if reader is not None and reader.uid == info.uid:
+            self._open.move_to_end(index)
+            return reader
+        state = self._states.get(info.uid)
+        if state is None:
+            state = self._states[info.uid] = ShardState(info.uid)
+        reader = ShardReader(path, info, state)
+        self._open[index] = reader
+        self._open.move_to_end(index)
+        while len(self._open) > self.capacity:
+            self._open.popitem(last=False)
+        return reader
+
+    def open_count(self) -> int:
+        return len(self._open)
+
+    def drop(self, index: int | None = None) -> None:
+        """Unmap one shard, or all; what was checked is kept."""
+        if index is None:
+            self._open.clear()
+        else:
+            self._open.pop(index, None)
