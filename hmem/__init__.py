@@ -10,6 +10,7 @@ from hmem.errors import (
     CorruptStoreError,
     EntryNotFoundError,
     EntryTooLargeError,
+    Hint,
     HmemError,
     InvalidArgumentError,
     InvalidTensorError,
@@ -22,14 +23,12 @@ from hmem.errors import (
     StoreLockedError,
     UnsupportedFormatError,
 )
+from hmem.prefix_hit.explain import GroupHit, PrefixHitReport, explain_prefix_hit
 from hmem.prefix_hit.operators import (
     FULL_ATTENTION_WINDOW,
-    GroupHit,
     Layout,
-    PrefixHitReport,
     TrimPolicy,
     chunks_present,
-    explain_prefix_hit,
     fold,
     fold_unfold,
     fold_unfold_ranked,
@@ -57,11 +56,11 @@ from hmem.store.results import (
     StoreStats,
 )
 from hmem.store.store import Entry, Store, is_store
-from hmem.transfer.kvfiles import (
+from hmem.transfer.kv_export import export_results, write_kv_file
+from hmem.transfer.kv_import import (
     BadFileError,
     FileResult,
     ImportReport,
-    export_results,
     find_files as find_kv_files,
     import_files,
     read_entries as read_kv_file,
@@ -94,6 +93,7 @@ __all__ = [
     "VerifyReport",
     "repair",
     "verify",
+    "write_kv_file",
     "CorruptStoreError",
     "Entry",
     "EntryTooLargeError",
@@ -113,6 +113,7 @@ __all__ = [
     "FULL_ATTENTION_WINDOW",
     "Bitmap",
     "GroupHit",
+    "Hint",
     "HmemError",
     "InvalidArgumentError",
     "KernelUnavailableError",

@@ -17,7 +17,7 @@ U64_MAX = validation.U64_MAX
 
 @dataclasses.dataclass(frozen=True)
 class StoreConfig:
-    """Settings of one store (SPEC §2.1).
+    """Settings of one store (the `config` of index.json, docs/format.md).
 
     embed_dim        width of every K/V row (required)
     hdc_dim          signature bits per entry, a multiple of 64

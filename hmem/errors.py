@@ -85,3 +85,7 @@ class Hint:
 
 class EntryNotFoundError(HmemError, KeyError):
     """No live entry has this id: it was never given, or it was evicted or deleted."""
+
+
+class BadFileError(HmemError):
+    """An import file that is skipped, with the reason."""

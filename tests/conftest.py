@@ -417,3 +417,63 @@ def probe_store():
         return out
 
     return probe
+
+
+# ---- the few checks that need the Store's internals ------------------------------
+#
+# Everything else in the tests reads a store through its public API
+# (Store.entry_ids, get, entries, stats, query) or reads the on-disk format
+# with hmem.formats.  What these helpers check, no public API exposes: how
+# many shard files are memory-mapped at once, and a writer that vanishes
+# (as a killed process would) without flushing or closing.  They are the one
+# place that names the Store's private attributes: update them here when
+# those attributes move.
+
+
+class _StoreInternals:
+    @staticmethod
+    def open_shard_maps(store) -> int:
+        """How many shard files the store holds memory-mapped now."""
+        return store._state.cache.open_count()  # private: the shard map cache has no public view
+
+    @staticmethod
+    def shard_map_limit(store) -> int:
+        """How many shard files the store keeps memory-mapped at most (max_open_shards in use)."""
+        return store._state.cache.capacity  # private: see open_shard_maps
+
+    @staticmethod
+    @contextmanager
+    def watch_shard_maps(store) -> Iterator[list[int]]:
+        """Within the block, every time the store maps (or reuses) a shard,
+        the number of shard maps it then holds open is appended to the
+        yielded list: ``max(counts)`` is the peak."""
+        cache = store._state.cache  # private: see open_shard_maps
+        real_get = cache.get
+        counts: list[int] = []
+
+        def counting_get(*args, **kwargs):
+            reader = real_get(*args, **kwargs)
+            counts.append(cache.open_count())
+            return reader
+
+        cache.get = counting_get
+        try:
+            yield counts
+        finally:
+            del cache.get  # back to the class's method
+
+    @staticmethod
+    def abandon_writer(store) -> None:
+        """The writer vanishes as a killed process would: its lock is
+        released, nothing is flushed, and the object is closed without
+        close() (which would flush).  No public API drops a writer unflushed."""
+        store._state.shut()  # private (see the docstring): closed, maps dropped, lock released, no flush
+
+
+@pytest.fixture(scope="session")
+def store_internals() -> _StoreInternals:
+    """``store_internals.open_shard_maps(store)``, ``.shard_map_limit(store)``,
+    ``.watch_shard_maps(store)`` (a context manager) and
+    ``.abandon_writer(store)``: the only checks that reach past the Store's
+    public API (see the comment above _StoreInternals)."""
+    return _StoreInternals()

@@ -1,6 +1,10 @@
-"""The integration bridge (SPEC §2.8): Store.augmented_kv puts the retrieved
-entries' K/V rows, in rank order, before a sparse-attention cache; numpy in,
-numpy out and torch in, torch out, in the cache's dtype and device.
+"""The integration bridge (README.md, "The store": augmented_kv):
+Store.augmented_kv puts the retrieved entries' K/V rows, in rank order,
+before a sparse-attention cache; numpy in, numpy out and torch in, torch
+out, in the cache's dtype and device.
+
+torch is optional for hmem: the tests and cases that need it carry the
+``requires_torch`` mark and are skipped without it; the numpy ones always run.
 """
 
 from __future__ import annotations
@@ -9,10 +13,14 @@ import numpy as np
 import pytest
 
 import hmem
-from hmem import Store
-from hmem.store.bridge import AugmentedKV, Segment
+from hmem import AugmentedKV, Segment, Store
 
-torch = pytest.importorskip("torch")
+try:
+    import torch
+except ImportError:
+    torch = None
+
+requires_torch = pytest.mark.skipif(torch is None, reason="torch is not installed (it is optional for hmem)")
 
 F = np.float32
 EMBED = 32
@@ -88,6 +96,7 @@ def test_numpy_cache_gets_retrieved_rows_in_rank_order(filled, dtype, rerank):
                 assert aug.values[seg.start:seg.stop].tobytes() == v.tobytes()
 
 
+@requires_torch
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_torch_cache_gets_torch_rows_of_its_dtype_and_device(filled, dtype):
     store, data = filled
@@ -114,17 +123,28 @@ def test_torch_cache_gets_torch_rows_of_its_dtype_and_device(filled, dtype):
             assert aug.keys[: aug.segments[0].stop].numpy().tobytes() == k.tobytes()
 
 
-def test_nothing_retrieved_gives_back_the_very_same_cache(filled):
+# Caches are built inside the tests (torch may be missing at collection).
+_EMPTY_LAYER_CACHES = [
+    pytest.param(lambda: (np.zeros((3, EMBED), F), np.ones((3, EMBED), F)), id="numpy-float32"),
+    pytest.param(lambda: (np.zeros((3, EMBED), np.float16), np.ones((3, EMBED), np.float16)), id="numpy-float16"),
+    pytest.param(lambda: (torch.zeros(2, EMBED, dtype=torch.bfloat16), torch.ones(2, EMBED, dtype=torch.bfloat16)),
+                 id="torch-bfloat16", marks=requires_torch),
+]
+
+
+@pytest.mark.parametrize("make_cache", _EMPTY_LAYER_CACHES)
+def test_nothing_retrieved_gives_back_the_very_same_cache(filled, make_cache):
     store, data = filled
     q = np.ones(EMBED, F)
-    for cache_k, cache_v in ((np.zeros((3, EMBED), F), np.ones((3, EMBED), F)),
-                             (np.zeros((3, EMBED), np.float16), np.ones((3, EMBED), np.float16)),
-                             (torch.zeros(2, EMBED, dtype=torch.bfloat16), torch.ones(2, EMBED, dtype=torch.bfloat16))):
-        aug = store.augmented_kv(q, cache_k, cache_v, 2, 5)  # layer 2 holds nothing
-        assert aug.keys is cache_k and aug.values is cache_v
-        assert aug.segments == () and aug.cache_start == 0
-    # an empty store too
-    with Store.create(store.path.parent / "empty", embed_dim=EMBED, hdc_dim=512) as empty:
+    cache_k, cache_v = make_cache()
+    aug = store.augmented_kv(q, cache_k, cache_v, 2, 5)  # layer 2 holds nothing
+    assert aug.keys is cache_k and aug.values is cache_v
+    assert aug.segments == () and aug.cache_start == 0
+
+
+def test_an_empty_store_gives_back_the_very_same_cache(tmp_path):
+    q = np.ones(EMBED, F)
+    with Store.create(tmp_path / "empty", embed_dim=EMBED, hdc_dim=512) as empty:
         ck, cv = np.zeros((1, EMBED), F), np.zeros((1, EMBED), F)
         aug = empty.augmented_kv(q, ck, cv, 0, 3)
         assert aug.keys is ck and aug.values is cv and aug.segments == ()
@@ -172,27 +192,38 @@ def test_quantized_store_gives_the_dequantized_rows(tmp_path):
 
 
 def _bad_caches():
-    good = np.zeros((4, EMBED), F)
-    t = torch.zeros(4, EMBED)
-    return [
-        ("wrong-embed-dim", np.zeros((4, EMBED + 1), F), np.zeros((4, EMBED + 1), F)),
-        ("wrong-embed-dim-v", good, np.zeros((4, EMBED - 1), F)),
-        ("3-d", np.zeros((1, 4, EMBED), F), np.zeros((1, 4, EMBED), F)),
-        ("3-d-torch", torch.zeros(1, 4, EMBED), torch.zeros(1, 4, EMBED)),
-        ("1-d", np.zeros(EMBED, F), np.zeros(EMBED, F)),
-        ("rows-differ", good, np.zeros((5, EMBED), F)),
-        ("rows-differ-torch", t, torch.zeros(3, EMBED)),
-        ("numpy-k-torch-v", good, t),
-        ("torch-k-numpy-v", t, good),
-        ("list", good.tolist(), good.tolist()),
-        ("none", None, good),
+    """pytest params of make(), which returns (cache_k, cache_v); the torch ones need torch."""
+
+    def good():
+        return np.zeros((4, EMBED), F)
+
+    def t():
+        return torch.zeros(4, EMBED)
+
+    numpy_cases = [
+        ("wrong-embed-dim", lambda: (np.zeros((4, EMBED + 1), F), np.zeros((4, EMBED + 1), F))),
+        ("wrong-embed-dim-v", lambda: (good(), np.zeros((4, EMBED - 1), F))),
+        ("3-d", lambda: (np.zeros((1, 4, EMBED), F), np.zeros((1, 4, EMBED), F))),
+        ("1-d", lambda: (np.zeros(EMBED, F), np.zeros(EMBED, F))),
+        ("rows-differ", lambda: (good(), np.zeros((5, EMBED), F))),
+        ("list", lambda: (good().tolist(), good().tolist())),
+        ("none", lambda: (None, good())),
+    ]
+    torch_cases = [
+        ("3-d-torch", lambda: (torch.zeros(1, 4, EMBED), torch.zeros(1, 4, EMBED))),
+        ("rows-differ-torch", lambda: (t(), torch.zeros(3, EMBED))),
+        ("numpy-k-torch-v", lambda: (good(), t())),
+        ("torch-k-numpy-v", lambda: (t(), good())),
+    ]
+    return [pytest.param(make, id=name) for name, make in numpy_cases] + [
+        pytest.param(make, id=name, marks=requires_torch) for name, make in torch_cases
     ]
 
 
-@pytest.mark.parametrize("case", _bad_caches(), ids=lambda c: c[0])
-def test_bad_caches_are_refused_before_anything_is_retrieved(filled, case):
+@pytest.mark.parametrize("make_cache", _bad_caches())
+def test_bad_caches_are_refused_before_anything_is_retrieved(filled, make_cache):
     store, data = filled
-    _, cache_k, cache_v = case
+    cache_k, cache_v = make_cache()
     k, _, layer = data[2]
     accesses = store.stats().total_accesses
     with pytest.raises(hmem.InvalidTensorError):

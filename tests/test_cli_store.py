@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
 import hmem
-from hmem.cli import cmd_evict
+from hmem.cli import prompts
 from hmem.cli.app import app
 from hmem.cli.exit_codes import ExitCode
 
@@ -617,7 +617,7 @@ def test_evict_yes_removes_the_lowest_scored(filled):
 
 @pytest.mark.parametrize("answer, entries", [("y\n", 5), ("n\n", 7)])
 def test_evict_asks_on_a_terminal(filled, monkeypatch, answer, entries):
-    monkeypatch.setattr(cmd_evict, "sys", types.SimpleNamespace(stdin=types.SimpleNamespace(isatty=lambda: True)))
+    monkeypatch.setattr(prompts, "sys", types.SimpleNamespace(stdin=types.SimpleNamespace(isatty=lambda: True)))
     result = run("evict", filled, "--target", 5, input=answer)
     assert result.exit_code == 0, result.stderr
     assert "evict 2 of 7 entries from store?" in result.stderr  # the question goes to stderr

@@ -26,11 +26,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import hmem
-import hmem.store.store as store_module
 from hmem import Store
 from hmem.kernels.reference import hamming as ref_hamming
 from hmem.kernels.reference import projection as ref_projection
-from hmem.formats.records import EVICTED
 
 EMBED, HDC, SEED = 16, 256, 7
 M = 64
@@ -48,14 +46,13 @@ def ref_sig(rows: np.ndarray) -> np.ndarray:
 
 
 class FakeClock:
+    """Stands in for time.time_ns, where put timestamps come from."""
+
     def __init__(self) -> None:
         self.now = 1000
 
     def time_ns(self) -> int:
         return self.now
-
-    def __getattr__(self, name):
-        return getattr(real_time, name)
 
 
 class ModelEntry:
@@ -69,6 +66,19 @@ class ModelEntry:
         return (self.importance * (1.0 + math.log1p(self.access)), self.ts, eid)
 
 
+# The conftest helper that drops a writer unflushed (a killed process):
+# reaching past the public API lives there only.  Set for this module below.
+INTERNALS = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _internals(store_internals):
+    global INTERNALS
+    INTERNALS = store_internals
+    yield
+    INTERNALS = None
+
+
 key_kind = st.sampled_from(["random", "random", "copy", "negated", "zero"])
 entry_args = st.tuples(st.integers(1, 4), st.integers(0, 2), st.sampled_from([0.0, 0.5, 1.0, 1.0, 2.0, 3.5]),
                        key_kind, st.integers(0, 2**32 - 1))
@@ -79,9 +89,6 @@ class CompactionMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="hmem-csm-"))
         self.path = self.dir / "store"
-        self.clock = FakeClock()
-        self.real_time = store_module.time
-        store_module.time = self.clock
         self.store = Store.create(self.path, embed_dim=EMBED, hdc_dim=HDC, seed=SEED, max_entries=MAX_ENTRIES,
                                   shard_max_bytes=SHARD_MAX, max_open_shards=2)
         self.model: dict[int, ModelEntry] = {}
@@ -89,12 +96,16 @@ class CompactionMachine(RuleBasedStateMachine):
         self.dead = 0  # evicted records still in entries.bin
         self.committed = (copy.deepcopy(self.model), set(), 0)
         self.max_id = 0
+        # last, so that teardown (which puts it back) runs whenever it was swapped
+        self.clock = FakeClock()
+        self.real_time_ns = real_time.time_ns
+        real_time.time_ns = self.clock.time_ns
 
     def teardown(self):
         try:
             self.store.close()
         finally:
-            store_module.time = self.real_time
+            real_time.time_ns = self.real_time_ns
             shutil.rmtree(self.dir, ignore_errors=True)
 
     # ---- helpers ------------------------------------------------------------------
@@ -247,8 +258,7 @@ class CompactionMachine(RuleBasedStateMachine):
     def writer_dies(self):
         # a killed writer: the next one sees the last commit (evictions by a
         # put past max_entries are undone unless flushed; evict's are not)
-        self.store._lock.release()
-        self.store._closed = True
+        INTERNALS.abandon_writer(self.store)
         self.store = Store.open(self.path)
         model, gone, dead = self.committed
         self.model, self.gone, self.dead = copy.deepcopy(model), set(gone), dead
@@ -276,12 +286,13 @@ class CompactionMachine(RuleBasedStateMachine):
         for e in self.model.values():
             layers[e.layer] = layers.get(e.layer, 0) + 1
         assert st_.layers == dict(sorted(layers.items()))
-        recs = self.store._records[: self.store._n]
-        live = recs["entry_id"][recs["shard_idx"] != EVICTED].tolist()
-        assert live == sorted(self.model)
+        infos = list(self.store.entries())
+        live = [e.entry_id for e in infos]
+        assert live == self.store.entry_ids() == sorted(self.model)
         assert not self.gone & set(live)
-        assert recs["access_count"][recs["shard_idx"] != EVICTED].tolist() == [
-            self.model[i].access for i in sorted(self.model)]
+        assert [e.access_count for e in infos] == [self.model[i].access for i in sorted(self.model)]
+        assert [(e.layer_idx, e.importance, e.created) for e in infos] == [
+            (self.model[i].layer, self.model[i].importance, self.model[i].ts) for i in sorted(self.model)]
 
 
 TestCompactionMachine = CompactionMachine.TestCase

@@ -140,13 +140,12 @@ def live_seeds(path: Path) -> dict[int, int]:
     """entry id -> seed of every live entry, each checked against its seed."""
     out = {}
     with Store.open(path, read_only=True) as store:
-        rows = store._records[: store._n]
-        for pos in np.flatnonzero(rows["shard_idx"] != hmem.formats.records.EVICTED):
-            seed = int(rows["importance"][pos])
-            k, v = store._kv(int(pos))
+        for info in store.entries():
+            seed = int(info.importance)
+            got = store.get(info.entry_id)
             want = kv(seed)
-            assert k.tobytes() == want[0].tobytes() and v.tobytes() == want[1].tobytes()
-            out[int(rows["entry_id"][pos])] = seed
+            assert got.keys.tobytes() == want[0].tobytes() and got.values.tobytes() == want[1].tobytes()
+            out[info.entry_id] = seed
     return out
 
 

@@ -1,4 +1,4 @@
-"""Integrity (SPEC §5): damage a small store in every way the issue lists and
+"""Integrity (docs/reliability.md): damage a small store in every way the issue lists and
 check that ``verify`` names the damage, that opening and querying either
 refuse with a clear hmem error or return exactly the right data, and that
 ``repair`` leaves a clean store holding every entry whose data survived.
@@ -377,8 +377,7 @@ def test_damage_is_found_refused_or_served_and_repaired(case, quantized, reliabi
     assert after.ok, after.findings
     assert {f.code for f in after.findings} <= {"file.foreign"}
     with Store.open(root, read_only=True) as store:
-        kept = {int(i) for i, s in zip(store._records["entry_id"][: store._n], store._records["shard_idx"][: store._n])
-                if s != hmem.formats.records.EVICTED}
+        kept = set(store.entry_ids())
         assert store.stats().entries == len(kept)
     if case.action == "rewritten":
         assert fixed.entries_kept == len(kept)
@@ -439,7 +438,7 @@ def test_repair_keeps_every_entry_whose_data_survived(case, quantized, reliabili
     case.damage(root, tpl)
     fixed = hmem.repair(root)
     with Store.open(root, read_only=True) as store:
-        kept = {int(r["entry_id"]) for r in store._records[: store._n] if r["shard_idx"] != hmem.formats.records.EVICTED}
+        kept = set(store.entry_ids())
     assert kept == tpl.live - case.lost(tpl), fixed.dropped
     assert len(fixed.dropped) == len(case.lost(tpl)) or case.record_damage
 
@@ -456,7 +455,7 @@ def test_repair_lists_every_entry_it_drops(quantized, reliability_template, clon
     fixed = hmem.repair(root)
     assert (None, "record 4 of entries.bin fails its checksum") in fixed.dropped
     with Store.open(root, read_only=True) as store:
-        kept = {int(r["entry_id"]) for r in store._records[: store._n] if r["shard_idx"] != hmem.formats.records.EVICTED}
+        kept = set(store.entry_ids())
     named = {i for i, _ in fixed.dropped if i is not None} | {TARGET}
     assert tpl.live - kept <= named, (tpl.live - kept, fixed.dropped)
 
@@ -479,14 +478,15 @@ print("flushed", flush=True)
 
 
 def _state(root: Path) -> dict:
-    """What a reader sees: every live entry's record fields and K/V bytes."""
+    """What a reader sees: every live entry's metadata and K/V bytes, and the
+    evicted records it counts."""
     with Store.open(root, read_only=True) as store:
-        out = {"entries": store.stats().entries}
-        for pos in range(store._n):
-            r = store._records[pos]
-            keys, values = store._kv(pos)
-            out[int(r["entry_id"])] = (int(r["layer_idx"]), int(r["n_tokens"]), int(r["shard_idx"]),
-                                       keys.tobytes(), values.tobytes())
+        st = store.stats()
+        out = {"entries": st.entries, "evicted": st.evicted}
+        for info in store.entries():
+            got = store.get(info.entry_id)
+            out[info.entry_id] = (info.layer_idx, info.n_tokens, info.shard_idx, got.keys.tobytes(),
+                                  got.values.tobytes())
         return out
 
 
@@ -525,7 +525,8 @@ def crashed_flush(tmp_path_factory):
         assert doc["record_count"] == 6
         assert (path / "entries.bin").stat().st_size == committed_bytes + 4 * RECORD
         committed = _state(path)
-        assert committed["entries"] == 6 and sorted(k for k in committed if k != "entries") == [1, 2, 3, 4, 5, 6]
+        assert committed["entries"] == 6 and committed["evicted"] == 0
+        assert sorted(k for k in committed if isinstance(k, int)) == [1, 2, 3, 4, 5, 6]
         for i in range(6):
             layer, n_tokens, _, keys, values = committed[i + 1]
             a = arrays[f"a{i}"]
@@ -556,7 +557,8 @@ def _recovers(crash, root: Path, dir_state) -> None:
     assert _state(root) == crash.committed
     assert dir_state(root) == before
     with Store.open(root) as writer:
-        assert writer.stats().entries == 6 and writer._n == 6
+        st = writer.stats()
+        assert st.entries == 6 and st.evicted == 0  # the 6 committed records, not one of the torn tail
     assert (root / "entries.bin").stat().st_size == crash.committed_bytes
     assert sorted(p.name for p in root.glob("shard_*")) == sorted(crash.committed_shards)
     assert not hmem.verify(root, full=True).findings

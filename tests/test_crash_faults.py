@@ -1,4 +1,4 @@
-"""Crash safety and disk faults of every mutating path (SPEC §5, docs/format.md
+"""Crash safety and disk faults of every mutating path (docs/reliability.md, docs/format.md
 "The write protocol"): named crash points, a crash before every primitive I/O
 operation, a SIGKILL loop, and injected ENOSPC/EIO faults.
 
@@ -18,8 +18,10 @@ the store must keep working (a new entry gets an id above every id handed
 out before the crash).
 
 Timestamps (time.time_ns() of each put) and shard uids differ between runs
-and are left out of the comparison; everything else is compared: every
-record's fields, every entry's K/V bytes, the shard files and their entries.
+and are left out of the comparison; everything else is compared, through
+the public API: every live entry's metadata and K/V bytes (and its signature,
+as a query with its own keys sees it), the count of evicted records, the
+shard files and their entries.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import pytest
 
 import hmem
 from hmem import Store, _io
-from hmem.formats.records import EVICTED
+from hmem.formats import records as record_format
 
 EMBED, HDC = 16, 256
 SHARD_MAX = 3000  # two or three entries a shard: batches roll over mid-way
@@ -76,24 +78,34 @@ def _long_run() -> bool:
 
 
 def describe(store) -> dict:
-    """Every record's fields (no timestamp or checksum), every live entry's
-    K/V bytes (or the error reading them), the shards and the stats."""
+    """Every live entry's metadata (no timestamp) and its signature as the
+    best hit (id, similarity) for its own keys -- (its id, 1.0) while the
+    stored signature is the one its keys give; the records' signature bytes
+    are not public -- every live entry's K/V bytes (or the error reading
+    them), the shards and the stats (evicted records counted)."""
     st = store.stats()
     rows, kvs = [], {}
-    for pos in range(store._n):
-        r = store._records[pos]
-        eid = int(r["entry_id"])
-        evicted = int(r["shard_idx"]) == EVICTED
-        rows.append((eid, int(r["layer_idx"]), int(r["n_tokens"]), float(r["importance"]),
-                     int(r["access_count"]), int(r["shard_idx"]), evicted, r["signature"].tobytes()))
-        if not evicted:
-            try:
-                k, v = store._kv(pos)
-                kvs[eid] = (k.tobytes(), v.tobytes())
-            except hmem.CorruptStoreError as exc:
-                kvs[eid] = f"corrupt: {exc.message}"
+    for info in store.entries():
+        eid = info.entry_id
+        try:
+            got = store.get(eid)
+            kvs[eid] = (got.keys.tobytes(), got.values.tobytes())
+            (hit,) = store.query(got.keys, info.layer_idx, 1, rerank=False, count_access=False)
+            own = (hit.entry_id, hit.similarity)
+        except hmem.CorruptStoreError as exc:
+            kvs[eid] = own = f"corrupt: {exc.message}"
+        rows.append((eid, info.layer_idx, info.n_tokens, info.importance, info.access_count, info.shard_idx, own))
     return {"entries": st.entries, "evicted": st.evicted, "layers": st.layers,
             "shards": [(s.file, s.entries, s.dead_entries) for s in st.shards], "records": rows, "kv": kvs}
+
+
+def still_open(store) -> bool:
+    """Whether a Store object is still open (a closed one refuses every call)."""
+    try:
+        store.entry_ids()
+    except hmem.StoreClosedError:
+        return False
+    return True
 
 
 def state_of(path) -> dict:
@@ -122,17 +134,17 @@ def assert_committed_files_untouched(path, before: dict[str, bytes], what: str =
 
 
 def assert_entries_are_right(state: dict) -> None:
-    """Every live entry's K/V is what its seed (its importance) says."""
+    """Every live entry's K/V is what its seed (its importance) says, and its
+    signature is the one its keys give."""
     for row in state["records"]:
-        eid, layer, n_tokens, importance, _, _, evicted, _ = row
-        if evicted:
-            continue
+        eid, layer, n_tokens, importance, _, _, own = row
         seed = int(importance)
         k, v = kv(seed)
         assert (layer, n_tokens) == (seed % 3, len(k)), row
         got = state["kv"][eid]
         assert not isinstance(got, str), (eid, got)
         assert got == (k.tobytes(), v.tobytes()), f"entry {eid}: wrong K/V"
+        assert own == (eid, 1.0), f"entry {eid}: its signature is not its keys' ({own})"
 
 
 def assert_verifies(path, *, full: bool = True) -> None:
@@ -163,8 +175,8 @@ def _evicted_store(path: Path) -> None:
 def _flip_tensor_byte(path: Path, entry_id: int, kind: str = "k") -> str:
     """Flip one byte in the middle of tensor `kind` of a live entry; returns the shard file."""
     with Store.open(path, read_only=True) as store:
-        (pos,) = np.flatnonzero(store._records["entry_id"][: store._n] == entry_id)
-        shard = store.stats().shards[int(store._records["shard_idx"][pos])].file
+        (info,) = [e for e in store.entries() if e.entry_id == entry_id]
+        shard = store.stats().shards[info.shard_idx].file
     file = path / shard
     data = bytearray(file.read_bytes())
     length = int.from_bytes(data[:8], "little")
@@ -418,7 +430,10 @@ def _check_crashed(ref: Reference, job: dict, commits: int, position: int, what:
         hmem.repair(path)  # the next repair finishes the job
         expected = ref.final
         assert state_of(path) == expected, what
-        handed = [row[0] for row in expected["records"]]
+        # every id the store ever had: its records, evicted ones too (on disk, in the format)
+        doc = json.loads((path / "index.json").read_text())
+        handed = record_format.read(path / "entries.bin", doc["record_count"], HDC // 8)["entry_id"].tolist()
+        assert set(handed) >= {row[0] for row in expected["records"]}
     else:
         with Store.open(path) as store:  # a writer finishes what the commit lists and tidies
             assert describe(store) == expected, what
@@ -675,16 +690,22 @@ def test_a_writer_killed_at_random_moments_loses_nothing_acknowledged(tmp_path):
 
         # the kernel released the flock: a writer opens at once, finishing what the kill left
         with Store.open(path) as store:
-            rows = store._records[: store._n]
             live = {}
-            for pos in np.flatnonzero(rows["shard_idx"] != EVICTED):
-                eid, seed = int(rows["entry_id"][pos]), int(rows["importance"][pos])
-                k, v = store._kv(int(pos))
+            for info in store.entries():
+                eid, seed = info.entry_id, int(info.importance)
+                got = store.get(eid)
                 want_k, want_v = kv(seed)
-                assert k.tobytes() == want_k.tobytes() and v.tobytes() == want_v.tobytes(), f"entry {eid}"
-                assert int(rows["layer_idx"][pos]) == seed % 3
+                assert got.keys.tobytes() == want_k.tobytes() and got.values.tobytes() == want_v.tobytes(), \
+                    f"entry {eid}"
+                assert info.layer_idx == seed % 3
                 live[eid] = seed
-            assert len(set(rows["entry_id"].tolist())) == len(rows)  # no id twice
+            # no id twice, evicted records included: entries.bin (the writer's
+            # open finished every pending step) read with the format module
+            doc = json.loads((path / "index.json").read_text())
+            on_disk = record_format.read(path / "entries.bin", doc["record_count"], HDC // 8)
+            ids = on_disk["entry_id"].tolist()
+            assert ids == sorted(set(ids))
+            assert on_disk["entry_id"][on_disk["shard_idx"] != record_format.EVICTED].tolist() == sorted(live)
         lost = sorted(i for i in acked if i not in live and i not in may_be_evicted)
         assert not lost, f"round {round_no}: acknowledged entries lost: {lost[:20]}"
         assert all(live[i] == acked[i] for i in acked if i in live)
@@ -889,7 +910,7 @@ def test_a_failing_disk_at_every_call_keeps_the_committed_state(name, mode, err,
                     else:
                         assert faults.index_renamed and seen == new, f"{what}: a state neither old nor new"
                         outcomes["after_commit"] += 1
-                    if operation.holds_lock and not ctx["store"]._closed:
+                    if operation.holds_lock and still_open(ctx["store"]):
                         with pytest.raises(hmem.StoreLockedError):
                             Store.open(path)
                     # the disk is healthy again: doing it again finishes the job

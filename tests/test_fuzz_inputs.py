@@ -1,4 +1,4 @@
-"""Bad input of every kind (SPEC §5): malformed safetensors files for
+"""Bad input of every kind (docs/reliability.md): malformed safetensors files for
 `hmem put`, garbage query files for `hmem query`, absurd options.
 
 A bad import file is skipped with a one-line reason, the good files of the
@@ -30,7 +30,6 @@ from typer.testing import CliRunner
 
 from hmem import Store
 from hmem.cli.app import app
-from hmem.formats.records import EVICTED
 
 EMBED, HDC = 16, 256
 BASE_ENV = {"COLUMNS": "200", "NO_COLOR": "1", "FORCE_COLOR": None, "TTY_COMPATIBLE": None,
@@ -57,18 +56,21 @@ def snapshot(path: Path) -> dict[str, bytes]:
 
 
 def content(path: Path) -> dict:
-    """Records (no timestamp, checksum or shard uid), K/V and shards of a store."""
+    """Every live entry's metadata (no timestamp) and K/V, the evicted records
+    counted, and the shards of a store.  Each row carries the best hit (id,
+    similarity) for the entry's own keys in place of its signature, which
+    the public API does not show."""
     with Store.open(path, read_only=True) as store:
         rows, kv = [], {}
-        for pos in range(store._n):
-            r = store._records[pos]
-            rows.append((int(r["entry_id"]), int(r["layer_idx"]), int(r["n_tokens"]), float(r["importance"]),
-                         int(r["access_count"]), int(r["shard_idx"]), r["signature"].tobytes()))
-            if int(r["shard_idx"]) != EVICTED:
-                k, v = store._kv(pos)
-                kv[int(r["entry_id"])] = (k.tobytes(), v.tobytes())
-        shards = [(s.file, s.entries, s.dead_entries) for s in store.stats().shards]
-    return {"records": rows, "kv": kv, "shards": shards}
+        for info in store.entries():
+            got = store.get(info.entry_id)
+            (hit,) = store.query(got.keys, info.layer_idx, 1, rerank=False, count_access=False)
+            rows.append((info.entry_id, info.layer_idx, info.n_tokens, info.importance, info.access_count,
+                         info.shard_idx, (hit.entry_id, hit.similarity)))
+            kv[info.entry_id] = (got.keys.tobytes(), got.values.tobytes())
+        st = store.stats()
+        shards = [(s.file, s.entries, s.dead_entries) for s in st.shards]
+    return {"records": rows, "evicted": st.evicted, "kv": kv, "shards": shards}
 
 
 # ---- the store and the good file every case starts from --------------------------------------

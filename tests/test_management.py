@@ -1,4 +1,4 @@
-"""Store management (SPEC §2.6, §5): evict and plan_eviction with the
+"""Store management (docs/format.md, docs/reliability.md): evict and plan_eviction with the
 documented score and tie rule, the max_entries and max_disk_bytes limits,
 compact and plan_compaction (layout, content, orphans, thresholds, readers
 opened before), and crash points of evict and compact in a subprocess.
@@ -24,7 +24,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmem
-import hmem.store.store as store_module
 from hmem import Entry, Store, _io
 from hmem.formats.records import EVICTED
 
@@ -39,8 +38,8 @@ def gauss(rng, n, d=EMBED):
 
 
 class FakeClock:
-    """Stands in for the `time` module of hmem.store: put timestamps come
-    from `now`, everything else from the real clock."""
+    """Stands in for time.time_ns, where put timestamps come from: they are
+    `now`; the rest of the time module is the real one."""
 
     def __init__(self, now: int = 1_000_000) -> None:
         self.now = now
@@ -50,14 +49,12 @@ class FakeClock:
         self.calls += 1
         return self.now
 
-    def __getattr__(self, name):
-        return getattr(real_time, name)
 
 
 @pytest.fixture
 def clock(monkeypatch):
     c = FakeClock()
-    monkeypatch.setattr(store_module, "time", c)
+    monkeypatch.setattr(real_time, "time_ns", c.time_ns)
     return c
 
 
@@ -97,13 +94,28 @@ def live_ids(store, layers=None) -> set[int]:
     return out
 
 
+def own_hit(store, entry_id: int) -> tuple[int, float]:
+    """(id, similarity) of the best hit for an entry's own keys (read back with
+    get), no access counted.  It stands in for the entry's signature, which
+    the public API does not show: (entry_id, 1.0) while the stored signature
+    is the one its keys give (F32); a signature that changed moves it."""
+    entry = store.get(entry_id)
+    (hit,) = store.query(entry.keys, entry.info.layer_idx, 1, rerank=False, count_access=False)
+    return hit.entry_id, hit.similarity
+
+
 def store_state(store, path, snapshot_dir):
+    """The files, the stats, every live entry's metadata (access counts, shard
+    and put time included) and signature stand-in, and every live K/V."""
     st = store.stats()
     files = snapshot_dir(path)
     files.pop("lock", None)
-    recs = store._records[: store._n].copy()
+    entries = []
+    for info in store.entries():
+        got = store.get(info.entry_id)
+        entries.append((info, own_hit(store, info.entry_id), got.keys.tobytes(), got.values.tobytes()))
     return files, (st.entries, st.evicted, st.unflushed, st.layers, st.next_entry_id, st.total_accesses,
-                   [(s.file, s.bytes, s.entries, s.dead_entries, s.dead_bytes) for s in st.shards]), recs.tobytes()
+                   [(s.file, s.bytes, s.entries, s.dead_entries, s.dead_bytes) for s in st.shards]), entries
 
 
 def answers(store, queries, top_k=6):
@@ -118,13 +130,13 @@ def answers(store, queries, top_k=6):
 
 
 def live_records(store) -> dict[int, tuple]:
-    """id -> the record fields compaction must keep (all but shard_idx and checksum)."""
-    recs = store._records[: store._n]
+    """id -> what compaction must keep of each live entry: its metadata (all
+    but the shard), its signature (as own_hit sees it) and its K/V."""
     out = {}
-    for r in recs:
-        if int(r["shard_idx"]) != EVICTED:
-            out[int(r["entry_id"])] = (int(r["layer_idx"]), int(r["n_tokens"]), float(r["importance"]),
-                                       int(r["timestamp"]), int(r["access_count"]), r["signature"].tobytes())
+    for e in store.entries():
+        got = store.get(e.entry_id)
+        out[e.entry_id] = (e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count,
+                           own_hit(store, e.entry_id), got.keys.tobytes(), got.values.tobytes())
     return out
 
 
@@ -202,8 +214,9 @@ def test_ties_within_one_put_many_go_to_the_lower_id(store_factory):
     first = store.put(gauss(rng, 1), gauss(rng, 1), importance=2.0)
     batch = [Entry(gauss(rng, 2), gauss(rng, 2), i % 2, 1.0) for i in range(8)]
     ids = store.put_many(batch)
-    recs = store._records[: store._n]
-    assert len(set(recs["timestamp"][1:].tolist())) == 1  # one put_many, one timestamp
+    infos = list(store.entries())
+    assert [e.entry_id for e in infos] == [first, *ids]
+    assert len({e.created for e in infos[1:]}) == 1  # one put_many, one timestamp
     # equal score, equal timestamp: only the id decides, the lower first
     plan = store.plan_eviction(4)
     assert plan.entry_ids == tuple(ids[:5])
@@ -838,16 +851,15 @@ def test_a_reader_opened_before_compaction_never_returns_wrong_data(tmp_path):
 
 
 def describe(store) -> dict:
-    """Everything a store holds: stats, every record (evicted ones too), live K/V."""
+    """Everything a store holds: stats (evicted records counted), every live
+    entry's metadata (not its shard) and signature stand-in, live K/V."""
     st_ = store.stats()
     rows, kv = [], {}
-    for pos, r in enumerate(store._records[: store._n]):
-        evicted = int(r["shard_idx"]) == EVICTED
-        rows.append((int(r["entry_id"]), int(r["layer_idx"]), int(r["n_tokens"]), float(r["importance"]),
-                     int(r["timestamp"]), int(r["access_count"]), evicted, r["signature"].tobytes()))
-        if not evicted:
-            k, v = store._kv(pos)
-            kv[int(r["entry_id"])] = (k.tobytes(), v.tobytes())
+    for e in store.entries():
+        rows.append((e.entry_id, e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count,
+                     own_hit(store, e.entry_id)))
+        got = store.get(e.entry_id)
+        kv[e.entry_id] = (got.keys.tobytes(), got.values.tobytes())
     return {"entries": st_.entries, "evicted": st_.evicted, "layers": st_.layers,
             "shards": [(s.file, s.entries, s.dead_entries) for s in st_.shards], "records": rows, "kv": kv}
 
@@ -867,8 +879,15 @@ def assert_clean(path: Path):
     assert (path / "entries.bin").stat().st_size == doc["record_count"] * doc["record_size"]
     recs = hmem.formats.records.read(path / "entries.bin", doc["record_count"], HDC // 8)
     assert not hmem.formats.records.damaged(recs).size
+    # nothing pending left undone: a reader (which applies what index.json
+    # still lists) sees exactly the records entries.bin holds
+    live = recs[recs["shard_idx"] != EVICTED]
     with Store.open(path, read_only=True) as reader:
-        assert np.array_equal(reader._records[: reader._n], recs)  # nothing pending left undone
+        assert [(e.entry_id, e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count, e.shard_idx)
+                for e in reader.entries()] == [
+            (int(r["entry_id"]), int(r["layer_idx"]), int(r["n_tokens"]), float(r["importance"]),
+             int(r["timestamp"]), int(r["access_count"]), int(r["shard_idx"])) for r in live]
+        assert reader.stats().evicted == len(recs) - len(live)
 
 
 _EVICT_SCRIPT = """
@@ -955,12 +974,11 @@ def test_a_crash_during_evict_or_compact_leaves_the_old_or_the_new_state(tmp_pat
     assert state_of(path) == expected
 
     # queries are right, and the store keeps working: put, flush, evict, compact
-    live = {r[0] for r in expected["records"] if not r[6]}
+    live = {r[0] for r in expected["records"]}
     with Store.open(path) as store:
         for i, k in enumerate(data):
             hits = store.query(k, i % 2, 12, rerank=False, count_access=False)
-            assert {h.entry_id for h in hits} == {r[0] for r in expected["records"]
-                                                   if not r[6] and r[1] == i % 2}
+            assert {h.entry_id for h in hits} == {r[0] for r in expected["records"] if r[1] == i % 2}
             for h in hits:
                 assert h.keys.tobytes() == data[h.entry_id - 1].tobytes()
                 assert h.values.tobytes() == (-data[h.entry_id - 1]).tobytes()

@@ -1,4 +1,4 @@
-"""The prefix-hit operators (SPEC section 3): hand-worked cases, argument
+"""The prefix-hit operators (hmem/prefix_hit/operators.py): hand-worked cases, argument
 errors, and properties checked against the reference kernels and against a
 brute-force model that applies the definition literally."""
 
@@ -41,7 +41,7 @@ GM, CM = Layout.GROUP_MAJOR, Layout.CHUNK_MAJOR
 
 
 def cell(g: int, j: int, r: int, C: int, R: int, G: int, layout: Layout) -> int:
-    """Index of group g, chunk j, rank r in a flat presence map (SPEC 3)."""
+    """Index of group g, chunk j, rank r in a flat presence map (hmem/prefix_hit/operators.py)."""
     return j * G * R + g * R + r if layout is CM else g * C * R + j * R + r
 
 
@@ -665,7 +665,7 @@ def test_group_major_and_chunk_major_agree(case):
     mask_rows = group_rows(mask_gm, C, R, windows, GM)
     assert group_rows(mask_cm, C, R, windows, CM) == mask_rows
     assert presence_map(mask_rows, C, CM) == mask_cm
-    # the reordering is exactly the cell formula of SPEC 3
+    # the reordering is exactly the cell formula of hmem/prefix_hit/operators.py
     G = len(windows)
     order = [cell(g, j, r, C, R, G, CM) for g in range(G) for j in range(C) for r in range(R)]
     assert (cm.to_numpy()[order] == gm.to_numpy()).all()

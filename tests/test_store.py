@@ -1,4 +1,4 @@
-"""The store engine's API behaviour (SPEC §2.1-2.5, §2.7): config, create and
+"""The store engine's API behaviour (README.md, docs/format.md): config, create and
 open, ids, signatures, put and query, K/V exactness, access counts, shards,
 the open-shard bound, flush and reopen, bad input, INT8 storage, the lock.
 
@@ -140,7 +140,7 @@ def test_create_refuses_config_and_settings_together(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_config_is_saved_and_used_on_reopen(tmp_path, ref_signature):
+def test_config_is_saved_and_used_on_reopen(tmp_path, ref_signature, store_internals):
     cfg = StoreConfig(embed_dim=24, hdc_dim=512, seed=12345, max_entries=1000, max_disk_bytes=10**9,
                       shard_max_bytes=9999, max_open_shards=3, quantize_stored=True)
     rng = np.random.default_rng(1)
@@ -155,7 +155,7 @@ def test_config_is_saved_and_used_on_reopen(tmp_path, ref_signature):
     with Store.open(tmp_path / "s") as store:
         assert store.config == cfg
         assert store.stats().config == cfg
-        assert store._cache.capacity == 3
+        assert store_internals.shard_map_limit(store) == 3  # max_open_shards is applied, not only kept
         # the reopened store projects with the saved seed and hdc_dim
         other = gauss(rng, 2, 24)
         store.put(other, other)
@@ -360,12 +360,12 @@ def test_ids_strictly_increase_and_are_never_reused(tmp_path):
 _CRASH_PUTS = """
 import json, os, sys
 import numpy as np
-import hmem, hmem.store.store
+import hmem, hmem.store.writer
 lease = int(sys.argv[1]) if len(sys.argv) > 1 else 0
 path = {path!r}
 store = hmem.Store.open(path)
 if {lease}:
-    hmem.store.store.ID_LEASE = {lease}
+    hmem.store.writer.ID_LEASE = {lease}
 rng = np.random.default_rng(5)
 ids = []
 for i in range({n}):
@@ -1097,7 +1097,7 @@ def test_shards_are_standard_safetensors(tmp_path, quantized):
                 assert row[2 + col] == -1 and row[7 + col] == -1
 
 
-def test_open_shards_stay_within_max_open_shards(tmp_path):
+def test_open_shards_stay_within_max_open_shards(tmp_path, store_internals):
     rng = np.random.default_rng(21)
     store = Store.create(tmp_path / "s", embed_dim=16, hdc_dim=256, shard_max_bytes=1200,
                          max_open_shards=2)
@@ -1109,26 +1109,16 @@ def test_open_shards_stay_within_max_open_shards(tmp_path):
     store = Store.open(tmp_path / "s")
     try:
         assert len(store.stats().shards) >= 7
-        cache = store._cache
-        real_get = cache.get
-        peak = [0]
-
-        def counting_get(*args, **kwargs):
-            reader = real_get(*args, **kwargs)
-            peak[0] = max(peak[0], cache.open_count())
-            assert cache.open_count() <= 2
-            return reader
-
-        cache.get = counting_get
         kept = []
-        for _ in range(2):
-            for eid, k in data.items():
-                for rerank in (True, False):
-                    hits = store.query(k, (eid - 1) % 2, 7, rerank=rerank)
-                    assert hits[0].entry_id == eid
-                    assert cache.open_count() <= 2
-                    kept.append((hits[0], k))
-        assert peak[0] == 2
+        with store_internals.watch_shard_maps(store) as counts:  # open after every shard mapped
+            for _ in range(2):
+                for eid, k in data.items():
+                    for rerank in (True, False):
+                        hits = store.query(k, (eid - 1) % 2, 7, rerank=rerank)
+                        assert hits[0].entry_id == eid
+                        assert store_internals.open_shard_maps(store) <= 2
+                        kept.append((hits[0], k))
+        assert counts and max(counts) == 2
         # arrays handed out earlier stay valid after their shard left the cache
         for hit, k in kept:
             assert same_bytes(hit.keys, k) and same_bytes(hit.values, k)
@@ -1139,7 +1129,7 @@ def test_open_shards_stay_within_max_open_shards(tmp_path):
 # ---- flush and reopen -------------------------------------------------------------------
 
 
-def test_flush_then_reopen_gives_back_everything(tmp_path, read_records):
+def test_flush_then_reopen_gives_back_everything(tmp_path, read_records, ref_signature):
     rng = np.random.default_rng(22)
     path = tmp_path / "s"
     store = Store.create(path, embed_dim=32, hdc_dim=512, seed=11, shard_max_bytes=6000)
@@ -1170,9 +1160,18 @@ def test_flush_then_reopen_gives_back_everything(tmp_path, read_records):
     assert store.size() == store.stats().bytes_on_disk == sum(p.stat().st_size for p in path.iterdir()
                                                                      if p.name != "lock")
     recs = read_records(path)
-    in_memory = store._records[:30]
-    for field in in_memory.dtype.names:
-        assert np.array_equal(recs[field], in_memory[field]), field
+    # entries.bin holds what the writer holds: every entry's metadata, and
+    # the signature the format defines for its keys (ids 1.. in put order)
+    in_memory = list(store.entries())
+    assert len(in_memory) == len(recs) == 30
+    assert [(int(r["entry_id"]), int(r["layer_idx"]), int(r["n_tokens"]), float(r["importance"]),
+             int(r["timestamp"]), int(r["access_count"]), int(r["shard_idx"])) for r in recs] == [
+        (e.entry_id, e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count, e.shard_idx)
+        for e in in_memory]
+    assert [e.entry_id for e in in_memory] == list(range(1, 31))
+    for r, k in zip(recs, keys):
+        assert same_bytes(r["signature"], ref_signature(k, 32, 512, 11))
+    assert not hmem.formats.records.damaged(recs).size
     with Store.open(path, read_only=True) as reader:  # beside the writer, after flush
         assert snapshot(reader) == (state, results)
     next_id = store.stats().next_entry_id
@@ -1180,7 +1179,7 @@ def test_flush_then_reopen_gives_back_everything(tmp_path, read_records):
     for mode in (True, False):
         with Store.open(path, read_only=mode) as again:
             assert snapshot(again) == (state, results)
-            assert np.array_equal(again._records[:30], in_memory)
+            assert list(again.entries()) == in_memory
     again_recs = read_records(path)
     assert again_recs.tobytes() == recs.tobytes()
     with Store.open(path) as store:

@@ -1,4 +1,4 @@
-"""The store's on-disk format (docs/format.md) and its crash safety (SPEC §5):
+"""The store's on-disk format (docs/format.md) and its crash safety (docs/reliability.md):
 record bytes, index.json fields and checksum, the lock file, crash points in
 a subprocess, torn and flipped bytes, and injected disk faults.
 """
@@ -31,20 +31,21 @@ def gauss(rng, n, d=EMBED):
 
 
 def describe(store) -> dict:
-    """Everything a store holds, except put timestamps (and the checksums
-    that cover them): stats, every record's fields, every entry's K/V."""
+    """Everything a store holds, except put timestamps: stats (evicted
+    records counted), every live entry's metadata and K/V, by id.  The
+    records' signature bytes are not public: each entry's row carries the
+    best hit (id, similarity) for its own keys instead, (its id, 1.0) while
+    the stored signature is the one its keys give."""
     st = store.stats()
-    n = store._n
-    recs = store._records[:n]
     rows, kv = [], []
-    for pos in range(n):
-        r = recs[pos]
-        rows.append((int(r["entry_id"]), int(r["layer_idx"]), int(r["n_tokens"]), float(r["importance"]),
-                     int(r["access_count"]), int(r["shard_idx"]), r["signature"].tobytes()))
-        keys, values = store._kv(pos)
-        kv.append((keys.tobytes(), values.tobytes()))
-    return {"entries": st.entries, "layers": st.layers, "shards": [(s.file, s.entries) for s in st.shards],
-            "records": rows, "kv": kv}
+    for info in store.entries():
+        got = store.get(info.entry_id)
+        (hit,) = store.query(got.keys, info.layer_idx, 1, rerank=False, count_access=False)
+        rows.append((info.entry_id, info.layer_idx, info.n_tokens, info.importance, info.access_count,
+                     info.shard_idx, (hit.entry_id, hit.similarity)))
+        kv.append((got.keys.tobytes(), got.values.tobytes()))
+    return {"entries": st.entries, "evicted": st.evicted, "layers": st.layers,
+            "shards": [(s.file, s.entries) for s in st.shards], "records": rows, "kv": kv}
 
 
 def state_of(path) -> dict:
@@ -67,8 +68,14 @@ def assert_clean(path):
     assert (path / "entries.bin").stat().st_size == doc["record_count"] * doc["record_size"]
     recs = hmem.formats.records.read(path / "entries.bin", doc["record_count"], HDC // 8)  # no pending applied
     assert not hmem.formats.records.damaged(recs).size
+    # a reader applies what index.json still lists: it must see entries.bin as it is
+    live = recs[recs["shard_idx"] != hmem.formats.records.EVICTED]
     with Store.open(path, read_only=True) as reader:
-        assert np.array_equal(reader._records[: reader._n], recs)
+        assert [(e.entry_id, e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count, e.shard_idx)
+                for e in reader.entries()] == [
+            (int(r["entry_id"]), int(r["layer_idx"]), int(r["n_tokens"]), float(r["importance"]),
+             int(r["timestamp"]), int(r["access_count"]), int(r["shard_idx"])) for r in live]
+        assert reader.stats().evicted == len(recs) - len(live)
 
 
 # ---- the bytes of a record and of index.json -----------------------------------------
@@ -143,7 +150,7 @@ def test_index_json_fields_and_checksum(tmp_path, read_index, index_checksum):
     assert set(doc["pending"]) == {"record_updates", "renames", "deletes"}
 
 
-def test_pending_record_updates_carry_the_new_access_counts(tmp_path, read_index, monkeypatch):
+def test_pending_record_updates_carry_the_new_access_counts(tmp_path, read_index, monkeypatch, store_internals):
     rng = np.random.default_rng(3)
     path = tmp_path / "s"
     store = Store.create(path, embed_dim=EMBED, hdc_dim=HDC)
@@ -166,10 +173,12 @@ def test_pending_record_updates_carry_the_new_access_counts(tmp_path, read_index
     on_disk = hmem.formats.records.read(path / "entries.bin", 4, HDC // 8)
     assert on_disk["access_count"].tolist() == [0, 0, 0, 0]  # not yet written in place
     with Store.open(path, read_only=True) as reader:  # a reader applies them
-        assert reader._records["access_count"][:4].tolist() == [1, 0, 2, 0]
-        assert updates["checksum"].tolist() == hmem.formats.records.checksums(reader._records[[0, 2]]).tolist()
-    store._lock.release()  # drop the writer without letting it finish step 4
-    store._closed = True
+        assert [e.access_count for e in reader.entries()] == [1, 0, 2, 0]
+    # each update's checksum is the one of its record with the new fields
+    updated = on_disk.copy()
+    updated["access_count"][[0, 2]] = [1, 2]
+    assert updates["checksum"].tolist() == hmem.formats.records.checksums(updated[[0, 2]]).tolist()
+    store_internals.abandon_writer(store)  # drop the writer without letting it finish step 4
     Store.open(path).close()  # the next writer finishes step 4
     on_disk = hmem.formats.records.read(path / "entries.bin", 4, HDC // 8)
     assert on_disk["access_count"].tolist() == [1, 0, 2, 0]

@@ -7,16 +7,19 @@ model whose signatures come from the pure-Python reference projection.
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hmem import Store
+from hmem.formats import records as record_format
 from hmem.kernels.reference import hamming as ref_hamming
 from hmem.kernels.reference import projection as ref_projection
 
@@ -39,6 +42,20 @@ class ModelEntry:
         self.sig = ref_sig(keys)
         self.pooled = keys.mean(axis=0, dtype=np.float64).astype(np.float32).astype(np.float64)
         self.access = 0
+
+
+# The conftest helpers that count the open shard maps and drop a writer
+# unflushed (a killed process): reaching past the public API lives there
+# only.  Set for this module below.
+INTERNALS = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _internals(store_internals):
+    global INTERNALS
+    INTERNALS = store_internals
+    yield
+    INTERNALS = None
 
 
 key_kind = st.sampled_from(["random", "random", "copy", "negated", "zero"])
@@ -167,8 +184,7 @@ class StoreMachine(RuleBasedStateMachine):
     def writer_dies(self):
         # the writer vanishes without flushing or closing (as a killed process
         # would): the next writer sees the last commit
-        self.store._lock.release()
-        self.store._closed = True
+        INTERNALS.abandon_writer(self.store)
         self.store = Store.open(self.path)
         self.model = copy.deepcopy(self.committed)
         self._check_counts_on_disk()
@@ -190,10 +206,19 @@ class StoreMachine(RuleBasedStateMachine):
     # ---- invariants ----------------------------------------------------------------------
 
     def _check_counts_on_disk(self):
-        recs = self.store._records[: self.store._n]
-        assert recs["entry_id"].tolist() == sorted(self.model)
-        assert recs["access_count"].tolist() == [self.model[i].access for i in sorted(self.model)]
-        assert [bytes(s) for s in recs["signature"]] == [self.model[i].sig.tobytes() for i in sorted(self.model)]
+        # a writer just opened: what it sees, and what entries.bin holds
+        # (read with the format module; the open finished every pending step)
+        ids = sorted(self.model)
+        infos = list(self.store.entries())
+        assert [e.entry_id for e in infos] == ids
+        assert [e.access_count for e in infos] == [self.model[i].access for i in ids]
+        assert self.store.stats().evicted == 0
+        doc = json.loads((self.path / "index.json").read_text())
+        recs = record_format.read(self.path / "entries.bin", doc["record_count"], HDC // 8)
+        assert recs["entry_id"].tolist() == ids
+        assert recs["access_count"].tolist() == [self.model[i].access for i in ids]
+        assert [bytes(s) for s in recs["signature"]] == [self.model[i].sig.tobytes() for i in ids]
+        assert not record_format.damaged(recs).size
         if self.model:
             assert self.store.stats().next_entry_id > self.max_id
 
@@ -205,12 +230,19 @@ class StoreMachine(RuleBasedStateMachine):
         for e in self.model.values():
             layers[e.layer] = layers.get(e.layer, 0) + 1
         assert st_.layers == dict(sorted(layers.items()))
-        assert self.store._cache.open_count() <= 2
-        # every entry's tensors are in exactly one shard, and shards are never empty
+        assert INTERNALS.open_shard_maps(self.store) <= 2
+        # every entry's tensors are in exactly one shard, and shards are never
+        # empty: each sealed shard holds its entries, the rest are in the open
+        # one (the next shard index, not sealed yet so not in stats)
         shards = st_.shards
         assert all(s.entries >= 1 for s in shards)
-        open_shard = self.store._builder.entries if self.store._builder is not None else 0
-        assert sum(s.entries for s in shards) + open_shard == len(self.model)
+        per_shard: dict[int, int] = {}
+        for e in self.store.entries():
+            per_shard[e.shard_idx] = per_shard.get(e.shard_idx, 0) + 1
+        for s in shards:
+            assert per_shard.pop(s.index, 0) == s.entries - s.dead_entries
+        assert set(per_shard) <= {len(shards)}
+        assert sum(s.entries for s in shards) + per_shard.get(len(shards), 0) == len(self.model)
 
 
 TestStoreMachine = StoreMachine.TestCase

@@ -57,7 +57,7 @@ def flip_tensor(root: Path, tpl, entry_id: int, kind: str = "k") -> None:
 
 def live_ids(root: Path) -> set[int]:
     with Store.open(root, read_only=True) as store:
-        return {int(r["entry_id"]) for r in store._records[: store._n] if r["shard_idx"] != hmem.formats.records.EVICTED}
+        return set(store.entry_ids())
 
 
 def tensor_count(tpl) -> int:
@@ -205,7 +205,8 @@ store.flush()  # killed after its commit, before the access count is written in 
     assert result.exit_code == 0 and "index.pending" in result.stdout
     assert dir_state(path) == before
     with Store.open(path, read_only=True) as reader:
-        assert reader._records["access_count"][: reader._n].tolist() == [1, 0]
+        assert [(e.entry_id, e.access_count) for e in reader.entries()] == [(1, 1), (2, 0)]
+        assert reader.stats().evicted == 0
     Store.open(path).close()  # the writer finishes the step
     assert hmem.verify(path, full=True).ok
 
@@ -222,7 +223,8 @@ def test_a_cleanly_closed_store_has_no_pending_step(tmp_path):
     assert index["pending"] == {"record_updates": "", "renames": [], "deletes": []}
     assert hmem.verify(path, full=True).findings == ()
     with Store.open(path, read_only=True) as reader:
-        assert reader._records["access_count"][: reader._n].tolist() == [1]
+        assert [(e.entry_id, e.access_count) for e in reader.entries()] == [(1, 1)]
+        assert reader.stats().evicted == 0
 
 
 def test_a_compaction_killed_after_its_commit_verifies(tmp_path, run_python):

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import typer
 from typer.core import TyperGroup
 
-from hmem import HmemError, __version__, kernels
+from hmem import HmemError, __version__, kernel_info
 from hmem.cli import (
     cmd_compact,
     cmd_demo,
@@ -23,7 +24,7 @@ from hmem.cli import (
     cmd_stats,
     cmd_verify,
 )
-from hmem.cli.exit_codes import ExitCode, exit_code_for
+from hmem.cli.exit_codes import ExitCode, cli_hint, exit_code_for
 from hmem.cli.output import error_line
 
 DEBUG_ENV = "HMEM_DEBUG"
@@ -49,8 +50,8 @@ class HmemGroup(TyperGroup):
     the test runner all take the same path.
     """
 
-    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
-             standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
         _Session.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
         try:
             rv = super().main(args=args, prog_name=prog_name or "hmem", complete_var=complete_var,
@@ -76,7 +77,7 @@ class HmemGroup(TyperGroup):
     def _report(exc: BaseException, message: str, hint: str | None) -> ExitCode:
         if _Session.debug:
             traceback.print_exception(exc)
-        _print_error(message, hint)
+        _print_error(message, cli_hint(hint))
         return exit_code_for(exc)
 
     @staticmethod
@@ -111,7 +112,7 @@ app = typer.Typer(
 
 
 def version_text() -> str:
-    return f"hmem {__version__} ({kernels.describe()})"
+    return f"hmem {__version__} ({kernel_info()})"
 
 
 def _version(value: bool) -> None:

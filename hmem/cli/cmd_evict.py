@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from hmem import Store
+from hmem import InvalidArgumentError, Store
 from hmem.cli.options import DryRunOption, JsonOption, LockWaitOption, QuietOption, StoreArgument, YesOption
 from hmem.cli.output import Output, human_bytes
-from hmem.errors import InvalidArgumentError
-
-
-def confirm(question: str, yes: bool) -> bool:
-    """True when --yes was given or the person at the terminal agrees."""
-    if yes:
-        return True
-    if not sys.stdin.isatty():
-        raise InvalidArgumentError("not a terminal, so nobody can confirm", hint="pass --yes to go ahead")
-    return typer.confirm(question, default=False, err=True)  # stdout stays for results
+from hmem.cli.prompts import confirm
 
 
 def evict(
@@ -44,9 +34,9 @@ def evict(
         raise InvalidArgumentError("give exactly one of --target N or --keep SHARE")
     with Store.open(store, read_only=dry_run, lock_wait=lock_wait) as s:
         live = s.stats().entries
-        goal = target if target is not None else int(live * keep)
+        goal = target if target is not None else int(live * (keep or 0.0))
         plan = s.plan_eviction(goal)
-        document = {"store": str(store), "target_entries": goal, "entries_before": plan.entries_before,
+        document: dict[str, Any] = {"store": str(store), "target_entries": goal, "entries_before": plan.entries_before,
                     "evict": plan.count, "entry_ids": list(plan.entry_ids),
                     "bytes_reclaimable": plan.bytes_reclaimable, "lowest_score": plan.lowest_score,
                     "dry_run": dry_run, "evicted": 0}

@@ -5,23 +5,20 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from hmem import Store
+from hmem import InvalidArgumentError, Store, find_kv_files, import_files, is_store
 from hmem.cli.exit_codes import ExitCode
 from hmem.cli.options import STORE_ENV, DryRunOption, JsonOption, LockWaitOption, QuietOption
-from hmem.formats.manifest import INDEX_FILE
 from hmem.cli.output import Output, human_bytes
-from hmem.errors import InvalidArgumentError
-from hmem.transfer.kvfiles import find_files, import_files
 
 
 def _store_and_inputs(paths: list[Path]) -> tuple[Path, list[Path]]:
     """STORE FILES...: the store may be left out when HMEM_STORE names it."""
     env = os.environ.get(STORE_ENV)
-    if env and (not paths or not (paths[0] / INDEX_FILE).exists()):
+    if env and (not paths or not is_store(paths[0])):
         return Path(env), paths
     if len(paths) < 2:
         raise InvalidArgumentError("give the store and at least one file or directory to import",
@@ -54,7 +51,7 @@ def put(
     """
     out = Output(json_mode=json_output, quiet=quiet)
     store, inputs = _store_and_inputs(paths)
-    files = find_files(inputs)
+    files = find_kv_files(inputs)
     if not files:
         raise InvalidArgumentError("no .safetensors files found in " + ", ".join(map(str, inputs)))
     total = sum(p.stat().st_size for p in files if p.is_file())
@@ -68,7 +65,7 @@ def put(
             s.flush()
         after = s.stats()
     seconds = time.perf_counter() - started
-    summary = {
+    summary: dict[str, Any] = {
         "store": str(store),
         "dry_run": dry_run,
         "files": len(report.files),

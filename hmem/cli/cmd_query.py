@@ -5,16 +5,14 @@ from __future__ import annotations
 import time
 import zipfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 import typer
 
-from hmem import Store
+from hmem import BadFileError, InvalidArgumentError, Store, export_results, read_tensor_file
 from hmem.cli.options import JsonOption, LockWaitOption, QuietOption, StoreArgument
 from hmem.cli.output import Output, human_bytes, human_duration
-from hmem.errors import InvalidArgumentError
-from hmem.transfer.kvfiles import BadFileError, export_results, read_tensor
 
 QUERY_TENSOR_NAMES = ("query", "q", "keys", "k")
 
@@ -36,7 +34,7 @@ def load_query(path: Path) -> np.ndarray:
             raise InvalidArgumentError(f"--query {path}: an .npz archive, not one .npy array")
         return tokens
     try:
-        return read_tensor(path, QUERY_TENSOR_NAMES)
+        return read_tensor_file(path, QUERY_TENSOR_NAMES)
     except BadFileError as exc:
         raise InvalidArgumentError(f"--query {path}: {exc.message}") from None
 
@@ -68,7 +66,7 @@ def query(
         if export is not None:
             exported = export_results(results, export, {"layer": str(layer), "store": str(store)})
     now = time.time_ns()
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "rank": rank,
             "entry_id": r.entry_id,

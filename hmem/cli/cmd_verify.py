@@ -6,13 +6,11 @@ from typing import Annotated
 
 import typer
 
-from hmem import repair, verify
-
-from hmem.cli.cmd_evict import confirm
+from hmem import InvalidArgumentError, repair, verify
 from hmem.cli.exit_codes import ExitCode
 from hmem.cli.options import JsonOption, LockWaitOption, QuietOption, StoreArgument, YesOption
 from hmem.cli.output import Output, human_bytes, human_duration
-from hmem.errors import InvalidArgumentError
+from hmem.cli.prompts import confirm
 
 STYLE = {"error": "red", "warning": "yellow", "info": "dim"}
 

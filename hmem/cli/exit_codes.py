@@ -1,6 +1,7 @@
-"""The command line's exit codes and the error -> exit code table.
+"""The command line's exit codes, the error -> exit code table, and the
+wording of library hints as commands to run.
 
-These numbers are part of hmem's interface (scripts and cron jobs test
+The exit codes are part of hmem's interface (scripts and cron jobs test
 them) and are documented in docs/cli.md: never renumber one.
 """
 
@@ -8,7 +9,15 @@ from __future__ import annotations
 
 import enum
 
-from hmem import errors
+from hmem import (
+    Hint,
+    HmemError,
+    InvalidArgumentError,
+    KernelUnavailableError,
+    NotAStoreError,
+    StoreLockedError,
+    UnsupportedFormatError,
+)
 
 
 class ExitCode(enum.IntEnum):
@@ -25,12 +34,12 @@ class ExitCode(enum.IntEnum):
 
 # Most specific class first: the first match wins.
 ERROR_EXIT_CODES: tuple[tuple[type[BaseException], ExitCode], ...] = (
-    (errors.NotAStoreError, ExitCode.NOT_A_STORE),
-    (errors.StoreLockedError, ExitCode.LOCKED),
-    (errors.UnsupportedFormatError, ExitCode.UNSUPPORTED_FORMAT),
-    (errors.InvalidArgumentError, ExitCode.USAGE),
-    (errors.KernelUnavailableError, ExitCode.FAILURE),
-    (errors.HmemError, ExitCode.FAILURE),
+    (NotAStoreError, ExitCode.NOT_A_STORE),
+    (StoreLockedError, ExitCode.LOCKED),
+    (UnsupportedFormatError, ExitCode.UNSUPPORTED_FORMAT),
+    (InvalidArgumentError, ExitCode.USAGE),
+    (KernelUnavailableError, ExitCode.FAILURE),
+    (HmemError, ExitCode.FAILURE),
 )
 
 
@@ -39,3 +48,23 @@ def exit_code_for(exc: BaseException) -> ExitCode:
         if isinstance(exc, cls):
             return code
     return ExitCode.FAILURE
+
+
+# hmem's errors say what to do in library terms (functions and arguments);
+# a shell user is told the command or flag that does the same (docs/cli.md).
+HINT_WORDING: dict[str, str] = {
+    Hint.VERIFY: "run 'hmem verify'",
+    Hint.VERIFY_FULL: "run 'hmem verify --full'",
+    Hint.REPAIR: "run 'hmem verify --repair'",
+    Hint.VERIFY_THEN_REPAIR: "run 'hmem verify --full', then 'hmem verify --repair'",
+    Hint.LOCK_WAIT: "wait for it to finish, or retry with a lock wait such as --lock-wait 30",
+    Hint.CREATE: "create one with 'hmem init'",
+    Hint.OPEN_AGAIN: "try the command again",
+}
+
+
+def cli_hint(hint: str | None) -> str | None:
+    """An error's hint as the command line words it; other hints unchanged."""
+    if hint is None:
+        return None
+    return HINT_WORDING.get(hint, hint)

@@ -62,7 +62,7 @@ class Output:
         self.json_mode = json_mode
         self.quiet = quiet
         # NO_COLOR: no escape codes at all (Rich alone would still embolden).
-        plain = {"color_system": None} if os.environ.get("NO_COLOR") else {}
+        plain: Any = {"color_system": None} if os.environ.get("NO_COLOR") else {}
         self.out = Console(highlight=False, **plain)
         self.err = Console(stderr=True, highlight=False, **plain)
 
@@ -80,8 +80,7 @@ class Output:
     def table(self, *columns: str, title: str | None = None, **kwargs: Any) -> Table:
         table = Table(title=title, title_justify="left", header_style="bold", **kwargs)
         for column in columns:
-            justify = "right" if column.startswith(">") else "left"
-            table.add_column(column.lstrip(">"), justify=justify)
+            table.add_column(column.lstrip(">"), justify="right" if column.startswith(">") else "left")
         return table
 
     # ---- stderr --------------------------------------------------------------

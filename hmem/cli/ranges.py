@@ -7,8 +7,7 @@ string) stand for every chunk and no chunk.
 
 from __future__ import annotations
 
-from hmem import Bitmap
-from hmem.errors import InvalidArgumentError
+from hmem import Bitmap, InvalidArgumentError
 
 
 def _chunk(text: str, spec: str, count: int) -> int:

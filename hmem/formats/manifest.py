@@ -27,11 +27,11 @@ import numpy as np
 from hmem import _io
 from hmem._version import __version__
 from hmem.config import StoreConfig
-from hmem.errors import CorruptStoreError, NotAStoreError, UnsupportedFormatError
-from hmem.kernels import checksum as checksum_kernels
+from hmem.errors import CorruptStoreError, Hint, NotAStoreError, UnsupportedFormatError
+from hmem.formats.layout import INDEX_FILE, record_bytes
 from hmem.formats.records import UPDATE_DTYPE
+from hmem.kernels import checksum as checksum_kernels
 
-INDEX_FILE = "index.json"
 FORMAT_NAME = "hmem-store"
 FORMAT_VERSION = 1
 
@@ -104,7 +104,7 @@ class Manifest:
             "generation": self.generation,
             "config": self.config.to_dict(),
             "projection": self.projection,
-            "record_size": 40 + self.config.signature_bytes,
+            "record_size": record_bytes(self.config.signature_bytes),
             "record_count": self.record_count,
             "next_entry_id": self.next_entry_id,
             "shards": [dataclasses.asdict(s) for s in self.shards],
@@ -134,12 +134,12 @@ def write(store_dir: Path, manifest: Manifest) -> bytes:
 def read_bytes(store_dir: Path) -> bytes:
     if not store_dir.is_dir():
         raise NotAStoreError(f"{store_dir} is not a directory holding an hmem store",
-                             hint="create one with 'hmem init'")
+                             hint=Hint.CREATE)
     try:
         return (store_dir / INDEX_FILE).read_bytes()
     except FileNotFoundError:
         raise NotAStoreError(f"{store_dir} holds no hmem store (no {INDEX_FILE})",
-                             hint="create one with 'hmem init'") from None
+                             hint=Hint.CREATE) from None
 
 
 def parse(store_dir: Path, data: bytes) -> Manifest:
@@ -150,7 +150,7 @@ def parse(store_dir: Path, data: bytes) -> Manifest:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         raise CorruptStoreError(f"{where} is not valid JSON",
-                                hint="run 'hmem verify --repair' to rebuild it") from None
+                                hint=Hint.REPAIR) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise NotAStoreError(f"{where} is not an hmem store index")
     version = doc.get("format_version")
@@ -161,7 +161,7 @@ def parse(store_dir: Path, data: bytes) -> Manifest:
         )
     stored = doc.pop("checksum", None)
     if stored != f"crc32c:{_checksum(doc):08x}":
-        raise CorruptStoreError(f"{where} fails its checksum", hint="run 'hmem verify --repair' to rebuild it")
+        raise CorruptStoreError(f"{where} fails its checksum", hint=Hint.REPAIR)
     try:
         config = StoreConfig.from_dict(doc["config"])
         manifest = Manifest(
@@ -180,8 +180,8 @@ def parse(store_dir: Path, data: bytes) -> Manifest:
         raise
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptStoreError(f"{where} is missing or has a malformed field ({exc})",
-                                hint="run 'hmem verify --repair' to rebuild it") from None
-    if doc.get("record_size") != 40 + config.signature_bytes:
+                                hint=Hint.REPAIR) from None
+    if doc.get("record_size") != record_bytes(config.signature_bytes):
         raise CorruptStoreError(f"{where} gives a record size that does not match hdc_dim")
     return manifest
 

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hmem.errors import CorruptStoreError
+from hmem.errors import CorruptStoreError, Hint
 from hmem.kernels import checksum as checksum_kernels
 
-ENTRIES_FILE = "entries.bin"
+ENTRIES_FILE = "entries.bin"  # the store directory's files are listed in hmem/formats/layout.py
 HEADER_BYTES = 40
 CHECKSUM_OFFSET = 36
 MUTABLE_OFFSET = 28  # access_count, shard_idx, checksum
@@ -92,11 +92,11 @@ def read(path: Path, count: int, signature_bytes: int) -> np.ndarray:
         if count == 0:
             return empty(0, signature_bytes)
         raise CorruptStoreError(f"{path} is missing but the store commits {count} records",
-                                hint="run 'hmem verify' to see what can be saved") from None
+                                hint=Hint.VERIFY) from None
     if size < count * dtype.itemsize:
         raise CorruptStoreError(
             f"{path} holds {size // dtype.itemsize} whole records but the store commits {count}",
-            hint="run 'hmem verify' to see what can be saved",
+            hint=Hint.VERIFY,
         )
     return np.fromfile(path, dtype=dtype, count=count)
 

@@ -27,22 +27,21 @@ every name.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import mmap
 import re
-import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hmem.errors import CorruptStoreError, Hint
+from hmem.formats import safetensors
+from hmem.formats.layout import SHARD_NAME as SHARD_NAME, shard_file as shard_file  # named in layout
+from hmem.formats.safetensors import bytes_view
 from hmem.kernels import checksum as checksum_kernels
 
 SHARD_FORMAT = "hmem-shard"
 SHARD_FORMAT_VERSION = "1"
-SHARD_NAME = re.compile(r"^shard_(\d{4,9})\.safetensors$")
 CRC_PREFIX = "crc32c:"
 
 INDEX_TENSOR = "hmem_index"
@@ -51,18 +50,14 @@ INDEX_VERSION = 1
 INDEX_COLUMNS = 12
 KINDS = ("k", "v", "p", "ks", "vs")  # index columns 2-6 (offsets) and 7-11 (CRCs)
 
-DTYPES: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "I8": np.dtype("i1"), "I64": np.dtype("<i8")}
+DTYPES: dict[str, np.dtype] = {name: safetensors.NUMPY_DTYPES[name] for name in ("F32", "I8", "I64")}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_HEADER_ALIGN = 8
+_ITEM_SIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # Upper bound of one tensor's share of the JSON header: its entry with
 # 20-digit offsets and shape numbers, plus its checksum in the metadata.
 HEADER_BYTES_PER_TENSOR = 200
 HEADER_FIXED_BYTES = 256 + INDEX_COLUMNS * 8  # the metadata, the length word, the index's header row
 INDEX_ROW_BYTES = INDEX_COLUMNS * 8
-
-
-def shard_file(index: int) -> str:
-    return f"shard_{index:04d}.safetensors"
 
 
 def entry_bytes(n_tokens: int, embed_dim: int, quantized: bool) -> int:
@@ -73,40 +68,34 @@ def entry_bytes(n_tokens: int, embed_dim: int, quantized: bool) -> int:
     return 2 * 4 * n_tokens * embed_dim + 4 * embed_dim
 
 
-def parse_header(buf: mmap.mmap, name: str) -> tuple[dict[str, str], dict[str, tuple], int]:
-    def bad(why: str) -> CorruptStoreError:
-        return CorruptStoreError(f"shard {name} has a damaged header: {why}", hint="run 'hmem verify'")
+# How a shard's damaged header is worded (verify reports these).
+_SHARD_WORDING = {
+    "entry": "tensor {} has a malformed entry",
+    "outside": "tensor {} lies outside the data",
+    "size": "tensor {}'s size does not match its shape",
+}
 
-    (length,) = struct.unpack_from("<Q", buf, 0)
-    if length > len(buf) - 8:
-        raise bad(f"header length {length} runs past the end of the file")
-    try:
-        header = json.loads(bytes(buf[8 : 8 + length]))
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise bad("the header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise bad("the header is not a JSON object")
-    metadata = header.pop("__metadata__", {}) or {}
+
+def _check_shard_metadata(metadata: Any) -> None:
+    metadata = metadata or {}
     if not isinstance(metadata, dict) or metadata.get("format") != SHARD_FORMAT:
-        raise bad("it is not an hmem shard")
-    data_start = 8 + length
-    data_len = len(buf) - data_start
-    entries: dict[str, tuple] = {}
-    for tensor, spec in header.items():
-        try:
-            dtype = DTYPES[spec["dtype"]]
-            shape = tuple(x for x in spec["shape"])
-            start, end = (x for x in spec["data_offsets"])
-            if not all(type(x) is int and 0 <= x < 1 << 62 for x in (*shape, start, end)):
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
-            raise bad(f"tensor {tensor} has a malformed entry") from None
-        if not 0 <= start <= end <= data_len:
-            raise bad(f"tensor {tensor} lies outside the data")
-        if end - start != math.prod(shape) * dtype.itemsize:  # Python ints: no overflow
-            raise bad(f"tensor {tensor}'s size does not match its shape")
-        entries[tensor] = (dtype, shape, data_start + start, data_start + end)
-    return metadata, entries, data_start
+        raise safetensors.SafetensorsError("it is not an hmem shard", reason="metadata")
+
+
+def parse_header(buf: mmap.mmap | bytes, name: str) -> tuple[dict[str, str], dict[str, tuple], int]:
+    """A shard's __metadata__, its tensors (name -> numpy dtype, shape,
+    absolute start and end) and where its data starts."""
+    try:
+        header = safetensors.parse(buf, dtypes=_ITEM_SIZES, dtype_in_entry=True,  # a dtype no shard holds
+                                   check_metadata=_check_shard_metadata)
+    except safetensors.SafetensorsError as exc:
+        wording = _SHARD_WORDING.get(exc.reason)
+        why = wording.format(exc.tensor) if wording else exc.message
+        raise CorruptStoreError(f"shard {name} has a damaged header: {why}", hint=Hint.VERIFY) from None
+    start = header.data_start
+    entries = {tensor: (DTYPES[spec.dtype], spec.shape, start + spec.begin, start + spec.end)
+               for tensor, spec in header.tensors.items()}
+    return header.metadata or {}, entries, start
 
 
 _NAME = re.compile(r"^(k|v|p|ks|vs)_(\d{1,20})$")
@@ -209,7 +198,7 @@ def scan_shard(path: Path, *, embed_dim: int, quantized: bool, index_crc: int | 
             index = None
     if index is None:
         return ShardScan(size, metadata, from_header, None, problems)
-    from_index = {}
+    from_index: dict[tuple[int, str], tuple[np.dtype, tuple[int, ...], int, int, int | None]] = {}
     for row in index[1:]:
         entry_id, n_tokens = int(row[0]), int(row[1])
         for column, kind in enumerate(KINDS):
@@ -226,7 +215,3 @@ def scan_shard(path: Path, *, embed_dim: int, quantized: bool, index_crc: int | 
             if a is None or b is None or a[2:] != b[2:] or tuple(a[1]) != tuple(b[1]):
                 problems.append(("shard.mismatch", f"{key[1]}_{key[0]}: the JSON header and hmem_index disagree"))
     return ShardScan(size, metadata, from_index, index, problems)
-
-
-def bytes_view(array: np.ndarray) -> memoryview:
-    return memoryview(array).cast("B")

@@ -266,7 +266,7 @@ class Bitmap:
             return NotImplemented
         return self._nbits == other._nbits and self._buf == other._buf
 
-    __hash__ = None  # mutable: see the module docstring
+    __hash__ = None  # type: ignore[assignment]  # mutable: see the module docstring
     __array_ufunc__ = None  # numpy must not treat a Bitmap as a sequence of bits
 
     def __reduce__(self):

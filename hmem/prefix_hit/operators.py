@@ -25,15 +25,14 @@ the packed bytes (see hmem.kernels).
 from __future__ import annotations
 
 import enum
-import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from hmem.prefix_hit.bitmap import Bitmap
+from hmem import validation
 from hmem.errors import InvalidArgumentError
 from hmem.kernels import bitops
+from hmem.prefix_hit.bitmap import Bitmap
 
 FULL_ATTENTION_WINDOW = -1
 
@@ -52,12 +51,7 @@ class TrimPolicy(str, enum.Enum):
 
 
 def _int(value: object, name: str) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}") from None
+    return validation.integer(value, name)
 
 
 def _windows(windows: Sequence[int] | Iterable[int]) -> tuple[int, ...]:
@@ -72,7 +66,7 @@ def _windows(windows: Sequence[int] | Iterable[int]) -> tuple[int, ...]:
     return ws
 
 
-def _layout(layout: Layout | str) -> Layout:
+def checked_layout(layout: Layout | str) -> Layout:
     if isinstance(layout, Layout):
         return layout
     try:
@@ -83,7 +77,7 @@ def _layout(layout: Layout | str) -> Layout:
         ) from None
 
 
-def _shape(num_chunks: int, num_ranks: int, windows) -> tuple[int, int, tuple[int, ...]]:
+def checked_shape(num_chunks: int, num_ranks: int, windows) -> tuple[int, int, tuple[int, ...]]:
     C = _int(num_chunks, "num_chunks")
     R = _int(num_ranks, "num_ranks")
     if C < 0:
@@ -103,7 +97,7 @@ def _kernel_windows(ws: tuple[int, ...], C: int) -> tuple[int, ...]:
 
 def presence_bits(num_chunks: int, num_ranks: int, windows: Sequence[int]) -> int:
     """N = G * C * R, the length of a presence map and of a retain mask."""
-    C, R, ws = _shape(num_chunks, num_ranks, windows)
+    C, R, ws = checked_shape(num_chunks, num_ranks, windows)
     return len(ws) * C * R
 
 
@@ -128,10 +122,10 @@ def fold(
     layout: Layout | str = Layout.GROUP_MAJOR,
 ) -> Bitmap:
     """C-bit map whose bit j is set iff a prefix of length j + 1 is servable by every group."""
-    C, R, ws = _shape(num_chunks, num_ranks, windows)
+    C, R, ws = checked_shape(num_chunks, num_ranks, windows)
     _check_found(found, C, R, len(ws))
     out = Bitmap(C)
-    bitops.fold_into(found.buffer, C, R, _kernel_windows(ws, C), _layout(layout) is Layout.CHUNK_MAJOR, out.buffer)
+    bitops.fold_into(found.buffer, C, R, _kernel_windows(ws, C), checked_layout(layout) is Layout.CHUNK_MAJOR, out.buffer)
     return out
 
 
@@ -153,13 +147,13 @@ def unfold(
 
     `hit` larger than C is clamped to C.
     """
-    C, R, ws = _shape(num_chunks, num_ranks, windows)
+    C, R, ws = checked_shape(num_chunks, num_ranks, windows)
     hit = _int(hit, "hit")
     if hit < 0:
         raise InvalidArgumentError(f"hit must be >= 0, got {hit}")
     hit = min(hit, C)
     out = Bitmap(len(ws) * C * R)
-    bitops.unfold_into(hit, C, R, _kernel_windows(ws, C), _layout(layout) is Layout.CHUNK_MAJOR, out.buffer)
+    bitops.unfold_into(hit, C, R, _kernel_windows(ws, C), checked_layout(layout) is Layout.CHUNK_MAJOR, out.buffer)
     return out
 
 
@@ -173,9 +167,9 @@ def fold_unfold_ranked(
     """(hit, retain mask): fold, then highest_set_bit + 1, then unfold."""
     # The same steps as fold() and unfold(), validated once: on small
     # requests the argument checks cost more than the kernels.
-    C, R, ws = _shape(num_chunks, num_ranks, windows)
+    C, R, ws = checked_shape(num_chunks, num_ranks, windows)
     _check_found(found, C, R, len(ws))
-    chunk_major = _layout(layout) is Layout.CHUNK_MAJOR
+    chunk_major = checked_layout(layout) is Layout.CHUNK_MAJOR
     servable = Bitmap(C)
     bitops.fold_into(found.buffer, C, R, _kernel_windows(ws, C), chunk_major, servable.buffer)
     hit = servable.highest_set_bit() + 1
@@ -258,7 +252,7 @@ def presence_map(
     ``rows[g][r]`` is a C-bit Bitmap of the chunks whose rank-r shard group g
     holds; every group must list the same number of ranks.
     """
-    lay = _layout(layout)
+    lay = checked_layout(layout)
     C = _int(num_chunks, "num_chunks")
     G = len(rows)
     if G == 0:
@@ -284,9 +278,9 @@ def group_rows(
     layout: Layout | str = Layout.GROUP_MAJOR,
 ) -> list[list[Bitmap]]:
     """The inverse of presence_map: ``rows[g][r]`` = chunks group g holds on rank r."""
-    C, R, ws = _shape(num_chunks, num_ranks, windows)
+    C, R, ws = checked_shape(num_chunks, num_ranks, windows)
     _check_found(found, C, R, len(ws))
-    cube = _cells(found.to_numpy(), C, R, len(ws), _layout(layout))
+    cube = _cells(found.to_numpy(), C, R, len(ws), checked_layout(layout))
     return [[Bitmap.from_numpy(cube[g, :, r]) for r in range(R)] for g in range(len(ws))]
 
 
@@ -298,77 +292,7 @@ def chunks_present(
     layout: Layout | str = Layout.GROUP_MAJOR,
 ) -> list[Bitmap]:
     """Per group, the C-bit map of chunks present on all R ranks."""
-    C, R, ws = _shape(num_chunks, num_ranks, windows)
+    C, R, ws = checked_shape(num_chunks, num_ranks, windows)
     _check_found(found, C, R, len(ws))
-    cube = _cells(found.to_numpy(), C, R, len(ws), _layout(layout))
+    cube = _cells(found.to_numpy(), C, R, len(ws), checked_layout(layout))
     return [Bitmap.from_numpy(cube[g].all(axis=1)) for g in range(len(ws))]
-
-
-# ---- explanation (what `hmem prefix-hit` shows) -----------------------------
-
-
-@dataclass(frozen=True)
-class GroupHit:
-    """What one group contributes to a prefix hit."""
-
-    index: int
-    window: int  # <= 0: full attention
-    present: Bitmap  # C bits: chunks present on every rank
-    first_missing: int | None  # first chunk not present, None if all are
-    own_hit: int  # longest prefix this group alone could serve
-    needed: tuple[int, int]  # chunks [lo, hi) it must keep for the hit
-    blocks_longer: bool  # it cannot serve length hit + 1 (hit < C only)
-
-    @property
-    def kind(self) -> str:
-        if self.window <= 0:
-            return "full attention"
-        return "mamba" if self.window == 1 else f"window {self.window}"
-
-
-@dataclass(frozen=True)
-class PrefixHitReport:
-    num_chunks: int
-    num_ranks: int
-    windows: tuple[int, ...]
-    layout: Layout
-    hit: int
-    servable: Bitmap  # fold's output: bit j = length j + 1 servable by all
-    retain: Bitmap  # unfold's output in `layout`
-    groups: tuple[GroupHit, ...]
-
-    @property
-    def limiting_groups(self) -> tuple[int, ...]:
-        """Groups that cannot serve one chunk more than the hit."""
-        return tuple(g.index for g in self.groups if g.blocks_longer)
-
-
-def explain_prefix_hit(
-    found: Bitmap,
-    num_chunks: int,
-    num_ranks: int,
-    windows: Sequence[int],
-    layout: Layout | str = Layout.GROUP_MAJOR,
-) -> PrefixHitReport:
-    """The hit plus, per group, where its chunks stop and whether it limits the hit."""
-    C, R, ws = _shape(num_chunks, num_ranks, windows)
-    lay = _layout(layout)
-    servable = fold(found, C, R, ws, lay)
-    hit = servable.highest_set_bit() + 1
-    retain = unfold(hit, C, R, ws, lay)
-    groups = []
-    for g, (w, present) in enumerate(zip(ws, chunks_present(found, C, R, ws, lay))):
-        alone = fold(present, C, 1, (w,))
-        first_missing = present.leading_ones()
-        groups.append(
-            GroupHit(
-                index=g,
-                window=w,
-                present=present,
-                first_missing=first_missing if first_missing < C else None,
-                own_hit=alone.highest_set_bit() + 1,
-                needed=unfold_range(hit, w),
-                blocks_longer=hit < C and not alone.test(hit),
-            )
-        )
-    return PrefixHitReport(C, R, ws, lay, hit, servable, retain, tuple(groups))

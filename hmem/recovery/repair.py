@@ -24,25 +24,16 @@ from pathlib import Path
 import numpy as np
 
 from hmem import _io
-
-from hmem.store import lock
-
-from hmem.formats import manifest
-
-from hmem.formats import records
-
-from hmem.store import rewrite
-
-from hmem.store import shard_builder
-
-from hmem.formats import shard_file
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError
-from hmem.kernels import checksum as checksum_kernels
+from hmem.formats import layout, manifest, records, shard_file
+from hmem.formats.layout import ENTRIES_FILE
 from hmem.formats.manifest import Manifest, Pending
-from hmem.store.projection import Projector
-from hmem.formats.records import ENTRIES_FILE, EVICTED
+from hmem.formats.records import EVICTED
+from hmem.kernels import checksum as checksum_kernels
 from hmem.recovery.verify import ERROR, Finding, config_from_shards, verify
+from hmem.store import lock, rewrite, shard_builder
+from hmem.store.projection import Projector
 
 ID_MARGIN = 4096  # ids skipped after a rebuilt index, in case lost records held higher ones
 
@@ -64,10 +55,6 @@ class RepairReport:
         return dataclasses.asdict(self)
 
 
-def _bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.iterdir() if p.is_file() and p.name != lock.LOCK_FILE)
-
-
 def repair(path: str | Path, *, lock_wait: float = 0.0) -> RepairReport:
     """Repair the store at `path` (see the module docstring)."""
     started = time.perf_counter()
@@ -76,7 +63,7 @@ def repair(path: str | Path, *, lock_wait: float = 0.0) -> RepairReport:
         raise CorruptStoreError(f"{root} is not a directory", hint="give the store's directory")
     writer = lock.WriterLock(root, wait_seconds=lock_wait)
     try:
-        before = _bytes(root)
+        before = layout.directory_bytes(root)
         report = verify(root, full=True)
         errors = tuple(f for f in report.findings if f.severity == ERROR)
         if not errors:
@@ -88,21 +75,20 @@ def repair(path: str | Path, *, lock_wait: float = 0.0) -> RepairReport:
                 rewrite.remove_leftovers(root, mf)
             return RepairReport(str(root), "tidied" if report.problems else "none", report.findings, False,
                                 report.records, (),
-                                report.shards, before, _bytes(root), time.perf_counter() - started)
+                                report.shards, before, layout.directory_bytes(root), time.perf_counter() - started)
         base, rebuilt = _base_manifest(root)
         kept, dropped, sources, sizes = _salvage(root, base, rebuilt)
         _io.crash_point("repair.planned")
         base.next_entry_id = max(base.next_entry_id, int(kept["entry_id"].max()) + 1 if len(kept) else 1)
         if rebuilt:
             base.next_entry_id += ID_MARGIN
-        deletes = [p.name for p in root.iterdir() if p.is_file() and (
-            shard_file.SHARD_NAME.match(p.name) or p.name.startswith(_io.TEMP_PREFIX))]
+        deletes = layout.classify(root).orphans  # every shard and temporary file: the rewrite replaces them
         config_json = json.dumps(base.config.to_dict(), sort_keys=True)
         mf, _ = rewrite.rewrite(root, base, kept, sources, sizes, deletes,
                                 arenas=(shard_builder.Arena(), shard_builder.Arena()), config_json=config_json,
                                 crash_prefix="repair")
         return RepairReport(str(root), "rewritten", report.findings, rebuilt, len(kept), tuple(dropped), len(mf.shards),
-                            before, _bytes(root), time.perf_counter() - started)
+                            before, layout.directory_bytes(root), time.perf_counter() - started)
     finally:
         writer.release()
 
@@ -121,9 +107,8 @@ def _base_manifest(root: Path) -> tuple[Manifest, bool]:
             f"index.json of {root} is lost and no shard carries the store's config",
             hint="nothing can be rebuilt; restore index.json from a backup")
     projection = Projector(config.embed_dim, config.hdc_dim, config.seed).describe()
-    shard_files = sorted(int(m.group(1)) for p in root.iterdir() if (m := shard_file.SHARD_NAME.match(p.name)))
-    count = shard_files[-1] + 1 if shard_files else 0
-    infos = [manifest.ShardInfo(file=shard_file.shard_file(i), bytes=0, uid="", entries=0, index_crc=0)
+    count = max(((layout.shard_index(name) or 0) + 1 for name in layout.shard_names(root)), default=0)
+    infos = [manifest.ShardInfo(file=layout.shard_file(i), bytes=0, uid="", entries=0, index_crc=0)
              for i in range(count)]
     return Manifest(config=config, projection=projection, shards=infos), True
 
@@ -131,7 +116,7 @@ def _base_manifest(root: Path) -> tuple[Manifest, bool]:
 def _salvage(root: Path, base: Manifest, rebuilt: bool):
     """The records to keep, why others go, and where the kept tensors lie."""
     config: StoreConfig = base.config
-    size = 40 + config.signature_bytes
+    size = layout.record_bytes(config.signature_bytes)
     path = root / ENTRIES_FILE
     available = path.stat().st_size // size if path.exists() else 0
     count = available if rebuilt else min(available, base.record_count)
@@ -158,7 +143,7 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool):
     for pos in np.flatnonzero(live).tolist():
         entry_id, shard_idx = int(loaded["entry_id"][pos]), int(loaded["shard_idx"][pos])
         if shard_idx not in scans:
-            file = root / shard_file.shard_file(shard_idx)
+            file = root / layout.shard_file(shard_idx)
             try:
                 known = base.shards[shard_idx].index_crc if not rebuilt and shard_idx < len(base.shards) else None
                 scans[shard_idx] = shard_file.scan_shard(file, embed_dim=config.embed_dim,
@@ -183,8 +168,8 @@ def _tensors_of(root: Path, scan: shard_file.ShardScan | None, shard_idx: int, e
                 config: StoreConfig, kinds: tuple[str, ...]):
     """The entry's tensor sources, or why it cannot be kept."""
     if scan is None:
-        return f"its shard {shard_file.shard_file(shard_idx)} is missing or unreadable"
-    file = root / shard_file.shard_file(shard_idx)
+        return f"its shard {layout.shard_file(shard_idx)} is missing or unreadable"
+    file = root / layout.shard_file(shard_idx)
     found = {}
     with open(file, "rb") as f:
         for kind in kinds:

@@ -24,19 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from hmem import _io
-
-from hmem.store import lock
-
-from hmem.formats import manifest
-
-from hmem.formats import records
-
-from hmem.formats import shard_file
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError, InvalidArgumentError, NotAStoreError
+from hmem.formats import layout, manifest, records, shard_file
+from hmem.formats.layout import ENTRIES_FILE
+from hmem.formats.records import EVICTED
 from hmem.kernels import checksum as checksum_kernels
-from hmem.formats.records import ENTRIES_FILE, EVICTED
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 
@@ -96,8 +89,8 @@ def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | No
     """Check the store at `path`; see the module docstring."""
     started = time.perf_counter()
     root = Path(path)
-    if not root.is_dir() or not any((root / name).exists() for name in (manifest.INDEX_FILE, ENTRIES_FILE)) \
-            and not any(shard_file.SHARD_NAME.match(p.name) for p in root.iterdir()):
+    if not root.is_dir() or not any((root / name).exists() for name in (layout.INDEX_FILE, ENTRIES_FILE)) \
+            and not layout.shard_names(root):
         raise NotAStoreError(f"{root} holds no hmem store", hint="check the path")
     if subset is not None:
         k, n = subset
@@ -122,7 +115,7 @@ def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | No
 
 
 def _check_index(root: Path, out: _Collector) -> manifest.Manifest | None:
-    name = manifest.INDEX_FILE
+    name = layout.INDEX_FILE
     try:
         mf = manifest.load(root)
     except NotAStoreError as exc:
@@ -141,8 +134,8 @@ def _check_index(root: Path, out: _Collector) -> manifest.Manifest | None:
 
 
 def _check_records(root: Path, mf: manifest.Manifest, out: _Collector) -> np.ndarray:
-    path = _resolve(root, ENTRIES_FILE, mf)
-    size = 40 + mf.config.signature_bytes
+    path = layout.resolve(root, ENTRIES_FILE, mf.pending)
+    size = layout.record_bytes(mf.config.signature_bytes)
     committed = mf.record_count * size
     try:
         actual = path.stat().st_size
@@ -181,7 +174,7 @@ def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
     live = loaded["shard_idx"] != EVICTED
     live[records.damaged(loaded)] = False  # a damaged record's fields mean nothing
     for idx, info in enumerate(mf.shards):
-        path = _resolve(root, info.file, mf)
+        path = layout.resolve(root, info.file, mf.pending)
         if not path.exists():
             out.add("shard.missing", ERROR, info.file, "the shard file is missing",
                     f"{info.bytes} bytes holding {info.entries} entries")
@@ -201,7 +194,7 @@ def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
             if len(scan.index_entries) - 1 != info.entries:
                 out.add("shard.count", ERROR, info.file, f"holds {len(scan.index_entries) - 1} entries",
                         f"{info.entries}")
-            index_bytes = memoryview(scan.index_entries.view(np.uint8).reshape(-1))
+            index_bytes = scan.index_entries.view(np.uint8).reshape(-1).data
             if checksum_kernels.crc32c(index_bytes) != info.index_crc:
                 out.add("shard.index", ERROR, info.file, "hmem_index differs from the one index.json records")
         mine = loaded[live & (loaded["shard_idx"] == idx)]
@@ -213,19 +206,19 @@ def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
     return scans
 
 
+# What verify says of each file the commit does not name (docs/reliability.md).
+_TEMP_NOTE = ("file.temp", WARNING, "a temporary file of an interrupted writer (the next writer removes it)")
+_ORPHAN_NOTE = ("file.orphan", WARNING, "a shard file no commit names ('hmem compact' removes it)")
+_FOREIGN_NOTE = ("file.foreign", INFO, "a file hmem did not make (left alone)")
+
+
 def _check_directory(root: Path, mf: manifest.Manifest, out: _Collector) -> None:
-    known = {manifest.INDEX_FILE, ENTRIES_FILE, lock.LOCK_FILE, *(s.file for s in mf.shards)}
-    known.update(src for src, _ in mf.pending.renames)
-    for entry in sorted(root.iterdir()):
-        if entry.name in known:
-            continue
-        if entry.name.startswith(_io.TEMP_PREFIX):
-            out.add("file.temp", WARNING, entry.name, "a temporary file of an interrupted writer "
-                    "(the next writer removes it)")
-        elif shard_file.SHARD_NAME.match(entry.name):
-            out.add("file.orphan", WARNING, entry.name, "a shard file no commit names ('hmem compact' removes it)")
-        else:
-            out.add("file.foreign", INFO, entry.name, "a file hmem did not make (left alone)")
+    files = layout.classify(root, mf.shards, mf.pending)
+    notes = {**{name: _TEMP_NOTE for name in files.temporary}, **{name: _ORPHAN_NOTE for name in files.unnamed_shards},
+             **{name: _FOREIGN_NOTE for name in files.others}}
+    for name in sorted(notes):
+        code, severity, message = notes[name]
+        out.add(code, severity, name, message)
 
 
 def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans: dict[int, shard_file.ShardScan],
@@ -239,7 +232,7 @@ def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans:
             continue
         info = mf.shards[idx]
         rows = np.flatnonzero(good & (loaded["shard_idx"] == idx))
-        with open(_resolve(root, info.file, mf), "rb") as f:
+        with open(layout.resolve(root, info.file, mf.pending), "rb") as f:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if info.bytes else b""
         for pos in rows.tolist():
             if max_seconds is not None and time.perf_counter() - started > max_seconds:
@@ -265,19 +258,10 @@ def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans:
     return checked, nbytes, True
 
 
-def _resolve(root: Path, name: str, mf: manifest.Manifest) -> Path:
-    """Where a file the commit names is now: the source of a pending rename
-    to it while that rename has not happened yet (as readers see it)."""
-    for src, dst in mf.pending.renames:
-        if dst == name and (root / src).exists():
-            return root / src
-    return root / name
-
-
 def config_from_shards(root: Path) -> StoreConfig | None:
     """The store config a shard's metadata carries (for rebuilding a lost
     index.json), or None."""
-    for path in sorted(root.glob("shard_*.safetensors")):
+    for path in (root / name for name in layout.shard_names(root)):
         try:
             return StoreConfig.from_dict(json.loads(shard_file.shard_metadata(path)["store_config"]))
         except (KeyError, ValueError, HmemError, OSError):

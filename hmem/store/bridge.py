@@ -1,4 +1,4 @@
-"""The integration bridge (SPEC §2.8): retrieved K/V rows placed before a
+"""The integration bridge (README.md, "The store"): retrieved K/V rows placed before a
 sparse-attention cache, so attention sees both."""
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from hmem import _io
-from hmem.errors import StoreLockedError
+from hmem.errors import Hint, StoreLockedError
 
-LOCK_FILE = "lock"
+from hmem.formats.layout import LOCK_FILE  # noqa: F401  (lock.LOCK_FILE stays importable)
 _POLL_SECONDS = 0.05
 
 
@@ -100,7 +100,7 @@ class WriterLock:
                     owner = describe_owner(_settled_owner(store_dir))
                     raise StoreLockedError(
                         f"{store_dir} is locked for writing by {owner}",
-                        hint="wait for it to finish, or retry with a lock wait such as --lock-wait 30",
+                        hint=Hint.LOCK_WAIT,
                     ) from None
                 time.sleep(_POLL_SECONDS)
         self._fd: int | None = fd

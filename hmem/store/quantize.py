@@ -1,4 +1,4 @@
-"""INT8 storage of K/V rows (docs/format.md, "INT8 stores"): symmetric,
+"""INT8 storage of K/V rows (docs/format.md, "INT8 storage"): symmetric,
 one float32 scale per row."""
 
 from __future__ import annotations

@@ -19,24 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
-import os
-
 from hmem import _io
-
-from hmem.formats import manifest
-
-from hmem.formats import records
-
-from hmem.store import shard_builder
-
-from hmem.formats import shard_file
+from hmem.formats import layout, manifest, records, shard_file
+from hmem.formats.layout import ENTRIES_FILE
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
-from hmem.formats.records import ENTRIES_FILE
+from hmem.store import shard_builder
 
 # kind -> (dtype, shape, where the bytes are, their checked CRC-32C)
 TensorSources = dict[str, tuple[np.dtype, tuple[int, ...], _io.FileRange, int]]
 
-TEMP_PREFIX = _io.TEMP_PREFIX + "rewrite."
+TEMP_PREFIX = layout.REWRITE_PREFIX
 
 
 def pack(sizes: np.ndarray, limit: int) -> list[int]:
@@ -80,11 +72,11 @@ def rewrite(
         builder = shard_builder.ShardBuilder(j, uuid.uuid4().hex, arenas, config_json)
         for i in range(start, start + count):
             builder.add_lent_entry(int(kept["entry_id"][i]), int(kept["n_tokens"][i]), sources[i]())
-        temp = TEMP_PREFIX + shard_file.shard_file(j)
-        size, index_crc = builder.seal(root / temp)
-        new_shards.append(ShardInfo(file=shard_file.shard_file(j), bytes=size, uid=builder.uid,
-                                    entries=builder.entries, index_crc=index_crc))
-        renames.append((temp, shard_file.shard_file(j)))
+        name = layout.shard_file(j)
+        size, index_crc = builder.seal(root / (TEMP_PREFIX + name))
+        new_shards.append(ShardInfo(file=name, bytes=size, uid=builder.uid, entries=builder.entries,
+                                    index_crc=index_crc))
+        renames.append((TEMP_PREFIX + name, name))
         new_records["shard_idx"][start : start + count] = j
         start += count
         done += int(sizes[start - count : start].sum())
@@ -117,7 +109,7 @@ def finish_pending(root: Path, mf: Manifest) -> None:
     _io.rename_many([(root / src, root / dst) for src, dst in mf.pending.renames if (root / src).exists()])
     updates = mf.pending.record_updates
     if len(updates):
-        size = 40 + mf.config.signature_bytes
+        size = layout.record_bytes(mf.config.signature_bytes)
         _io.write_pieces(root / ENTRIES_FILE,
                          records.update_pieces(updates[updates["position"] < mf.record_count], size))
     _io.unlink_many([root / name for name in mf.pending.deletes])
@@ -127,15 +119,11 @@ def remove_leftovers(root: Path, mf: Manifest) -> None:
     """Remove what an interrupted writer left past the commit: temporary
     files, shards the commit does not name at indices it would use next,
     and records past the committed count."""
-    named = {s.file for s in mf.shards}
-    for entry in os.scandir(root):
-        if entry.name.startswith(_io.TEMP_PREFIX):
-            _io.unlink(Path(entry.path))
-            continue
-        match = shard_file.SHARD_NAME.match(entry.name)
-        if match and entry.name not in named and int(match.group(1)) >= len(mf.shards):
-            _io.unlink(Path(entry.path))
+    files = layout.classify(root, mf.shards, mf.pending)
+    for name in files.temporary + files.unnamed_shards:
+        if name in files.temporary or (layout.shard_index(name) or 0) >= len(mf.shards):
+            _io.unlink(root / name)
     entries = root / ENTRIES_FILE
-    committed_size = mf.record_count * (40 + mf.config.signature_bytes)
+    committed_size = mf.record_count * layout.record_bytes(mf.config.signature_bytes)
     if entries.exists() and entries.stat().st_size > committed_size:
         _io.truncate(entries, committed_size)

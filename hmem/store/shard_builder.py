@@ -3,14 +3,13 @@ hmem/formats/shard_file.py and docs/format.md)."""
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hmem import _io
+from hmem.formats import safetensors
 from hmem.formats.shard_file import (
     CRC_PREFIX,
     DTYPE_NAMES,
@@ -25,7 +24,6 @@ from hmem.formats.shard_file import (
     KINDS,
     SHARD_FORMAT,
     SHARD_FORMAT_VERSION,
-    _HEADER_ALIGN,
     bytes_view,
 )
 from hmem.kernels import checksum as checksum_kernels
@@ -85,7 +83,7 @@ class Arena:
 
     def data(self) -> list[memoryview]:
         """The bytes appended since the last reset, in order, as buffers."""
-        return [memoryview(seg[:used]) for seg, used in zip(self._segments, self._used) if used]
+        return [seg[:used].data for seg, used in zip(self._segments, self._used) if used]
 
 
 class ShardBuilder:
@@ -169,7 +167,7 @@ class ShardBuilder:
         row_of = {entry_id: r + 1 for r, (entry_id, _) in enumerate(self._rows)}
         for r, (entry_id, n_tokens) in enumerate(self._rows, start=1):
             index[r, :2] = (entry_id, n_tokens)
-        header: dict[str, Any] = {INDEX_TENSOR: None}
+        specs = [(INDEX_TENSOR, "I64", (n + 1, INDEX_COLUMNS), index.nbytes)]  # hmem_index first, then the rest
         metadata = {"format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION, "shard_uid": self.uid}
         if self.store_config:
             metadata["store_config"] = self.store_config
@@ -187,17 +185,13 @@ class ShardBuilder:
                 index[row_of[entry_id], 7 + column] = crc
                 name = f"{kind}_{entry_id}"
                 nbytes = lent.length if lent is not None else len(view)
-                header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
-                                "data_offsets": [start, start + nbytes]}
+                specs.append((name, DTYPE_NAMES[dtype], shape, nbytes))
                 metadata[CRC_PREFIX + name] = f"{crc:08x}"
                 data.append(view)
                 start += nbytes
         index_crc = checksum_kernels.crc32c(bytes_view(index))
-        header[INDEX_TENSOR] = {"dtype": "I64", "shape": [n + 1, INDEX_COLUMNS], "data_offsets": [0, index.nbytes]}
         metadata[CRC_PREFIX + INDEX_TENSOR] = f"{index_crc:08x}"
-        text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % _HEADER_ALIGN)
-        return [struct.pack("<Q", len(text)), text, bytes_view(index), *data], index_crc
+        return [safetensors.encode(specs, metadata), bytes_view(index), *data], index_crc
 
     def seal(self, path: Path) -> tuple[int, int]:
         """Write the shard file durably; returns (file size, index CRC)."""

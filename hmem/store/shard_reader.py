@@ -57,13 +57,16 @@ class ShardReader:
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
-            raise CorruptStoreError(f"shard {path.name} is missing", hint="run 'hmem verify'") from None
+            raise CorruptStoreError(f"shard {path.name} is missing", hint=Hint.VERIFY) from None
         try:
             actual = os.fstat(fd).st_size
             if actual != info.bytes:
                 raise CorruptStoreError(f"shard {path.name} is {actual} bytes, the store expects {info.bytes}",
-                                        hint="run 'hmem verify'")
-            self._map = mmap.mmap(fd, actual, access=mmap.ACCESS_READ) if actual else None
+                                        hint=Hint.VERIFY)
+            if actual < 8:
+                raise CorruptStoreError(f"shard {path.name} is damaged: too short to be safetensors",
+                                        hint=Hint.VERIFY)
+            self._map = mmap.mmap(fd, actual, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
         self.size = actual
@@ -74,11 +77,9 @@ class ShardReader:
         return self.state.verified
 
     def _bad(self, why: str) -> CorruptStoreError:
-        return CorruptStoreError(f"shard {self.path.name} is damaged: {why}", hint="run 'hmem verify'")
+        return CorruptStoreError(f"shard {self.path.name} is damaged: {why}", hint=Hint.VERIFY)
 
     def _load_index(self, entries: int, index_crc: int) -> tuple[int, np.ndarray]:
-        if self._map is None or self.size < 8:
-            raise self._bad("too short to be safetensors")
         (length,) = struct.unpack_from("<Q", self._map, 0)
         data_start = 8 + length
         index_bytes = (entries + 1) * INDEX_ROW_BYTES
@@ -88,7 +89,7 @@ class ShardReader:
                               offset=data_start).reshape(entries + 1, INDEX_COLUMNS)
         if (int(index[0, 3]), int(index[0, 4])) != self.state.uid_halves:
             raise StoreChangedError(f"shard {self.path.name} was replaced since the store was opened",
-                                    hint="open the store again")
+                                    hint=Hint.OPEN_AGAIN)
         if self.state.ids is None:
             if checksum_kernels.crc32c(bytes_view(index)) != index_crc:
                 raise self._bad("its entry index fails its checksum")
@@ -99,6 +100,7 @@ class ShardReader:
 
     def _locate(self, entry_id: int, kind: str) -> tuple[int, int]:
         ids = self.state.ids
+        assert ids is not None  # set by _load_index, which every reader runs first
         row = int(np.searchsorted(ids, entry_id))
         if row >= len(ids) or ids[row] != entry_id:
             raise self._bad(f"it holds no entry {entry_id}")

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""Native INT8 row quantization of K/V (SPEC §2.7).
+"""Native INT8 row quantization of K/V (docs/format.md, "INT8 storage").
 
 Data layout: rows is a C-contiguous float32 [n, d] matrix; q the int8
 [n, d] result and scales the float32 [n] per-row scales.

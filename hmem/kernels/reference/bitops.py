@@ -1,4 +1,4 @@
-"""Plain-Python twins of hmem._native._bitops, written for clarity.
+"""Plain-Python twins of hmem.kernels._native._bitops, written for clarity.
 
 They are the executable specification the tests compare the native kernels
 against, and the implementation used when ``HMEM_KERNELS=reference``.  They

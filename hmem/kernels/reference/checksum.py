@@ -1,4 +1,4 @@
-"""Plain-Python twin of hmem._native._checksum: CRC-32C (Castagnoli).
+"""Plain-Python twin of hmem.kernels._native._checksum: CRC-32C (Castagnoli).
 
 Reflected polynomial 0x82F63B78, initial value 0xFFFFFFFF, final xor
 0xFFFFFFFF; crc32c(b"123456789") == 0xE3069283.  One table lookup per byte:
@@ -58,7 +58,7 @@ def _byte_view(data) -> memoryview:
     try:
         return view.cast("B")
     except TypeError:  # a format memoryview cannot cast (numpy structured dtypes)
-        return memoryview(np.frombuffer(view, dtype=np.uint8))
+        return np.frombuffer(view, dtype=np.uint8).data
 
 
 def crc32c(data, crc: int = 0) -> int:

@@ -1,4 +1,4 @@
-"""Plain-numpy twin of hmem._native._hamming: Hamming distances and top-k.
+"""Plain-numpy twin of hmem.kernels._native._hamming: Hamming distances and top-k.
 
 Layout: a signature is hdc_dim bits packed LSB-first in nbytes = hdc_dim / 8
 bytes, a positive multiple of 8; `sigs` is a C-contiguous uint8 matrix

@@ -1,4 +1,4 @@
-"""Plain-numpy twin of hmem._native._projection, and the executable
+"""Plain-numpy twin of hmem.kernels._native._projection, and the executable
 definition of hmem's signature projection (the on-disk format fixes it).
 
 - splitmix64(seed, count): outputs k = 0 .. count-1 of SplitMix64:

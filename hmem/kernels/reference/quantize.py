@@ -1,4 +1,4 @@
-"""Plain-numpy twin of hmem._native._quantize (INT8 rows, SPEC §2.7).
+"""Plain-numpy twin of hmem.kernels._native._quantize (INT8 rows, docs/format.md "INT8 storage").
 
 Per row: scale = max|x| / 127 in float32 (0 for a zero row; one step
 smaller when 127 * scale would overflow, at the top of float32's range); q =

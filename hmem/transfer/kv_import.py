@@ -1,5 +1,5 @@
-"""K/V safetensors files in and out of a store: the batch import that
-`hmem put` runs, and the export of query results (`hmem query --export`).
+"""K/V safetensors files into a store: the batch import that `hmem put`
+runs (docs/cli.md).  The export of query results is hmem/transfer/kv_export.py.
 
 Naming conventions a file may follow (tensor names, case-sensitive):
 
@@ -25,23 +25,22 @@ all.  Other tensors in a file are ignored.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import mmap
 import os
 import re
 import stat
-import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hmem import _io
-from hmem.errors import HmemError, InvalidArgumentError
-from hmem.store.store import Entry, Store
 from hmem import validation
+from hmem.errors import BadFileError, InvalidArgumentError
+from hmem.formats import safetensors
+from hmem.store.store import Entry, Store
+
+__all__ = ["BadFileError", "FileResult", "ImportReport", "find_files", "import_files", "read_entries", "read_tensor"]
 
 SUFFIX = ".safetensors"
 
@@ -49,13 +48,8 @@ _LAYERED = re.compile(r"^layers?[._](\d{1,10})[._](k|v|keys|values)$")
 _NUMBERED = re.compile(r"^(k|v|keys|values)[._](\d{1,18})$")
 _SINGLE = {"k": "k", "v": "v", "keys": "k", "values": "v"}
 
-_FLOAT_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": None}
-_ITEM_SIZES = {"F32": 4, "F16": 2, "F64": 8, "BF16": 2, "I8": 1, "U8": 1, "I16": 2, "U16": 2, "I32": 4,
-               "U32": 4, "I64": 8, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-class BadFileError(HmemError):
-    """An import file that is skipped, with the reason."""
+# K/V tensors may be stored as these; BF16 is widened to float32 on reading.
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +108,7 @@ class _File:
                 raise BadFileError("not a regular file")
             with open(path, "rb") as f:
                 size = f.seek(0, 2)
-                if size < 8:
-                    raise BadFileError(f"too short to be safetensors ({size} bytes)")
-                self._map = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+                self._map = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
         except FileNotFoundError:
             raise BadFileError("no such file") from None
         except PermissionError:
@@ -124,43 +116,13 @@ class _File:
         except OSError as exc:
             raise BadFileError(f"cannot read it ({exc.strerror or exc})") from None
         self.size = size
-        (length,) = struct.unpack_from("<Q", self._map, 0)
-        if length > size - 8:
-            raise BadFileError(f"header length {length} runs past the end of the file")
         try:
-            header = json.loads(bytes(self._map[8 : 8 + length]))
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            raise BadFileError("the header is not valid JSON") from None
-        if not isinstance(header, dict):
-            raise BadFileError("the header is not a JSON object")
-        metadata = header.pop("__metadata__", None) or {}
-        self.metadata = metadata if isinstance(metadata, dict) else {}
-        self._start = 8 + length
-        self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-        data_len = size - self._start
-        for name, spec in header.items():
-            try:
-                dtype = str(spec["dtype"])
-                shape = tuple(_header_int(x) for x in spec["shape"])
-                begin, end = (_header_int(x) for x in spec["data_offsets"])
-            except (KeyError, TypeError, ValueError, OverflowError):
-                raise BadFileError(f"tensor {name!r} has a malformed header entry") from None
-            if not 0 <= begin <= end <= data_len:
-                raise BadFileError(f"tensor {name!r} lies outside the file's data")
-            item = _ITEM_SIZES.get(dtype)
-            if item is None:
-                raise BadFileError(f"tensor {name!r} has unknown dtype {dtype}")
-            if end - begin != math.prod(shape) * item:  # Python ints: no overflow
-                raise BadFileError(f"tensor {name!r}: its byte size does not match shape {list(shape)}")
-            self.tensors[name] = (dtype, shape, begin, end)
-        # As safetensors requires: tensors back to back, covering the data.
-        at = 0
-        for name, (_, _, begin, end) in sorted(self.tensors.items(), key=lambda item: (item[1][2], item[1][3])):
-            if begin != at:
-                raise BadFileError(f"tensor {name!r} {'overlaps another' if begin < at else 'leaves a gap before it'}")
-            at = end
-        if at != data_len:
-            raise BadFileError(f"{data_len - at} bytes after the last tensor belong to none")
+            header = safetensors.parse(self._map, contiguous=True)  # as safetensors requires: no gap, no overlap
+        except safetensors.SafetensorsError as exc:
+            raise BadFileError(exc.message) from None
+        self.metadata = header.metadata if isinstance(header.metadata, dict) else {}
+        self._start = header.data_start
+        self.tensors: dict[str, safetensors.TensorSpec] = header.tensors
 
     def array(self, name: str) -> np.ndarray:
         """The tensor as a float array (a view for F32/F16/F64, a float32 copy for BF16)."""
@@ -171,7 +133,7 @@ class _File:
         if dtype == "BF16":  # bfloat16 is the top half of a float32
             raw = np.frombuffer(self._map, dtype="<u2", count=(end - begin) // 2, offset=offset)
             return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
-        np_dtype = _FLOAT_DTYPES[dtype]
+        np_dtype = safetensors.NUMPY_DTYPES[dtype]
         return np.frombuffer(self._map, dtype=np_dtype, count=(end - begin) // np_dtype.itemsize,
                              offset=offset).reshape(shape)
 
@@ -185,13 +147,6 @@ def read_tensor(path: Path, names: tuple[str, ...]) -> np.ndarray:
     if len(f.tensors) == 1:
         return f.array(next(iter(f.tensors)))
     raise BadFileError(f"no tensor named {' or '.join(names)} and more than one tensor")
-
-
-def _header_int(value: Any) -> int:
-    """A non-negative integer of a header, refusing floats, bools and absurd sizes."""
-    if type(value) is not int or not 0 <= value < 1 << 62:
-        raise ValueError(f"{value!r} is not a size")
-    return value
 
 
 def _metadata_number(metadata: dict, key: str, cast: Callable[[str], Any]) -> Any:
@@ -273,29 +228,3 @@ def import_files(
         if progress is not None:
             progress(result)
     return ImportReport(tuple(results), dry_run)
-
-
-# ---- export ----------------------------------------------------------------------------
-
-
-def export_results(results: Iterable[Any], path: Path, metadata: dict[str, str] | None = None) -> int:
-    """Write query results to a safetensors file: ``k_{id}`` and ``v_{id}``
-    (F32) per result, and in ``__metadata__`` the entry ids and scores in
-    rank order (JSON lists) plus `metadata`.  Written atomically; returns
-    the file size."""
-    results = list(results)
-    meta = {"format": "hmem-export", "entry_ids": json.dumps([r.entry_id for r in results]),
-            "scores": json.dumps([r.score for r in results]), **(metadata or {})}
-    header: dict[str, Any] = {"__metadata__": meta}
-    buffers: list[Any] = []
-    offset = 0
-    for r in results:
-        for kind, array in (("k", r.keys), ("v", r.values)):
-            data = np.ascontiguousarray(np.asarray(array), dtype=np.float32)
-            header[f"{kind}_{r.entry_id}"] = {"dtype": "F32", "shape": list(data.shape),
-                                              "data_offsets": [offset, offset + data.nbytes]}
-            buffers.append(memoryview(data).cast("B"))
-            offset += data.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return _io.write_file(Path(path), [struct.pack("<Q", len(text)), text, *buffers])

@@ -1,0 +1,118 @@
+"""How ``hmem prefix-hit`` shows a prefix-hit report: the JSON document,
+the summary and table, and the picture of present and kept chunks."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from hmem import Bitmap, PrefixHitReport, group_rows
+from hmem.cli.output import Output
+from hmem.cli.ranges import format_chunks
+
+PICTURE_MAX_CHUNKS = 64
+
+
+def _lengths(servable: Bitmap) -> str:
+    """Servable prefix lengths (bit j = length j + 1) in the chunk-set syntax."""
+    runs = servable.runs()
+    if not runs:
+        return "none"
+    return ",".join(str(a + 1) if b == a + 1 else f"{a + 1}-{b}" for a, b in runs)
+
+
+def _tokens(chunks: int, chunk_size: int | None) -> int | None:
+    return None if chunk_size is None else chunks * chunk_size
+
+
+def json_document(report: PrefixHitReport, chunk_size: int | None) -> dict:
+    return {
+        "hit": report.hit,
+        "hit_tokens": _tokens(report.hit, chunk_size),
+        "num_chunks": report.num_chunks,
+        "num_ranks": report.num_ranks,
+        "windows": list(report.windows),
+        "layout": report.layout.value,
+        "chunk_size": chunk_size,
+        "servable_lengths": [[a + 1, b + 1] for a, b in report.servable.runs()],
+        "limiting_groups": list(report.limiting_groups),
+        "groups": [
+            {
+                "group": g.index,
+                "window": g.window,
+                "kind": g.kind,
+                "present_chunks": [list(run) for run in g.present.runs()],
+                "first_missing": g.first_missing,
+                "own_hit": g.own_hit,
+                "needed": list(g.needed),
+                "limits_hit": g.blocks_longer,
+            }
+            for g in report.groups
+        ],
+        "retain_bits": len(report.retain),
+        "retained": report.retain.popcount(),
+        "retain_mask_hex": report.retain.to_bytes().hex(),
+    }
+
+
+def _picture(report: PrefixHitReport, found: Bitmap) -> Text:
+    C = report.num_chunks
+    label_width = max(len(f"g{g.index}") for g in report.groups) + 2
+    text = Text()
+    if C >= 10:
+        text.append(" " * label_width + "".join(str(j // 10 % 10) if j % 10 == 0 else " " for j in range(C)) + "\n")
+    text.append(" " * label_width + "".join(str(j % 10) for j in range(C)) + "\n")
+    rows = group_rows(found, C, report.num_ranks, report.windows, report.layout)
+    for g in report.groups:
+        ranks_present = [sum(row.test(j) for row in rows[g.index]) for j in range(C)]
+        text.append(f"g{g.index}".ljust(label_width))
+        lo, hi = g.needed
+        for j in range(C):
+            if lo <= j < hi:
+                text.append("#", style="green")
+            elif ranks_present[j] == report.num_ranks:
+                text.append("+", style="cyan")
+            elif ranks_present[j]:
+                text.append("~", style="yellow")
+            else:
+                text.append(".", style="red")
+        text.append("\n")
+    text.append("# kept   + present, not needed   ~ some ranks missing   . absent", style="dim")
+    return text
+
+
+def show(out: Output, report: PrefixHitReport, found: Bitmap, chunk_size: int | None,
+         picture: bool | None) -> None:
+    C = report.num_chunks
+    tokens = _tokens(report.hit, chunk_size)
+    headline = f"[bold]hit: {report.hit}[/] of {C} chunks"
+    if tokens is not None:
+        headline += f" ({tokens} of {_tokens(C, chunk_size)} tokens)"
+    out.print(headline)
+    out.print(f"servable prefix lengths: {_lengths(report.servable)}")
+    G = len(report.windows)
+    out.print(
+        f"layout {report.layout.value}: {G} groups x {C} chunks x {report.num_ranks} ranks = "
+        f"{len(report.retain)} bits, {report.retain.popcount()} retained"
+    )
+    limiting = [report.groups[i] for i in report.limiting_groups]
+    if limiting:
+        names = ", ".join(f"group {g.index} ({g.kind})" for g in limiting)
+        plural = "s" if report.hit + 1 > 1 else ""
+        out.print(f"limited by: {names}: cannot serve a prefix of {report.hit + 1} chunk{plural}")
+    elif C:
+        out.print("limited by: nothing, the whole request is servable")
+    table = out.table("group", "kind", "present", ">first missing", ">alone", "keeps")
+    for g in report.groups:
+        lo, hi = g.needed
+        keeps = "none" if lo == hi else (str(lo) if hi == lo + 1 else f"{lo}-{hi - 1}")
+        table.add_row(
+            str(g.index),
+            g.kind,
+            format_chunks(g.present),
+            "-" if g.first_missing is None else str(g.first_missing),
+            str(g.own_hit),
+            keeps,
+        )
+    out.print(table)
+    if picture if picture is not None else 0 < C <= PICTURE_MAX_CHUNKS:
+        out.print(_picture(report, found))

@@ -1,0 +1,125 @@
+"""Eviction and the store's limits (docs/format.md, "Eviction"): which
+entries go (hmem/store/policy.py), marking them, and making room for a put
+under max_entries and max_disk_bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hmem import _io
+from hmem.errors import EntryTooLargeError
+from hmem.formats import layout
+from hmem.formats.records import EVICTED
+from hmem.store.compaction import Compaction
+from hmem.store.policy import eviction_order, scores
+from hmem.store.results import EvictionPlan
+from hmem.store.state import StoreState
+from hmem.store.writer import PreparedEntry, Writer
+
+DISK_LOW_WATER = 0.9  # a put past max_disk_bytes makes room down to this share, then compacts
+FIXED_OVERHEAD_BYTES = 16 * 1024  # index.json, the lock and a shard's fixed header, at most
+INDEX_BYTES_PER_SHARD = 320  # a shard's object in index.json, at most
+INDEX_BYTES_PER_UPDATE = 32  # a pending record update in index.json (base64), at most
+
+
+class Eviction:
+    """Evicting entries of one StoreState, by request or to keep its limits."""
+
+    def __init__(self, state: StoreState, writer: Writer, compaction: Compaction) -> None:
+        self.state = state
+        self.writer = writer
+        self.compaction = compaction
+
+    def victims(self, target: int) -> np.ndarray:
+        """Positions of the live records to evict to keep at most `target`."""
+        live = self.state.live_positions()
+        return eviction_order(self.state.records, live)[: max(0, len(live) - target)]
+
+    def plan(self, target: int) -> EvictionPlan:
+        state = self.state
+        victims = self.victims(target)
+        rows = state.records[victims]
+        return EvictionPlan(
+            target_entries=target,
+            entries_before=len(state.live_positions()),
+            entry_ids=tuple(int(i) for i in rows["entry_id"]),
+            bytes_reclaimable=int(np.sum(state.entry_file_bytes(rows["n_tokens"].astype(np.int64)))),
+            lowest_score=float(scores(rows["importance"], rows["access_count"]).min()) if len(rows) else None,
+        )
+
+    def evict(self, target: int) -> int:
+        """Evict down to `target` live entries, durably; returns how many went."""
+        victims = self.victims(target)
+        self.mark(victims)
+        _io.crash_point("evict.marked")
+        self.writer.flush(exact_ids=False)
+        return len(victims)
+
+    def mark(self, victims: np.ndarray) -> None:
+        """Mark records evicted (in memory) and account their bytes as dead."""
+        state = self.state
+        if not len(victims):
+            return
+        state.index.remove(state.records, victims)
+        rows = state.records[victims]
+        sizes = state.entry_file_bytes(rows["n_tokens"].astype(np.int64))
+        open_index = state.builder.index if state.builder is not None else -1
+        for shard_idx, nbytes in zip(rows["shard_idx"].tolist(), np.asarray(sizes).tolist()):
+            if shard_idx == open_index:
+                state.builder_dead.entries += 1
+                state.builder_dead.bytes += nbytes
+            else:
+                info = state.shards[shard_idx]
+                info.dead_entries += 1
+                info.dead_bytes += nbytes
+        state.records["shard_idx"][victims] = EVICTED
+        state.dirty.update(int(p) for p in victims if p < state.committed_n)
+
+    # ---- limits --------------------------------------------------------------------
+
+    def make_room(self, batch: list[PreparedEntry]) -> None:
+        """Evict (and compact, for the disk limit) so that `batch` fits the
+        limits; refuse a batch that can never fit.  Nothing is changed when
+        it is refused."""
+        state = self.state
+        cfg = state.config
+        if not (cfg.max_entries or cfg.max_disk_bytes) or not batch:
+            return
+        sizes = [int(state.entry_file_bytes(p.n_tokens)) + state.record_size for p in batch]
+        sizes[0] += INDEX_BYTES_PER_SHARD  # the shard the batch may open, in index.json
+        if cfg.max_entries and len(batch) > cfg.max_entries:
+            raise EntryTooLargeError(f"{len(batch)} entries can never fit max_entries={cfg.max_entries}")
+        if cfg.max_disk_bytes and FIXED_OVERHEAD_BYTES + sum(sizes) > cfg.max_disk_bytes:
+            raise EntryTooLargeError(
+                f"{'this entry' if len(batch) == 1 else 'this batch'} needs {FIXED_OVERHEAD_BYTES + sum(sizes)} "
+                f"bytes on disk with the store's fixed files; max_disk_bytes is {cfg.max_disk_bytes}",
+                hint="raise max_disk_bytes or store smaller entries")
+        live = state.live_positions()
+        if cfg.max_entries and len(live) + len(batch) > cfg.max_entries:
+            over = len(live) + len(batch) - cfg.max_entries
+            self.mark(eviction_order(state.records, live)[:over])
+        if cfg.max_disk_bytes and self._usage_bytes() + sum(sizes) > cfg.max_disk_bytes:
+            # Evicted bytes stay on disk until compaction, so make room down
+            # to 90% of the limit and compact once, not at every put.
+            needed = FIXED_OVERHEAD_BYTES + sum(sizes)
+            budget = min(max(int(cfg.max_disk_bytes * DISK_LOW_WATER), needed), cfg.max_disk_bytes) - needed
+            order = eviction_order(state.records, state.live_positions())
+            kept_bytes = np.asarray(state.entry_file_bytes(state.records["n_tokens"][order].astype(np.int64)),
+                                    dtype=np.int64) + state.record_size
+            # evict the shortest prefix of `order` whose removal leaves at most `budget`
+            remaining = kept_bytes.sum() - np.concatenate([[0], np.cumsum(kept_bytes)])
+            self.mark(order[: int(np.argmax(remaining <= budget))])
+            self.compaction.run(min_reclaim_share=0.0)
+
+    def _usage_bytes(self) -> int:
+        """Bytes on disk now plus what the next flush will add: shards,
+        records, and index.json's growth (evicted entries count until
+        compaction)."""
+        state = self.state
+        pending = (state.n - state.committed_n) * state.record_size
+        new_shards = len(state.shards) - state.shards_committed
+        if state.builder is not None:
+            pending += state.builder.file_bytes_bound()
+            new_shards += 1
+        pending += new_shards * INDEX_BYTES_PER_SHARD + len(state.dirty) * INDEX_BYTES_PER_UPDATE
+        return layout.directory_bytes(state.path) + pending

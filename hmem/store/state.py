@@ -1,0 +1,174 @@
+"""StoreState: everything an open store holds in memory, owned in one place.
+
+The Store facade (hmem/store/store.py) and its components (the write path,
+eviction, compaction, queries) all work on one StoreState that they are
+given explicitly.  It holds:
+
+- the records: every record of entries.bin that the commit names (up to
+  ``committed_n``) followed by the records of entries put since, in
+  ascending id order, with mutable fields newer than the file's
+  (``dirty`` lists the committed ones changed since the last flush);
+- the shards: the committed ones, then those sealed since, and the open
+  shard (``builder``) whose tensors are still in memory;
+- the search index over the live records' signatures, the bounded cache of
+  memory-mapped shard files, and the write lock (None for a reader).
+
+docs/architecture.md describes how the components share it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hmem.config import StoreConfig
+from hmem.errors import CorruptStoreError, HmemError, Hint, ReadOnlyStoreError, StoreClosedError, UnsupportedFormatError
+from hmem.formats import layout, manifest, records, shard_file
+from hmem.formats.manifest import Manifest, ShardInfo
+from hmem.formats.records import EVICTED
+from hmem.store import lock
+from hmem.store.projection import Projector
+from hmem.store.search import SearchIndex
+from hmem.store.shard_builder import Arena, ShardBuilder
+from hmem.store.shard_reader import ShardCache
+
+
+@dataclasses.dataclass
+class DeadBytes:
+    """Evicted entries of the open shard, and the bytes they take there."""
+
+    entries: int = 0
+    bytes: int = 0
+
+
+class StoreState:
+    """The live state of one open store (see the module docstring)."""
+
+    def __init__(self, path: Path, committed: Manifest, *, writer: lock.WriterLock | None,
+                 verify_reads: bool, manifest_bytes: bytes, loaded: np.ndarray) -> None:
+        cfg = committed.config
+        self.path = path
+        self.config: StoreConfig = cfg
+        self.writer = writer
+        self.mutex = threading.RLock()
+        self.verify_reads = verify_reads
+        self.closed = False
+        self.projector = Projector(cfg.embed_dim, cfg.hdc_dim, cfg.seed)
+        if committed.projection != self.projector.describe():
+            raise UnsupportedFormatError(
+                f"{path} was written with projection {committed.projection}, which this hmem cannot reproduce",
+                hint="use the hmem release that wrote it",
+            )
+        self.record_size = layout.record_bytes(cfg.signature_bytes)
+        self.config_json = json.dumps(cfg.to_dict(), sort_keys=True)
+        self.arenas = (Arena(), Arena())  # reused by every open shard
+        self.cache = ShardCache(cfg.max_open_shards)
+        self.next_id = committed.next_entry_id
+        self.id_limit = committed.next_entry_id  # ids below this are reserved in index.json
+        self.builder: ShardBuilder | None = None
+        self.builder_dead = DeadBytes()
+        self.adopt(committed, manifest_bytes, loaded)
+
+    def adopt(self, committed: Manifest, manifest_bytes: bytes | None, loaded: np.ndarray) -> None:
+        """Take `committed` and its records as the whole state (at open, and
+        after compaction rewrote the store)."""
+        self.committed = committed  # what index.json says now
+        if manifest_bytes is not None:
+            self.manifest_bytes = manifest_bytes
+        self.listed_pending = bool(committed.pending)  # index.json lists steps (done or not)
+        self.records = loaded
+        self.n = self.committed_n = len(loaded)
+        self.dirty: set[int] = set()
+        self.shards = [dataclasses.replace(info) for info in committed.shards]  # committed, then sealed since
+        self.shards_committed = len(self.shards)
+        self.index = SearchIndex(self.config.signature_bytes)
+        self.index.add_records(self.records, np.arange(self.n, dtype=np.int64))
+
+    # ---- facts derived from the state ---------------------------------------------
+
+    @property
+    def read_only(self) -> bool:
+        return self.writer is None
+
+    def live_positions(self) -> np.ndarray:
+        return np.flatnonzero(self.records["shard_idx"][: self.n] != EVICTED)
+
+    def live_count(self) -> int:
+        return sum(self.index.layer_counts().values())
+
+    def entry_file_bytes(self, n_tokens: Any) -> Any:
+        """Bytes an entry of n_tokens takes in a shard, header entries and
+        index row included (an int, or an array for an array)."""
+        quantized = self.config.quantize_stored
+        tensors = 5 if quantized else 3
+        return (shard_file.entry_bytes(n_tokens, self.config.embed_dim, quantized)
+                + tensors * shard_file.HEADER_BYTES_PER_TENSOR + shard_file.INDEX_ROW_BYTES)
+
+    def grow(self, extra: int) -> None:
+        """Room for `extra` more records."""
+        need = self.n + extra
+        if need <= len(self.records):
+            return
+        grown = records.empty(max(need, 2 * len(self.records), 64), self.config.signature_bytes)
+        grown[: self.n] = self.records[: self.n]
+        self.records = grown
+
+    def shard_info(self, shard_idx: int) -> ShardInfo:
+        if shard_idx < len(self.shards):
+            return self.shards[shard_idx]
+        raise CorruptStoreError(f"a record names shard {shard_idx}, which the store does not have",
+                                hint=Hint.VERIFY)
+
+    def store_changed(self) -> bool:
+        """Whether index.json is no longer what this state was loaded from."""
+        try:
+            return manifest.read_bytes(self.path) != self.manifest_bytes
+        except HmemError:  # unreadable counts as changed: the caller reports what it found
+            return True
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise StoreClosedError(f"the store at {self.path} is closed", hint=Hint.OPEN_AGAIN)
+
+    def check_writable(self) -> None:
+        self.check_open()
+        if self.read_only:
+            raise ReadOnlyStoreError(f"the store at {self.path} is open read-only",
+                                     hint="open it without read_only to write")
+
+    def shut(self) -> None:
+        """Mark the state closed, drop the memory maps and let the lock go."""
+        self.closed = True
+        self.cache.drop()
+        if self.writer is not None:
+            self.writer.release()
+
+
+def load_records(root: Path, committed: Manifest, *, follow_renames: bool) -> np.ndarray:
+    """The committed records, pending updates applied; refuses damaged ones.
+    A reader follows a pending rename of entries.bin (`follow_renames`)."""
+    name = layout.ENTRIES_FILE
+    path = layout.resolve(root, name, committed.pending) if follow_renames else root / name
+    try:
+        loaded = records.read(path, committed.record_count, committed.config.signature_bytes)
+    except (CorruptStoreError, FileNotFoundError):
+        if path == root / name:
+            raise
+        loaded = records.read(root / name, committed.record_count, committed.config.signature_bytes)  # renamed meanwhile
+    records.apply_updates(loaded, committed.pending.record_updates)
+    bad = records.damaged(loaded)
+    if len(bad):
+        first = int(bad[0])
+        raise CorruptStoreError(
+            f"{len(bad)} record(s) of {name} fail their checksum (first: record {first}, "
+            f"entry {int(loaded['entry_id'][first])})",
+            hint=Hint.VERIFY_THEN_REPAIR,
+        )
+    return loaded

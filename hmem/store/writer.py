@@ -1,0 +1,280 @@
+"""The write path: checking puts, storing them in the open shard, and
+flushing (docs/format.md, "The write protocol").
+
+``insert`` keeps each entry's tensors in the open shard (in memory) and its
+record in memory; when the open shard would pass shard_max_bytes it is
+sealed into its file.  ``flush`` makes everything durable in this order,
+each step fsynced before the next:
+
+  1. seal the open shard into shard_NNNN.safetensors;
+  2. append the new records to entries.bin;
+  3. commit index.json (record count, shards, next id, and the new mutable
+     fields of older records as pending updates);
+  4. write those mutable fields in place in entries.bin.
+
+A crash before 3 leaves the previous state (leftover shards and records
+past the commit are ignored, then removed by the next writer); a crash after
+3 leaves the new state, and the next writer finishes step 4 from index.json.
+
+Entry ids are handed out from a range reserved in index.json before use, so
+an id given to a put that a crash then loses is never given again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hmem import _io, validation
+from hmem.errors import InvalidArgumentError, InvalidTensorError
+from hmem.formats import layout, manifest, records, shard_file
+from hmem.formats.manifest import Manifest, Pending, ShardInfo
+from hmem.store.quantize import quantize_rows
+from hmem.store.shard_builder import ShardBuilder
+from hmem.store.state import DeadBytes, StoreState
+from hmem.store.tensors import as_rows
+
+ID_LEASE = 4096  # ids reserved per index.json write
+
+
+class Entry(NamedTuple):
+    """One put of a batch (``Store.put_many``)."""
+
+    keys: Any
+    values: Any
+    layer_idx: int = 0
+    importance: float = 1.0
+
+
+@dataclasses.dataclass
+class PreparedEntry:
+    """A checked put, ready to be stored."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    layer_idx: int
+    importance: float
+    signature: np.ndarray
+    pooled: np.ndarray
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.keys.shape[0])
+
+
+class Writer:
+    """Puts and flushes of one StoreState."""
+
+    def __init__(self, state: StoreState) -> None:
+        self.state = state
+
+    # ---- checking -------------------------------------------------------------------
+
+    def prepare_all(self, entries: Iterable[Entry | tuple]) -> list[PreparedEntry]:
+        """Every entry checked and converted; the first bad one raises, naming it."""
+        prepared = []
+        for i, item in enumerate(entries):
+            try:
+                entry = Entry(*item)
+            except TypeError:
+                raise InvalidArgumentError(
+                    f"entry {i}: expected (keys, values[, layer_idx[, importance]]), got {type(item).__name__}"
+                ) from None
+            try:
+                prepared.append(self.prepare(*entry))
+            except InvalidArgumentError as exc:
+                raise type(exc)(f"entry {i}: {exc.message}", hint=exc.hint) from None
+        return prepared
+
+    def prepare(self, keys: Any, values: Any, layer_idx: Any, importance: Any) -> PreparedEntry:
+        dim = self.state.config.embed_dim
+        k = as_rows(keys, "keys", dim)  # the open shard copies them
+        v = as_rows(values, "values", dim)
+        if k.shape != v.shape:
+            raise InvalidTensorError(f"keys {list(k.shape)} and values {list(v.shape)} differ in shape")
+        if k.shape[0] > validation.U32_MAX:
+            raise InvalidTensorError(f"an entry holds at most {validation.U32_MAX} tokens")
+        layer = validation.layer_index(layer_idx)
+        imp = validation.importance(importance)
+        signature, mean = self.state.projector.signature_and_mean(k)
+        return PreparedEntry(k, v, layer, imp, signature, mean.astype(np.float32))
+
+    # ---- storing ----------------------------------------------------------------------
+
+    def insert(self, batch: list[PreparedEntry]) -> list[int]:
+        """Store a checked batch (the limits already made room); returns the
+        new ids.  A failure takes the whole batch back."""
+        state = self.state
+        if not batch:
+            return []
+        self._reserve_ids(len(batch))
+        quantized = state.config.quantize_stored
+        first_id, start = state.next_id, state.n
+        ids = np.arange(first_id, first_id + len(batch), dtype=np.uint64)
+        shard_of = np.zeros(len(batch), dtype=np.uint32)
+        sizes = [int(state.entry_file_bytes(p.n_tokens)) for p in batch]
+        if self._batch_rolls_over(sizes):
+            # Seal what came before, so every shard sealed below holds
+            # entries of this batch only and a failure can take them back.
+            self.seal_open_shard()
+        shards_mark = len(state.shards)
+        builder_mark = (state.builder, state.builder.mark()) if state.builder is not None else None
+        try:
+            for i, p in enumerate(batch):  # each entry's own tensors go to the open shard
+                builder = self._open_shard_for(sizes[i])
+                builder.add_entry(first_id + i, p.n_tokens, _entry_tensors(p, quantized))
+                shard_of[i] = builder.index
+        except BaseException:
+            self._undo_insert(shards_mark, builder_mark)
+            raise
+        state.grow(len(batch))
+        rows = state.records[start : start + len(batch)]
+        rows["entry_id"] = ids
+        rows["layer_idx"] = [p.layer_idx for p in batch]
+        rows["n_tokens"] = [p.n_tokens for p in batch]
+        rows["importance"] = [p.importance for p in batch]
+        rows["timestamp"] = time.time_ns()
+        rows["access_count"] = 0
+        rows["shard_idx"] = shard_of
+        rows["signature"] = np.stack([p.signature for p in batch])
+        state.next_id += len(batch)
+        state.n += len(batch)
+        state.index.add_records(state.records, np.arange(start, state.n, dtype=np.int64))
+        return [int(i) for i in ids]
+
+    def _batch_rolls_over(self, sizes: list[int]) -> bool:
+        """Whether adding entries of these file sizes will seal the open shard."""
+        b = self.state.builder
+        entries = b.entries if b is not None else 0
+        bound = b.file_bytes_bound() if b is not None else shard_file.HEADER_FIXED_BYTES
+        for size in sizes:
+            if entries and bound + size > self.state.config.shard_max_bytes:
+                return True
+            bound += size
+            entries += 1
+        return False
+
+    def _undo_insert(self, shards_mark: int, builder_mark: tuple | None) -> None:
+        """Take back a failed batch: the shards sealed for it (not yet
+        committed) and its entries in the open shard."""
+        state = self.state
+        for info in state.shards[shards_mark:]:
+            try:
+                _io.unlink(state.path / info.file)
+            except OSError:
+                pass  # past the commit: the next writer removes it
+        del state.shards[shards_mark:]
+        if builder_mark is not None and state.builder is builder_mark[0]:
+            state.builder.rollback(builder_mark[1])
+        else:
+            state.builder = None
+
+    def _reserve_ids(self, count: int) -> None:
+        state = self.state
+        if state.next_id + count <= state.id_limit:
+            return
+        # Commit a new reservation (state otherwise unchanged) before use.
+        mf = dataclasses.replace(state.committed, generation=state.committed.generation + 1,
+                                 next_entry_id=state.next_id + count + ID_LEASE)
+        self.commit(mf)
+        state.id_limit = mf.next_entry_id
+
+    def _open_shard_for(self, entry_bytes: int) -> ShardBuilder:
+        """The open shard, sealed first and replaced when this entry would
+        push it past shard_max_bytes (an entry larger than the limit gets a
+        shard of its own)."""
+        state = self.state
+        b = state.builder
+        if b is not None and b.entries and b.file_bytes_bound() + entry_bytes > state.config.shard_max_bytes:
+            self.seal_open_shard()
+            b = None
+        if b is None:
+            b = state.builder = ShardBuilder(len(state.shards), uuid.uuid4().hex, state.arenas, state.config_json)
+        return b
+
+    def seal_open_shard(self) -> None:
+        """Write the open shard into its file (not yet committed)."""
+        state = self.state
+        b = state.builder
+        if b is None or not b.entries:
+            return
+        name = layout.shard_file(b.index)
+        size, index_crc = b.seal(state.path / name)
+        dead = state.builder_dead
+        state.shards.append(ShardInfo(file=name, bytes=size, uid=b.uid, entries=b.entries, index_crc=index_crc,
+                                      dead_entries=dead.entries, dead_bytes=dead.bytes))
+        state.builder = None
+        state.builder_dead = DeadBytes()
+
+    # ---- flushing ---------------------------------------------------------------------
+
+    def flush(self, *, exact_ids: bool) -> None:
+        """Make everything so far durable (the module docstring).  With
+        `exact_ids`, the commit keeps no spare id reservation (at close)."""
+        state = self.state
+        new = state.n - state.committed_n
+        next_id = state.next_id if exact_ids else state.id_limit
+        if not new and not state.dirty and state.builder is None and state.shards == state.committed.shards \
+                and next_id == state.committed.next_entry_id:
+            return
+        self.seal_open_shard()
+        _io.crash_point("flush.shards_written")
+        entries_path = state.path / layout.ENTRIES_FILE
+        if new:
+            fresh = state.records[state.committed_n : state.n]
+            records.seal(fresh)
+            _io.write_at(entries_path, state.committed_n * state.record_size, [fresh.tobytes()], create=True)
+        _io.crash_point("flush.records_written")
+        dirty = np.array(sorted(state.dirty), dtype=np.int64)
+        if len(dirty):
+            touched = state.records[dirty]
+            records.seal(touched)
+            state.records["checksum"][dirty] = touched["checksum"]
+        # Updates a failed earlier flush could not write in place go again.
+        updates = records.merge_updates(state.committed.pending.record_updates,
+                                        records.updates_for(state.records, dirty))
+        mf = dataclasses.replace(
+            state.committed,
+            generation=state.committed.generation + 1,
+            record_count=state.n,
+            shards=[dataclasses.replace(info) for info in state.shards],
+            next_entry_id=next_id,
+            pending=Pending(record_updates=updates),
+        )
+        self.commit(mf)
+        state.committed_n = state.n
+        state.shards_committed = len(state.shards)
+        state.dirty.clear()
+        state.id_limit = max(state.id_limit, next_id)
+        _io.crash_point("flush.committed")
+        _io.write_pieces(entries_path, records.update_pieces(updates, state.record_size))
+        _io.crash_point("flush.updates_written")
+        state.committed.pending = Pending()  # applied; the next commit need not repeat them
+
+    def commit(self, mf: Manifest) -> None:
+        """Write index.json: `mf` becomes the committed state."""
+        state = self.state
+        state.manifest_bytes = manifest.write(state.path, mf)
+        state.committed = mf
+        state.listed_pending = bool(mf.pending)
+
+    def close(self) -> None:
+        """The writer's part of closing: flush with exact ids, and leave
+        index.json listing no steps once every listed step is done."""
+        state = self.state
+        self.flush(exact_ids=True)
+        if state.listed_pending and not state.committed.pending:
+            self.commit(dataclasses.replace(state.committed, generation=state.committed.generation + 1))
+
+
+def _entry_tensors(p: PreparedEntry, quantized: bool) -> dict[str, np.ndarray]:
+    if not quantized:
+        return {"k": p.keys, "v": p.values, "p": p.pooled}
+    kq, ks = quantize_rows(p.keys)
+    vq, vs = quantize_rows(p.values)
+    return {"k": kq, "v": vq, "p": p.pooled, "ks": ks, "vs": vs}

@@ -1,0 +1,241 @@
+"""The safetensors container (hmem/formats/safetensors.py) and the store
+directory's layout (hmem/formats/layout.py), through their own functions:
+headers round-trip and every malformation is refused with its reason; a
+store directory's files are sorted into committed, orphan and foreign."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+import hmem
+from hmem import _io
+from hmem.formats import layout, safetensors, shard_file
+from hmem.formats.manifest import Pending, ShardInfo
+from hmem.transfer.kv_export import write_kv_file
+
+# ---- safetensors ----------------------------------------------------------------------
+
+
+def _arrays() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {
+        "keys": rng.standard_normal((3, 5)).astype(np.float32),
+        "half": rng.standard_normal((2, 3)).astype(np.float16),
+        "double": rng.standard_normal(4),
+        "bytes": np.arange(-3, 4, dtype=np.int8),
+        "ids": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+        "scalar": np.array(2.5, dtype=np.float32),
+    }
+
+
+def _file(arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
+    specs = [(name, safetensors.DTYPE_NAMES[a.dtype], a.shape, a.nbytes) for name, a in arrays.items()]
+    return safetensors.encode(specs, metadata) + b"".join(a.tobytes() for a in arrays.values())
+
+
+def test_encode_then_parse_gives_the_same_tensors_and_metadata():
+    arrays = _arrays()
+    data = _file(arrays, {"layer": "2", "note": "é"})
+    (length,) = struct.unpack_from("<Q", data)
+    assert length % safetensors.HEADER_ALIGN == 0
+    header = safetensors.parse(data, contiguous=True)
+    assert header.metadata == {"layer": "2", "note": "é"}
+    assert header.data_start == 8 + length
+    assert list(header.tensors) == list(arrays)
+    for name, array in arrays.items():
+        spec = header.tensors[name]
+        assert spec.dtype == safetensors.DTYPE_NAMES[array.dtype] and spec.shape == array.shape
+        raw = data[header.data_start + spec.begin : header.data_start + spec.end]
+        np.testing.assert_array_equal(np.frombuffer(raw, dtype=array.dtype).reshape(array.shape), array)
+
+
+def test_the_header_is_compact_json_with_the_metadata_first():
+    text = safetensors.encode([("a", "F32", (2,), 8), ("b", "I8", (3,), 3)], {"format": "x"})[8:]
+    assert text.rstrip(b" ") == (b'{"__metadata__":{"format":"x"},"a":{"dtype":"F32","shape":[2],'
+                                 b'"data_offsets":[0,8]},"b":{"dtype":"I8","shape":[3],"data_offsets":[8,11]}}')
+    assert b"__metadata__" not in safetensors.encode([("a", "F32", (2,), 8)])
+
+
+def test_a_written_file_is_read_by_the_safetensors_package(tmp_path):
+    arrays = _arrays()
+    path = tmp_path / "t.safetensors"
+    size = write_kv_file(path, arrays, {"layer": "1"})
+    assert size == path.stat().st_size
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(_io.TEMP_PREFIX)]
+    with safe_open(str(path), framework="numpy") as f:
+        assert f.metadata() == {"layer": "1"}
+        assert set(f.keys()) == set(arrays)
+        for name, array in arrays.items():
+            np.testing.assert_array_equal(f.get_tensor(name), array)
+    entries, _ = hmem.read_kv_file(_kv_file(tmp_path))
+    assert len(entries) == 1
+
+
+def _kv_file(tmp_path: Path) -> Path:
+    path = tmp_path / "kv.safetensors"
+    write_kv_file(path, {"keys": np.ones((2, 4), np.float32), "values": np.zeros((2, 4), np.float32)})
+    return path
+
+
+def test_write_kv_file_refuses_what_safetensors_cannot_hold(tmp_path):
+    with pytest.raises(hmem.InvalidArgumentError):
+        write_kv_file(tmp_path / "a.safetensors", {"x": np.array(["text"])})
+    with pytest.raises(hmem.InvalidArgumentError):
+        write_kv_file(tmp_path / "b.safetensors", {"__metadata__": np.ones(2, np.float32)})
+    with pytest.raises(hmem.InvalidArgumentError):
+        write_kv_file(tmp_path / "c.safetensors", {"x": np.ones(2, np.float32)}, {"layer": 1})
+    assert not list(tmp_path.iterdir())
+
+
+def _raw(header: object, data: bytes = b"", *, length: int | None = None) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text) if length is None else length) + text + data
+
+
+def _one(spec: dict, data: bytes = bytes(8)) -> bytes:
+    return _raw({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], **spec}}, data)
+
+
+MALFORMED = {
+    "too short": (b"\x01\x00", "short"),
+    "header length past the end": (_raw({}, length=10**6), "length"),
+    "header not JSON": (struct.pack("<Q", 3) + b"{x}", "json"),
+    "header not an object": (_raw([1, 2]), "object"),
+    "bool size": (_one({"shape": [True, 2]}), "entry"),
+    "float offset": (_one({"data_offsets": [0.0, 8]}), "entry"),
+    "negative size": (_one({"shape": [-2]}), "entry"),
+    "size past 2**62": (_one({"shape": [2**62]}), "entry"),
+    "three offsets": (_one({"data_offsets": [0, 4, 8]}), "entry"),
+    "no dtype": (_raw({"t": {"shape": [2], "data_offsets": [0, 8]}}, bytes(8)), "entry"),
+    "offset past the end": (_one({"data_offsets": [0, 16]}), "outside"),
+    "size mismatch": (_one({"shape": [3]}), "size"),
+    "unknown dtype": (_one({"dtype": "F33"}), "dtype"),
+}
+NOT_CONTIGUOUS = {
+    "gap": (_raw({"a": {"dtype": "I8", "shape": [2], "data_offsets": [0, 2]},
+                  "b": {"dtype": "I8", "shape": [2], "data_offsets": [4, 6]}}, bytes(6)), "gap"),
+    "overlap": (_raw({"a": {"dtype": "I8", "shape": [4], "data_offsets": [0, 4]},
+                      "b": {"dtype": "I8", "shape": [2], "data_offsets": [2, 4]}}, bytes(4)), "overlap"),
+    "bytes after the last tensor": (_one({}, bytes(12)), "tail"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_header_is_refused_with_its_reason(case):
+    data, reason = MALFORMED[case]
+    with pytest.raises(safetensors.SafetensorsError) as info:
+        safetensors.parse(data)
+    assert info.value.reason == reason and info.value.message
+
+
+@pytest.mark.parametrize("case", list(NOT_CONTIGUOUS))
+def test_tensors_must_lie_back_to_back_when_asked(case):
+    data, reason = NOT_CONTIGUOUS[case]
+    safetensors.parse(data)  # each tensor on its own is sound
+    with pytest.raises(safetensors.SafetensorsError) as info:
+        safetensors.parse(data, contiguous=True)
+    assert info.value.reason == reason
+
+
+def test_a_reader_may_restrict_dtypes_and_check_the_metadata():
+    data = _file({"x": np.ones(2, np.float16)}, {"format": "other"})
+    with pytest.raises(safetensors.SafetensorsError) as info:
+        safetensors.parse(data, dtypes={"F32": 4})
+    assert info.value.reason == "dtype" and info.value.tensor == "x"
+
+    def check(metadata: object) -> None:
+        raise safetensors.SafetensorsError(f"metadata {metadata}", reason="metadata")
+
+    with pytest.raises(safetensors.SafetensorsError) as info:
+        safetensors.parse(data, check_metadata=check)
+    assert info.value.message == "metadata {'format': 'other'}"
+
+
+def test_a_shard_reader_words_a_damaged_header_its_own_way():
+    def shard(spec: dict, data: bytes = bytes(8), fmt: str = "hmem-shard") -> bytes:
+        return _raw({"__metadata__": {"format": fmt}, "t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8],
+                                                           **spec}}, data)
+
+    cases = {
+        b"abc": "too short to be safetensors (3 bytes)",
+        shard({}, fmt="other"): "it is not an hmem shard",
+        shard({"dtype": "F16", "data_offsets": [0, 99]}): "tensor t has a malformed entry",  # no shard holds F16
+        shard({"data_offsets": [0, 99]}): "tensor t lies outside the data",
+        shard({"shape": [3]}): "tensor t's size does not match its shape",
+    }
+    for data, why in cases.items():
+        with pytest.raises(hmem.CorruptStoreError) as info:
+            shard_file.parse_header(data, "shard_0000.safetensors")
+        assert info.value.message == f"shard shard_0000.safetensors has a damaged header: {why}"
+        assert info.value.hint == hmem.Hint.VERIFY
+    metadata, tensors, start = shard_file.parse_header(shard({}), "shard_0000.safetensors")
+    assert metadata == {"format": "hmem-shard"} and tensors == {"t": (np.dtype("<f4"), (2,), start, start + 8)}
+
+
+# ---- the store directory ---------------------------------------------------------------
+
+
+def test_names_and_record_size():
+    assert layout.shard_file(3) == "shard_0003.safetensors"
+    assert layout.shard_index("shard_0003.safetensors") == 3 and layout.shard_index("shard_3.safetensors") is None
+    assert layout.record_bytes(16) == 56
+    assert layout.FIXED_FILES == ("index.json", "entries.bin", "lock")
+
+
+def _directory(root: Path) -> None:
+    root.mkdir()
+    for name in ("index.json", "entries.bin", "lock", "shard_0000.safetensors", "shard_0001.safetensors",
+                 "shard_0007.safetensors", _io.TEMP_PREFIX + "index.json.1.0",
+                 layout.REWRITE_PREFIX + "shard_0000.safetensors", "notes.txt"):
+        (root / name).write_bytes(b"12345")
+    (root / "lock").write_bytes(b'{"pid": 1}')
+    (root / (_io.TEMP_PREFIX + "dir")).mkdir()
+    os.symlink(root / "notes.txt", root / "shard_0009.safetensors")
+
+
+def test_classify_sorts_a_store_directory(tmp_path):
+    root = tmp_path / "s"
+    _directory(root)
+    shards = [ShardInfo(file=layout.shard_file(i), bytes=5, uid="", entries=0, index_crc=0) for i in range(2)]
+    pending = Pending(renames=[(layout.REWRITE_PREFIX + "shard_0000.safetensors", "shard_0000.safetensors")])
+    files = layout.classify(root, shards, pending)
+    assert files.committed == sorted(["index.json", "entries.bin", "lock", "shard_0000.safetensors",
+                                      "shard_0001.safetensors", layout.REWRITE_PREFIX + "shard_0000.safetensors"])
+    assert files.temporary == [_io.TEMP_PREFIX + "dir", _io.TEMP_PREFIX + "index.json.1.0"]
+    assert files.unnamed_shards == ["shard_0007.safetensors", "shard_0009.safetensors"]
+    assert files.others == ["notes.txt"]
+    # orphans are regular files hmem made; a directory or a link is never one
+    assert files.orphans == [_io.TEMP_PREFIX + "index.json.1.0", "shard_0007.safetensors"]
+    assert files.foreign == [_io.TEMP_PREFIX + "dir", "notes.txt", "shard_0009.safetensors"]
+    # without a commit, every shard and temporary file is an orphan
+    bare = layout.classify(root)
+    assert bare.orphans == sorted([_io.TEMP_PREFIX + "index.json.1.0", layout.REWRITE_PREFIX + "shard_0000.safetensors",
+                                   "shard_0000.safetensors", "shard_0001.safetensors", "shard_0007.safetensors"])
+    assert layout.shard_names(root) == ["shard_0000.safetensors", "shard_0001.safetensors",
+                                        "shard_0007.safetensors", "shard_0009.safetensors"]
+
+
+def test_resolve_follows_a_pending_rename_until_it_is_done(tmp_path):
+    root = tmp_path / "s"
+    _directory(root)
+    temp = layout.REWRITE_PREFIX + "shard_0000.safetensors"
+    pending = Pending(renames=[(temp, "shard_0000.safetensors")])
+    assert layout.resolve(root, "shard_0000.safetensors", pending) == root / temp
+    assert layout.resolve(root, "shard_0001.safetensors", pending) == root / "shard_0001.safetensors"
+    (root / temp).unlink()
+    assert layout.resolve(root, "shard_0000.safetensors", pending) == root / "shard_0000.safetensors"
+
+
+def test_directory_bytes_leaves_out_the_lock_owner_record_and_links(tmp_path):
+    root = tmp_path / "s"
+    _directory(root)
+    regular = [p for p in root.iterdir() if p.is_file() and not p.is_symlink() and p.name != "lock"]
+    assert layout.directory_bytes(root) == 5 * len(regular) == 5 * 8
