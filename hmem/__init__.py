@@ -7,6 +7,7 @@ from hmem._version import __version__
 from hmem.prefix_hit.bitmap import Bitmap
 from hmem.config import StoreConfig
 from hmem.errors import (
+    AmbiguousLayoutError,
     CorruptStoreError,
     EntryNotFoundError,
     EntryTooLargeError,
@@ -15,12 +16,17 @@ from hmem.errors import (
     InvalidArgumentError,
     InvalidTensorError,
     KernelUnavailableError,
+    NoSpaceError,
     NotAStoreError,
+    PathError,
+    PermissionDeniedError,
     ReadOnlyStoreError,
+    StorageError,
     StoreChangedError,
     StoreClosedError,
     StoreExistsError,
     StoreLockedError,
+    UnsafeFileError,
     UnsupportedFormatError,
 )
 from hmem.prefix_hit.explain import GroupHit, PrefixHitReport, explain_prefix_hit
@@ -51,12 +57,17 @@ from hmem.store.results import (
     EntryInfo,
     EvictionPlan,
     QueryResult,
+    QueryResults,
     ShardStats,
+    SkippedEntry,
     StoredEntry,
+    StoreHealth,
     StoreStats,
 )
+from hmem.store.caches import cache_tensors
+from hmem.store.layouts import LAYOUTS
 from hmem.store.store import Entry, Store, is_store
-from hmem.transfer.kv_export import export_results, write_kv_file
+from hmem.transfer.kv_export import EXPORT_LAYOUTS, check_export_path, export_results, write_kv_file
 from hmem.transfer.kv_import import (
     BadFileError,
     FileResult,
@@ -70,16 +81,21 @@ from hmem.recovery.verify import Finding, VerifyReport, verify
 
 __all__ = [
     "BadFileError",
+    "AmbiguousLayoutError",
+    "EXPORT_LAYOUTS",
     "EntryInfo",
     "EntryNotFoundError",
     "FORMAT_VERSION",
     "FileResult",
     "ImportReport",
     "StoredEntry",
+    "check_export_path",
     "export_results",
     "find_kv_files",
     "import_files",
     "is_store",
+    "cache_tensors",
+    "LAYOUTS",
     "kernel_info",
     "read_kv_file",
     "read_tensor_file",
@@ -100,6 +116,9 @@ __all__ = [
     "InvalidTensorError",
     "NotAStoreError",
     "QueryResult",
+    "QueryResults",
+    "SkippedEntry",
+    "StoreHealth",
     "ReadOnlyStoreError",
     "ShardStats",
     "Store",
@@ -110,6 +129,11 @@ __all__ = [
     "StoreLockedError",
     "StoreStats",
     "UnsupportedFormatError",
+    "UnsafeFileError",
+    "StorageError",
+    "PermissionDeniedError",
+    "NoSpaceError",
+    "PathError",
     "FULL_ATTENTION_WINDOW",
     "Bitmap",
     "GroupHit",

@@ -5,6 +5,8 @@ Every change to a store goes through these primitives, so that
 - the durability protocol lives in one place: new content is written to a
   temporary file, fsynced, renamed over its final name, and the directory
   is fsynced; in-place writes are fsynced before anything depends on them;
+- an OSError becomes the StorageError of its errno, naming the operation
+  and the file (a temporary file's as the write of its final file);
 - tests can inject faults (``set_fault_hook``: fail the N-th write, fsync or
   rename with ENOSPC or EIO) and crashes (``HMEM_CRASH_AT=name[:n]`` makes
   the n-th pass through ``crash_point(name)`` end the process at once, as a
@@ -16,11 +18,18 @@ them, so any that exist when a writer opens the store are garbage.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import os
-from collections.abc import Callable, Sequence
+import re
+import stat
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
+
+from hmem.errors import Hint, StorageError, UnsafeFileError, storage_error
+from hmem.file_reads import open_regular, read_regular  # noqa: F401  (read through _io by the formats)
 
 TEMP_PREFIX = ".hmem-tmp."
 CRASH_ENV = "HMEM_CRASH_AT"
@@ -30,9 +39,8 @@ Buffer = bytes | bytearray | memoryview
 
 
 class FileRange(NamedTuple):
-    """`length` bytes of the file at `path` from `offset`: a part of a new
-    file copied from an existing one.  With `check`, the copied bytes are
-    passed to it (it raises to stop the write)."""
+    """`length` bytes of the file at `path` from `offset`, copied into a new
+    file; `check`, if given, sees them first (it raises to stop the write)."""
 
     path: Path
     offset: int
@@ -46,50 +54,79 @@ _temp_counter = itertools.count()
 
 def set_fault_hook(hook: Callable[[str, str], None] | None) -> None:
     """Install `hook(op, path)`, called before every primitive operation
-    ("open", "write", "fsync", "rename", "unlink", "truncate", "mkdir");
-    it may raise OSError to simulate a failing disk.  None removes it."""
+    ("open", "write", "fsync", "rename", "unlink", "truncate", "mkdir"); it
+    may raise OSError, as a failing disk would.  None removes it."""
     global _fault_hook
     _fault_hook = hook
 
 
-def _fault(op: str, path: str | os.PathLike) -> None:
-    if _fault_hook is not None:
-        _fault_hook(op, os.fspath(path))
+_VERBS = {"fsync": "sync", "unlink": "remove", "mkdir": "create the directory"}  # others: the op's name
+
+
+@contextlib.contextmanager
+def _errors(op: str, path: Path) -> Iterator[None]:
+    """The fault hook (not for reads), then the body; an OSError becomes the StorageError of its errno."""
+    try:
+        if _fault_hook is not None and op != "read":
+            _fault_hook(op, os.fspath(path))
+        yield
+    except StorageError:
+        raise
+    except OSError as exc:
+        name, verb = path.name, _VERBS.get(op, op)
+        if name.startswith(TEMP_PREFIX) and (m := re.fullmatch(r"(.+)\.\d+\.\d+", name[len(TEMP_PREFIX):])):
+            name, verb = m.group(1), "write"  # temp_path's name: the error is the write of its final file
+        raise storage_error(exc, verb, path.with_name(name), writing=op != "read") from exc
 
 
 def crash_point(name: str) -> None:
     """End the process abruptly here when HMEM_CRASH_AT names this point."""
-    wanted = os.environ.get(CRASH_ENV)
-    if not wanted:
-        return
-    target, _, nth = wanted.partition(":")
-    if target != name:
-        return
-    _crash_hits[name] = _crash_hits.get(name, 0) + 1
-    if _crash_hits[name] >= int(nth or 1):
-        os._exit(CRASH_EXIT_CODE)
+    target, _, nth = os.environ.get(CRASH_ENV, "").partition(":")
+    if target == name:
+        _crash_hits[name] = _crash_hits.get(name, 0) + 1
+        if _crash_hits[name] >= int(nth or 1):
+            os._exit(CRASH_EXIT_CODE)
 
 
 # ---- building blocks ---------------------------------------------------------
 
 
 def _open(path: Path, flags: int, mode: int = 0o644) -> int:
-    _fault("open", path)
-    return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), mode)
+    # Never through a symbolic link, never a file another name shares (a hard
+    # link), never a named pipe (opened non-blocking, then refused): a store's
+    # files cannot make hmem write outside it (docs/security.md).  (The store
+    # directory itself may be a link: the user named it.)
+    if flags & os.O_DIRECTORY:
+        with _errors("open", path):
+            return os.open(path, flags | os.O_CLOEXEC, mode)
+    with _errors("open", path):
+        try:
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+        except OSError:
+            if os.path.islink(path) or (os.path.lexists(path) and not os.path.isfile(path)):
+                raise UnsafeFileError(f"{path.name} in {path.parent} is a symbolic link or not a regular file; "
+                                      "hmem writes no file through a link", hint=Hint.VERIFY) from None
+            raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        os.close(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(f"{path.name} in {path.parent} is not a regular file", hint=Hint.VERIFY)
+        raise UnsafeFileError(f"{path.name} in {path.parent} has {st.st_nlink} names (hard links); hmem writes "
+                              "no file in place that another name shares",
+                              hint="copy the store directory and use the copy, whose files are its own")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
 
 
 def _write_all(fd: int, path: Path, buffers: Sequence[Buffer], offset: int | None = None) -> int:
     """Write every buffer, in order, at `offset` (or the current position)."""
     views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
     total = 0
-    iov_max = 512
     while views:
-        _fault("write", path)
-        batch = views[:iov_max]
-        if offset is None:
-            n = os.writev(fd, batch)
-        else:
-            n = os.pwritev(fd, batch, offset + total)
+        batch = views[:512]  # IOV_MAX buffers a call at most
+        with _errors("write", path):
+            n = os.writev(fd, batch) if offset is None else os.pwritev(fd, batch, offset + total)
         total += n
         # drop what was written, keep the rest of a partly written buffer
         while n and views:
@@ -103,8 +140,8 @@ def _write_all(fd: int, path: Path, buffers: Sequence[Buffer], offset: int | Non
 
 
 def _fsync(fd: int, path: Path) -> None:
-    _fault("fsync", path)
-    os.fsync(fd)
+    with _errors("fsync", path):
+        os.fsync(fd)
 
 
 def fsync_dir(directory: Path) -> None:
@@ -145,8 +182,8 @@ def write_file(path: Path, parts: Sequence[Buffer | FileRange]) -> int:
         raise
     os.close(fd)
     try:
-        _fault("rename", tmp)
-        os.replace(tmp, path)
+        with _errors("rename", tmp):
+            os.replace(tmp, path)
     except BaseException:
         _discard(tmp)
         raise
@@ -161,21 +198,26 @@ def _copy_range(fd: int, path: Path, part: FileRange) -> int:
     """Append `part` to the open file.  Ranges to check go through memory
     (read, check, write: the bytes are read once either way); others are
     copied inside the kernel where it offers copy_file_range."""
-    src = os.open(part.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    with _errors("read", part.path):
+        src = open_regular(part.path)
     try:
         if part.check is not None:
-            data = os.pread(src, part.length, part.offset) if part.length else b""
+            with _errors("read", part.path):
+                data = os.pread(src, part.length, part.offset) if part.length else b""
             if len(data) != part.length:
                 raise OSError(f"{part.path} ended {part.length - len(data)} bytes early")
             part.check(memoryview(data))
             return _write_all(fd, path, [data])
         offset, left = part.offset, part.length
         while left:
-            _fault("write", path)
-            try:
-                n = os.copy_file_range(src, fd, left, offset)
-            except (AttributeError, OSError):  # not on this kernel or file system
-                block = os.pread(src, min(left, _COPY_BLOCK), offset)
+            with _errors("write", path):  # the fault hook; the copy's own errors fall back below
+                try:
+                    n = os.copy_file_range(src, fd, left, offset)
+                except (AttributeError, OSError):  # not on this kernel or file system
+                    n = -1
+            if n < 0:
+                with _errors("read", part.path):
+                    block = os.pread(src, min(left, _COPY_BLOCK), offset)
                 n = _write_all(fd, path, [block]) if block else 0
             if n == 0:
                 raise OSError(f"{part.path} ended {left} bytes early")
@@ -187,11 +229,8 @@ def _copy_range(fd: int, path: Path, part: FileRange) -> int:
 
 
 def _discard(path: Path) -> None:
-    # Best effort after a failure: the next writer removes leftovers anyway.
-    try:
+    with contextlib.suppress(OSError):  # best effort: the next writer removes leftovers anyway
         os.unlink(path)
-    except OSError:
-        pass
 
 
 def write_at(path: Path, offset: int, buffers: Sequence[Buffer], *, create: bool = False) -> None:
@@ -225,35 +264,27 @@ def write_pieces(path: Path, pieces: Sequence[tuple[int, Buffer]]) -> None:
 def truncate(path: Path, size: int) -> None:
     fd = _open(path, os.O_WRONLY)
     try:
-        _fault("truncate", path)
-        os.ftruncate(fd, size)
+        with _errors("truncate", path):
+            os.ftruncate(fd, size)
         _fsync(fd, path)
     finally:
         os.close(fd)
 
 
 def rename(src: Path, dst: Path) -> None:
-    _fault("rename", src)
-    os.replace(src, dst)
-    fsync_dir(dst.parent)
+    rename_many([(src, dst)])
 
 
-def unlink(path: Path, *, missing_ok: bool = True) -> None:
-    _fault("unlink", path)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        if not missing_ok:
-            raise
-        return
-    fsync_dir(path.parent)
+def unlink(path: Path) -> None:
+    """Remove `path` if it exists."""
+    unlink_many([path])
 
 
 def rename_many(pairs: Sequence[tuple[Path, Path]]) -> None:
     """Rename each pair (all in one directory), then fsync the directory once."""
     for src, dst in pairs:
-        _fault("rename", src)
-        os.replace(src, dst)
+        with _errors("rename", src):
+            os.replace(src, dst)
     if pairs:
         fsync_dir(pairs[0][1].parent)
 
@@ -263,21 +294,18 @@ def unlink_many(paths: Sequence[Path]) -> None:
     directory once."""
     removed = False
     for path in paths:
-        _fault("unlink", path)
-        try:
+        with _errors("unlink", path), contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             removed = True
-        except FileNotFoundError:
-            pass
     if removed:
         fsync_dir(paths[0].parent)
 
 
 def make_dir(path: Path) -> None:
     """Create `path` (and missing parents) and make the new entry durable."""
-    _fault("mkdir", path)
-    existed = path.exists()
-    path.mkdir(parents=True, exist_ok=True)
+    with _errors("mkdir", path):
+        existed = path.exists()
+        path.mkdir(parents=True, exist_ok=True)
     if not existed:
         fsync_dir(path.parent)
 
@@ -292,6 +320,6 @@ def open_lock_file(path: Path) -> int:
 
 def rewrite_fd(fd: int, path: Path, data: bytes) -> None:
     """Replace the whole content of an open file (the lock's owner record)."""
-    _fault("truncate", path)
-    os.ftruncate(fd, 0)
+    with _errors("truncate", path):
+        os.ftruncate(fd, 0)
     _write_all(fd, path, [data], 0)

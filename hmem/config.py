@@ -12,6 +12,7 @@ from hmem import validation
 from hmem.errors import InvalidArgumentError, UnsupportedFormatError
 
 MiB = 1 << 20
+STORAGE_DTYPES = ("f32", "f16", "bf16", "int8")
 U64_MAX = validation.U64_MAX
 
 
@@ -27,7 +28,10 @@ class StoreConfig:
     max_disk_bytes   bytes on disk at most, 0 = unlimited
     shard_max_bytes  size at which a shard file is sealed and a new one begun
     max_open_shards  shard files kept memory-mapped at once
-    quantize_stored  store K/V as INT8 with one F32 scale per token row
+    storage_dtype    how K/V rows are stored: "f32", "f16", "bf16" (exact
+                     for rows that came in that dtype, half the disk) or
+                     "int8" (one F32 scale per row); similarity math is F32
+    quantize_stored  the older name of storage_dtype="int8" (kept in step)
     """
 
     embed_dim: int
@@ -38,6 +42,7 @@ class StoreConfig:
     shard_max_bytes: int = 256 * MiB
     max_open_shards: int = 4
     quantize_stored: bool = False
+    storage_dtype: str = "f32"
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int, high: int) -> None:
@@ -53,13 +58,25 @@ class StoreConfig:
         integer("shard_max_bytes", 1, U64_MAX)
         integer("max_open_shards", 1, 1 << 16)
         validation.flag(self.quantize_stored, "quantize_stored")
+        validation.choice(self.storage_dtype, "storage_dtype", STORAGE_DTYPES)
+        if self.quantize_stored and self.storage_dtype not in ("f32", "int8"):
+            raise InvalidArgumentError(f"quantize_stored means storage_dtype='int8', not {self.storage_dtype!r}")
+        if self.quantize_stored or self.storage_dtype == "int8":
+            object.__setattr__(self, "storage_dtype", "int8")
+            object.__setattr__(self, "quantize_stored", True)
 
     @property
     def signature_bytes(self) -> int:
         return self.hdc_dim // 8
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # f32 and int8 stores are saved as before storage_dtype existed, so
+        # older hmem releases keep opening them; f16 and bf16 stores name it,
+        # and an older release refuses them (an unknown setting).
+        out = dataclasses.asdict(self)
+        if self.storage_dtype in ("f32", "int8"):
+            del out["storage_dtype"]
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> StoreConfig:

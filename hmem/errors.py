@@ -68,6 +68,11 @@ class EntryTooLargeError(InvalidArgumentError):
     """An entry can never fit the store's limits."""
 
 
+class UnsafeFileError(CorruptStoreError):
+    """A store file is a symbolic link or not a regular file: hmem opens no
+    file through a link, so nothing outside the store is read or written."""
+
+
 class Hint:
     """What to do next, in the library's own terms.  Errors carry these
     exact strings as their hint; the command line words each as the command
@@ -81,6 +86,7 @@ class Hint:
     LOCK_WAIT = "wait for the writer to finish, or open with lock_wait=SECONDS to wait for it"
     CREATE = "create one with Store.create(path, embed_dim=...)"
     OPEN_AGAIN = "open the store again"
+    ROLL_FORWARD = "roll the store forward to what its files hold with hmem.repair(path): every intact entry is kept"
 
 
 class EntryNotFoundError(HmemError, KeyError):
@@ -89,3 +95,98 @@ class EntryNotFoundError(HmemError, KeyError):
 
 class BadFileError(HmemError):
     """An import file that is skipped, with the reason."""
+
+
+class AmbiguousLayoutError(BadFileError):
+    """An import file's tensors read under more than one layout (heads as
+    many as tokens) and nothing says which: `layouts` are the ones that fit;
+    the caller gives one (docs/cli.md, "Naming conventions and layouts")."""
+
+    def __init__(self, message: str, *, layouts: tuple[str, ...] = (), hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.layouts = layouts
+
+
+# ---- the file system refused an operation ------------------------------------------------
+
+import errno as _errno  # noqa: E402  (this part was added after the module's first import)
+import os as _os  # noqa: E402
+
+
+class StorageError(HmemError, OSError):
+    """The file system refused or failed an operation: `path` names the file
+    (also as `filename`), `errno` and `strerror` say why, as for any OSError,
+    so ``except OSError`` still catches it.  A store keeps its last commit
+    (docs/reliability.md, "OS errors")."""
+
+    def __init__(self, message: str, *, path: str | None = None, errno: int | None = None,
+                 strerror: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.path = path
+        self.errno, self.strerror, self.filename = errno, strerror, path
+
+    def __reduce__(self) -> tuple:  # OSError's own would rebuild it from (errno, strerror, filename)
+        state = {"hint": self.hint, "path": self.path, "errno": self.errno, "strerror": self.strerror,
+                 "filename": self.filename}
+        return type(self), (self.message,), state
+
+
+class PermissionDeniedError(StorageError):
+    """Permission denied (EACCES, EPERM) or a read-only file system (EROFS);
+    the message says which, and so does `read_only_fs`."""
+
+    @property
+    def read_only_fs(self) -> bool:
+        return self.errno == _errno.EROFS
+
+
+class NoSpaceError(StorageError):
+    """No space left on the file system (ENOSPC) or the disk quota is used up (EDQUOT)."""
+
+
+class PathError(StorageError):
+    """A missing path (ENOENT) or one of the wrong kind: a file where a
+    directory is needed (ENOTDIR) or the reverse (EISDIR), a name too long
+    (ENAMETOOLONG), a loop of symbolic links (ELOOP)."""
+
+
+_PERMISSION = {_errno.EACCES, _errno.EPERM, _errno.EROFS}
+_NO_SPACE = {_errno.ENOSPC, getattr(_errno, "EDQUOT", _errno.ENOSPC)}
+_PATH = {_errno.ENOENT, _errno.ENOTDIR, _errno.EISDIR, _errno.ENAMETOOLONG, _errno.ELOOP}
+_KEPT = "nothing committed is lost"
+
+
+def _storage_hint(code: int | None, path: str, writing: bool) -> str:
+    folder = _os.path.dirname(path) or "."
+    if code == _errno.EROFS:
+        return "remount the file system read-write; reading the store still works"
+    if code in _PERMISSION:
+        return f"check the permissions of {folder} and its files" if writing else f"check that you may read {path}"
+    if code == _errno.ENOSPC:
+        return f"free space on that file system, then retry; {_KEPT}"
+    if code in _NO_SPACE:
+        return f"raise the disk quota or free space, then retry; {_KEPT}"
+    return {
+        _errno.ENOENT: f"check that {folder} exists",
+        _errno.ENOTDIR: "a part of the path is a file, not a directory",
+        _errno.EISDIR: "give the path of a file, not of a directory",
+        _errno.ENAMETOOLONG: "give a shorter path",
+        _errno.ELOOP: "the path has a loop of symbolic links",
+    }.get(code or 0, "check the disk and the file system, then retry" + (f"; {_KEPT}" if writing else ""))
+
+
+def storage_error(exc: OSError, operation: str, path: str | _os.PathLike[str], *,
+                  writing: bool = True) -> StorageError:
+    """`exc` as the StorageError of its errno, with the message "cannot
+    {operation} {path}: {strerror}" and what to do next.  A StorageError is
+    returned as it is.  hmem/_io.py (writes) and the readers of a store's
+    files use this, so every OS error has one wording."""
+    if isinstance(exc, StorageError):
+        return exc
+    shown = _os.fspath(path)
+    strerror = exc.strerror or str(exc) or type(exc).__name__
+    code = exc.errno
+    cls = (PermissionDeniedError if code in _PERMISSION else NoSpaceError if code in _NO_SPACE
+           else PathError if code in _PATH else StorageError)
+    return cls(f"cannot {operation} {shown}: {strerror}", path=shown, errno=code, strerror=strerror,
+               hint=_storage_hint(code, shown, writing))

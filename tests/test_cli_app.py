@@ -28,10 +28,12 @@ def run_python(*args: str, env: dict | None = None) -> subprocess.CompletedProce
     return subprocess.run([sys.executable, *args], cwd=OUTSIDE_CHECKOUT, capture_output=True,
                           text=True, timeout=60, env=env)
 
-def test_version_names_kernel_path():
+def test_version_names_format_versions_and_kernel_path():
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0
-    assert result.stdout.strip() == f"hmem {hmem.__version__} (kernels: {kernels.KERNEL_SET}, cpu path: {kernels.cpu_path()})"
+    formats = f"store format {hmem.FORMAT_VERSION}: reads {hmem.FORMAT_VERSION}, writes {hmem.FORMAT_VERSION}"
+    assert result.stdout.strip() == (f"hmem {hmem.__version__} ({formats}; "
+                                     f"kernels: {kernels.KERNEL_SET}, cpu path: {kernels.cpu_path()})")
 
 
 def test_python_dash_m_and_exit_code_pass_through():
@@ -53,6 +55,7 @@ def test_exit_codes_are_stable():
     assert {c.name: c.value for c in ExitCode} == {
         "OK": 0, "FAILURE": 1, "USAGE": 2, "PARTIAL": 3, "PROBLEMS_FOUND": 4,
         "NOT_A_STORE": 5, "LOCKED": 6, "UNSUPPORTED_FORMAT": 7, "INTERRUPTED": 130,
+        "NO_PERMISSION": 8, "NO_SPACE": 9, "BAD_PATH": 10, "BROKEN_PIPE": 141, "TERMINATED": 143,
     }
     assert exit_code_for(InvalidArgumentError("x")) == ExitCode.USAGE
     assert exit_code_for(KernelUnavailableError("x")) == ExitCode.FAILURE

@@ -539,7 +539,7 @@ def test_stats_human(filled):
     out = result.stdout
     assert re.search(r"entries\s+│\s+7 live, 0 evicted", out)
     assert re.search(r"layers\s+│\s+4 ", out)
-    assert f"embed_dim {D}, hdc_dim {HDC}, seed 0, F32" in out
+    assert f"embed_dim {D}, hdc_dim {HDC}, seed 0, stored as f32" in out
     assert "entries per layer" in out and "shard_0000.safetensors" in out
     assert re.search(r"reclaimable\s+│\s+0 B", out)
 

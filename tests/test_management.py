@@ -700,7 +700,7 @@ def test_compaction_of_a_store_with_nothing_live(tmp_path):
     try:
         report = store.compact()
         assert report.performed and report.entries == 0 and report.shards_after == 0
-        assert sorted(p.name for p in path.iterdir()) == ["entries.bin", "index.json", "lock"]
+        assert sorted(p.name for p in path.iterdir()) == ["commit.stamp", "entries.bin", "index.json", "lock"]
         assert (path / "entries.bin").stat().st_size == 0
         k = gauss(rng, 2)
         eid = store.put(k, k, layer_idx=0)

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from hmem import HmemError, __version__, kernel_info
+from hmem import FORMAT_VERSION, HmemError, __version__, kernel_info
 from hmem.cli import (
     cmd_compact,
     cmd_demo,
@@ -23,9 +23,11 @@ from hmem.cli import (
     cmd_query,
     cmd_stats,
     cmd_verify,
+    signals,
 )
 from hmem.cli.exit_codes import ExitCode, cli_hint, exit_code_for
-from hmem.cli.output import error_line
+from hmem.cli.output import (StdoutClosed, closed_stdout_guard, error_line, flush_stdout, silence_stdout,
+                             whole_writes_to_stdout)
 
 DEBUG_ENV = "HMEM_DEBUG"
 
@@ -53,25 +55,46 @@ class HmemGroup(TyperGroup):
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
              complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
         _Session.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+        whole_writes_to_stdout()  # so that a closed stdout is always noticed (exit code 141)
+        handlers = signals.install()  # SIGINT and SIGTERM stop at a consistent point (hmem/cli/signals.py)
         try:
             rv = super().main(args=args, prog_name=prog_name or "hmem", complete_var=complete_var,
                               standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else ExitCode.OK
-            if code == ExitCode.INTERRUPTED:  # Typer turns Ctrl-C into Exit(130)
-                _print_error("interrupted")
+            code, stop_line = signals.final(code)  # Typer turns Ctrl-C into Exit(130)
+            if stop_line:
+                _print_error(stop_line)
         except HmemError as exc:
             code = self._report(exc, exc.message, exc.hint)
+        except (StdoutClosed, BrokenPipeError):  # the reader of stdout is gone: end quietly, as `cat` would
+            silence_stdout()
+            code = ExitCode.BROKEN_PIPE
         except typer.Abort:
             _print_error("aborted")
             code = ExitCode.FAILURE
         except KeyboardInterrupt:
-            _print_error("interrupted")
-            code = ExitCode.INTERRUPTED
+            code, stop_line = signals.final(ExitCode.INTERRUPTED)
+            if stop_line:
+                _print_error(stop_line)
+        except OSError as exc:  # the file system refused something hmem's errors do not cover
+            where = f"{exc.filename}: " if exc.filename is not None else ""
+            code = self._report(exc, f"storage error: {where}{exc.strerror or exc}", None)
         except Exception as exc:  # noqa: BLE001 - the last line of defence
             code = self._report_other(exc)
+        if not flush_stdout():  # a closed stdout also when the output is flushed only now
+            code = ExitCode.BROKEN_PIPE
+        signals.restore(handlers)
         if standalone_mode:
             sys.exit(int(code))
         return int(code)
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:  # prints --help and --version
+        with closed_stdout_guard():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with closed_stdout_guard():
+            return super().invoke(ctx)
 
     @staticmethod
     def _report(exc: BaseException, message: str, hint: str | None) -> ExitCode:
@@ -112,7 +135,8 @@ app = typer.Typer(
 
 
 def version_text() -> str:
-    return f"hmem {__version__} ({kernel_info()})"
+    return (f"hmem {__version__} (store format {FORMAT_VERSION}: reads {FORMAT_VERSION}, writes {FORMAT_VERSION}; "
+            f"{kernel_info()})")
 
 
 def _version(value: bool) -> None:
@@ -126,7 +150,7 @@ def _global_options(
     version: Annotated[
         bool,
         typer.Option("--version", "-V", callback=_version, is_eager=True,
-                     help="Print the version and the kernel path in use, then exit."),
+                     help="Print the version, the store format it reads and writes, and the kernel path, then exit."),
     ] = False,
     debug: Annotated[
         bool, typer.Option("--debug", help="Show tracebacks of errors (or set HMEM_DEBUG=1).")
@@ -148,4 +172,5 @@ app.command("demo")(cmd_demo.demo)
 
 
 def main() -> None:
+    signals.own_process()  # a late signal must not change the exit code decided
     app()

@@ -7,6 +7,8 @@ from typing import Annotated
 import typer
 
 from hmem import Store
+from hmem.cli import signals
+from hmem.cli.compact_run import stoppable_compaction
 from hmem.cli.options import DryRunOption, JsonOption, LockWaitOption, QuietOption, StoreArgument
 from hmem.cli.output import Output, human_bytes, human_duration
 
@@ -26,36 +28,42 @@ def compact(
     Entry ids and query results do not change; the store never grows.
     """
     out = Output(json_mode=json_output, quiet=quiet)
-    with Store.open(store, read_only=dry_run, lock_wait=lock_wait) as s:
-        plan = s.plan_compaction()
-        share = plan.reclaimable_share * 100
-        document = {"store": str(store), "dry_run": dry_run, "threshold_pct": threshold, "needed": plan.needed,
-                    "reclaimable_bytes": plan.reclaimable_bytes, "reclaimable_pct": share,
-                    "shards_before": plan.shards_before, "shards_after": plan.shards_after,
-                    "bytes_before": plan.bytes_before, "performed": False}
-        if not plan.needed:
-            out.print("nothing to do: the store is already compact")
-        elif share < threshold:
-            out.print(f"nothing to do: compaction would free {human_bytes(plan.reclaimable_bytes)} ({share:.1f}%), "
-                      f"below the threshold of {threshold:g}%")
-        elif dry_run:
-            out.print(f"would free about {human_bytes(plan.reclaimable_bytes)} ({share:.1f}%): "
-                      f"{plan.shards_before} shards -> {plan.shards_after}, {plan.evicted_records} evicted records "
-                      f"and {len(plan.orphan_files)} orphan file(s) dropped")
-        else:
-            with out.progress("compacting", None, bytes_mode=True) as bar:
-                seen = [0]
-
-                def step(done: int, total: int) -> None:
-                    bar.advance(done - seen[0], total=total)
-                    seen[0] = done
-                report = s.compact(threshold / 100, progress=step)
-            document.update(performed=report.performed, shards_after=report.shards_after,
-                            bytes_after=report.bytes_after, bytes_freed=report.bytes_freed,
-                            records_dropped=report.records_dropped, orphans_removed=report.orphans_removed,
-                            seconds=report.seconds)
-            out.print(f"freed {human_bytes(report.bytes_freed)}: {human_bytes(report.bytes_before)} -> "
-                      f"{human_bytes(report.bytes_after)}, {report.shards_before} shards -> {report.shards_after}, "
-                      f"{report.records_dropped} evicted records dropped, in {human_duration(report.seconds)}")
-    if json_output:
-        out.emit_json(document)
+    opened = Store.open(store, read_only=dry_run, lock_wait=lock_wait)  # a signal stops the lock wait at once
+    with signals.stoppable():  # a signal stops the rewrite between shards, before its commit
+        with opened as s:
+            plan = s.plan_compaction()
+            share = plan.reclaimable_share * 100
+            document = {"store": str(store), "dry_run": dry_run, "threshold_pct": threshold, "needed": plan.needed,
+                        "reclaimable_bytes": plan.reclaimable_bytes, "reclaimable_pct": share,
+                        "shards_before": plan.shards_before, "shards_after": plan.shards_after,
+                        "bytes_before": plan.bytes_before, "performed": False}
+            if not plan.needed:
+                out.print("nothing to do: the store is already compact")
+            elif share < threshold:
+                out.print(f"nothing to do: compaction would free {human_bytes(plan.reclaimable_bytes)} "
+                          f"({share:.1f}%), below the threshold of {threshold:g}%")
+            elif dry_run:
+                out.print(f"would free about {human_bytes(plan.reclaimable_bytes)} ({share:.1f}%): "
+                          f"{plan.shards_before} shards -> {plan.shards_after}, {plan.evicted_records} evicted "
+                          f"records and {len(plan.orphan_files)} orphan file(s) dropped")
+            else:
+                report = stoppable_compaction(s, threshold / 100, out)
+                if report is None:
+                    out.print("stopped before the commit: the store is as it was")
+                else:
+                    document.update(performed=report.performed, shards_after=report.shards_after,
+                                    bytes_after=report.bytes_after, bytes_freed=report.bytes_freed,
+                                    records_dropped=report.records_dropped, orphans_removed=report.orphans_removed,
+                                    seconds=report.seconds)
+                    out.print(f"freed {human_bytes(report.bytes_freed)}: {human_bytes(report.bytes_before)} -> "
+                              f"{human_bytes(report.bytes_after)}, {report.shards_before} shards -> "
+                              f"{report.shards_after}, {report.records_dropped} evicted records dropped, "
+                              f"in {human_duration(report.seconds)}")
+        code = 0
+        if signals.requested():
+            done = "compacted (committed)" if document["performed"] else "stopped before the commit: nothing changed"
+            code = signals.report_stop(document, done, performed=document["performed"])
+        if json_output:
+            out.emit_json(document)
+    if code:
+        raise typer.Exit(code)

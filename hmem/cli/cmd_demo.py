@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -10,7 +12,8 @@ from typing import Annotated
 import numpy as np
 import typer
 
-from hmem import InvalidArgumentError, Store, StoreConfig, explain_prefix_hit, import_files, read_kv_file
+from hmem import (InvalidArgumentError, PathError, Store, StoreConfig, explain_prefix_hit, import_files,
+                  read_kv_file)
 from hmem.cli.demo_data import EMBED_DIM, PREFIX_CHUNKS, PREFIX_WINDOWS, prefix_presence, write_inputs
 from hmem.cli.options import JsonOption, QuietOption
 from hmem.cli.output import Output, human_bytes
@@ -24,6 +27,9 @@ def demo(
 ) -> None:
     """Create a store, import generated K/V files, query, evict, compact, show stats and a prefix hit."""
     out = Output(json_mode=json_output, quiet=quiet)
+    if path is not None and path.exists() and not path.is_dir():
+        raise PathError(f"{path} exists and is not a directory", path=str(path), errno=errno.ENOTDIR,
+                        strerror=os.strerror(errno.ENOTDIR), hint="give a new directory for the demo store")
     if path is not None and path.exists() and any(path.iterdir()):
         raise InvalidArgumentError(f"{path} is not empty", hint="give a new directory for the demo store")
     rng = np.random.default_rng(7)

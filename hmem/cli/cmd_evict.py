@@ -7,6 +7,7 @@ from typing import Annotated, Any
 import typer
 
 from hmem import InvalidArgumentError, Store
+from hmem.cli import signals
 from hmem.cli.options import DryRunOption, JsonOption, LockWaitOption, QuietOption, StoreArgument, YesOption
 from hmem.cli.output import Output, human_bytes
 from hmem.cli.prompts import confirm
@@ -32,26 +33,44 @@ def evict(
     out = Output(json_mode=json_output, quiet=quiet)
     if (target is None) == (keep is None):
         raise InvalidArgumentError("give exactly one of --target N or --keep SHARE")
-    with Store.open(store, read_only=dry_run, lock_wait=lock_wait) as s:
-        live = s.stats().entries
-        goal = target if target is not None else int(live * (keep or 0.0))
-        plan = s.plan_eviction(goal)
-        document: dict[str, Any] = {"store": str(store), "target_entries": goal, "entries_before": plan.entries_before,
-                    "evict": plan.count, "entry_ids": list(plan.entry_ids),
-                    "bytes_reclaimable": plan.bytes_reclaimable, "lowest_score": plan.lowest_score,
-                    "dry_run": dry_run, "evicted": 0}
-        if not plan.count:
-            out.print(f"nothing to evict: {live} entries, target {goal}")
-        elif dry_run:
-            out.print(f"would evict {plan.count} of {live} entries (scores from {plan.lowest_score:.4g}); "
-                      f"compaction would then free about {human_bytes(plan.bytes_reclaimable)}")
-            shown = ", ".join(map(str, plan.entry_ids[:20])) + (" ..." if plan.count > 20 else "")
-            out.print(f"entry ids, first to go first: {shown}")
-        elif confirm(f"evict {plan.count} of {live} entries from {store}?", yes):
-            document["evicted"] = s.evict(goal)
-            out.print(f"evicted {document['evicted']} entries; {live - document['evicted']} remain; "
-                      f"run 'hmem compact' to free about {human_bytes(plan.bytes_reclaimable)}")
-        else:
-            out.print("nothing evicted")
-    if json_output:
-        out.emit_json(document)
+    opened = Store.open(store, read_only=dry_run, lock_wait=lock_wait)  # a signal stops the lock wait at once
+    with signals.stoppable():  # a signal lets the eviction finish, or stops before it (hmem/cli/signals.py)
+        with opened as s:
+            live = s.stats().entries
+            goal = target if target is not None else int(live * (keep or 0.0))
+            plan = s.plan_eviction(goal)
+            document: dict[str, Any] = {
+                "store": str(store), "target_entries": goal, "entries_before": plan.entries_before,
+                "evict": plan.count, "entry_ids": list(plan.entry_ids), "bytes_reclaimable": plan.bytes_reclaimable,
+                "lowest_score": plan.lowest_score, "dry_run": dry_run, "evicted": 0}
+            if not plan.count:
+                out.print(f"nothing to evict: {live} entries, target {goal}")
+            elif dry_run:
+                out.print(f"would evict {plan.count} of {live} entries (scores from {plan.lowest_score:.4g}); "
+                          f"compaction would then free about {human_bytes(plan.bytes_reclaimable)}")
+                shown = ", ".join(map(str, plan.entry_ids[:20])) + (" ..." if plan.count > 20 else "")
+                out.print(f"entry ids, first to go first: {shown}")
+            elif _confirmed(f"evict {plan.count} of {live} entries from {store}?", yes):
+                document["evicted"] = s.evict(goal)
+                out.print(f"evicted {document['evicted']} entries; {live - document['evicted']} remain; "
+                          f"run 'hmem compact' to free about {human_bytes(plan.bytes_reclaimable)}")
+            else:
+                out.print("nothing evicted")
+            entries_after = s.stats().entries
+        code = 0
+        if signals.requested():
+            code = signals.report_stop(document, f"evicted {document['evicted']} entries (committed); "
+                                       f"the store holds {entries_after} entries",
+                                       evicted=document["evicted"], store_entries=entries_after)
+        if json_output:
+            out.emit_json(document)
+    if code:
+        raise typer.Exit(code)
+
+
+def _confirmed(question: str, yes: bool) -> bool:
+    """Asked at once (a signal while the question waits stops at once); a
+    signal that came before it stops the command before anything is evicted."""
+    with signals.at_once():
+        agreed = confirm(question, yes)
+    return agreed and not signals.requested()

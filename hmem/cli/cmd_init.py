@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from hmem import Store, StoreConfig
+from hmem.cli import signals
 from hmem.cli.options import JsonOption, QuietOption
 from hmem.cli.output import Output, human_bytes
 from hmem.cli.units import parse_size
@@ -22,7 +25,9 @@ def init(
     max_disk: Annotated[str, typer.Option("--max-disk", help="Bytes on disk at most (e.g. 50G); 0 = unlimited.")] = "0",
     shard_max: Annotated[str, typer.Option("--shard-max", help="Size at which a shard file is sealed.")] = "256MiB",
     max_open_shards: Annotated[int, typer.Option("--max-open-shards", help="Shard files memory-mapped at once.")] = 4,
-    quantize: Annotated[bool, typer.Option("--quantize/--no-quantize", help="Store K/V as INT8 with per-row scales.")] = False,
+    storage_dtype: Annotated[str, typer.Option("--storage-dtype", help="How K/V rows are stored: f32, f16, bf16 "
+                                               "(half the disk, exact for rows of that dtype) or int8.")] = "f32",
+    quantize: Annotated[bool, typer.Option("--quantize", help="The same as --storage-dtype int8.")] = False,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -31,16 +36,22 @@ def init(
     config = StoreConfig(
         embed_dim=embed_dim, hdc_dim=hdc_dim, seed=seed, max_entries=max_entries,
         max_disk_bytes=parse_size(max_disk, "--max-disk"), shard_max_bytes=parse_size(shard_max, "--shard-max"),
-        max_open_shards=max_open_shards, quantize_stored=quantize,
+        max_open_shards=max_open_shards, storage_dtype="int8" if quantize else storage_dtype,
     )
-    with Store.create(path, config) as store:
-        size = store.size()
-    if json_output:
-        out.emit_json({"path": str(path), "format_version": 1, "config": config.to_dict(), "bytes_on_disk": size})
-        return
-    out.print(f"created hmem store at {path}")
-    table = out.table("setting", ">value")
-    for key, value in config.to_dict().items():
-        shown = human_bytes(value) if key.endswith("_bytes") and value else value
-        table.add_row(key, "unlimited" if key.startswith("max_") and value == 0 else str(shown))
-    out.print(table)
+    with signals.stoppable():  # creating a store is short: a signal lets it finish (hmem/cli/signals.py)
+        with Store.create(path, config) as store:
+            size = store.size()
+        document = {"path": str(path), "format_version": 1, "config": config.to_dict(), "bytes_on_disk": size}
+        code = signals.report_stop(document, f"the store at {path} was created", created=True) \
+            if signals.requested() else 0
+        if json_output:
+            out.emit_json(document)
+        else:
+            out.print(f"created hmem store at {path}")
+            table = out.table("setting", ">value")
+            for key, value in dataclasses.asdict(config).items():
+                shown = human_bytes(value) if key.endswith("_bytes") and value else value
+                table.add_row(key, "unlimited" if key.startswith("max_") and value == 0 else str(shown))
+            out.print(table)
+    if code:
+        raise typer.Exit(code)

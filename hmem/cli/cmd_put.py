@@ -9,8 +9,10 @@ from typing import Annotated, Any
 
 import typer
 
-from hmem import InvalidArgumentError, Store, find_kv_files, import_files, is_store
+from hmem import LAYOUTS, InvalidArgumentError, Store, find_kv_files, import_files, is_store
+from hmem.cli import signals
 from hmem.cli.exit_codes import ExitCode
+from hmem.cli.put_report import report as _report
 from hmem.cli.options import STORE_ENV, DryRunOption, JsonOption, LockWaitOption, QuietOption
 from hmem.cli.output import Output, human_bytes
 
@@ -35,6 +37,13 @@ def put(
                                               help="Layer of entries whose tensor names carry none.")] = None,
     importance: Annotated[float | None, typer.Option("--importance", "-i", min=0.0,
                                                      help="Importance of every entry imported.")] = None,
+    layout: Annotated[str | None, typer.Option(
+        "--layout", metavar="LAYOUT", help="How per-head tensors are laid out: " + ", ".join(LAYOUTS)
+        + " (t tokens, h kv heads, d head_dim, b batch, l layers, 2 K/V); by default from the names or the "
+        "store's embed_dim.", show_default=False)] = None,
+    chunk_tokens: Annotated[int | None, typer.Option(
+        "--chunk-tokens", min=1, metavar="N", help="Store each sequence as entries of N consecutive tokens "
+        "(the last may be shorter).", show_default=False)] = None,
     dry_run: DryRunOption = False,
     lock_wait: LockWaitOption = 0.0,
     json_output: JsonOption = False,
@@ -42,58 +51,37 @@ def put(
 ) -> None:
     """Import K/V safetensors files; bad files are reported and skipped.
 
-    Each file holds one entry (tensors 'keys'/'values' or 'k'/'v'), one entry
-    per layer ('layer.{i}.k'/'layer.{i}.v'), or several entries
-    ('k_{n}'/'v_{n}'). The layer comes from such names, else --layer, else
-    the file's __metadata__ 'layer', else 0; importance from --importance,
-    else __metadata__ 'importance', else 1. F32, F16, BF16 and F64 are read.
-    Exits with code 3 when any file was skipped.
+    Tensor names (case-insensitive): 'keys'/'values' or 'k'/'v' (one pair),
+    'layer.{i}.k', 'past_key_values.{i}.key' or '.{i}.0',
+    'model.layers.{i}.self_attn.key_cache' (layer i), 'k_{n}'/'v_{n}', or one
+    'kv' (layers, 2, tokens, kv_heads, head_dim). Per-head tensors (thd, htd,
+    bhtd, bthd) become rows of kv_heads*head_dim, the store's embed_dim; each
+    batch row is its own entry. The layer comes from the names, else --layer,
+    else __metadata__ 'layer', else 0; importance from --importance, else
+    __metadata__ 'importance', else 1. Exits with code 3 when any file was
+    skipped. See docs/cli.md, "Naming conventions and layouts".
     """
     out = Output(json_mode=json_output, quiet=quiet)
+    if layout is not None and layout not in LAYOUTS:
+        raise InvalidArgumentError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     store, inputs = _store_and_inputs(paths)
-    files = find_kv_files(inputs)
+    files = find_kv_files(inputs, store=store)
     if not files:
         raise InvalidArgumentError("no .safetensors files found in " + ", ".join(map(str, inputs)))
     total = sum(p.stat().st_size for p in files if p.is_file())
     started = time.perf_counter()
-    with Store.open(store, read_only=dry_run, lock_wait=lock_wait) as s:
-        before = s.stats()
-        with out.progress("importing", total, bytes_mode=True) as bar:
-            report = import_files(s, files, layer=layer, importance=importance, dry_run=dry_run,
-                                  progress=lambda result: bar.advance(result.bytes))
-        if not dry_run:
-            s.flush()
-        after = s.stats()
-    seconds = time.perf_counter() - started
-    summary: dict[str, Any] = {
-        "store": str(store),
-        "dry_run": dry_run,
-        "files": len(report.files),
-        "files_imported": len(report.files) - len(report.skipped),
-        "files_skipped": len(report.skipped),
-        "entries_added": report.entries_added,
-        "entries_found": report.entries_found,
-        "bytes_read": report.bytes_read,
-        "bytes_written": after.bytes_on_disk - before.bytes_on_disk,
-        "shards_created": len(after.shards) - len(before.shards),
-        "seconds": seconds,
-        "skipped": [{"file": f.path, "reason": f.skipped} for f in report.skipped],
-    }
-    if json_output:
-        out.emit_json(summary)
-    else:
-        verb = "would add" if dry_run else "added"
-        found = report.entries_found if dry_run else report.entries_added
-        out.print(f"{verb} {found} entries from {summary['files_imported']} of {len(report.files)} files "
-                  f"({human_bytes(report.bytes_read)} read in {seconds:.1f} s"
-                  + (f", {human_bytes(report.bytes_read / seconds)}/s)" if seconds > 0 else ")"))
-        if not dry_run:
-            out.print(f"wrote {human_bytes(max(0, summary['bytes_written']))}, "
-                      f"{summary['shards_created']} new shard(s); the store holds {after.entries} entries")
-        if report.skipped:
-            table = out.table("skipped file", "reason")
-            for f in report.skipped:
-                table.add_row(f.path, f.skipped)
-            out.print(table)
-    if report.skipped:
-        raise typer.Exit(ExitCode.PARTIAL)
+    opened = Store.open(store, read_only=dry_run, lock_wait=lock_wait)  # a signal stops the lock wait at once
+    with signals.stoppable():  # from here a signal stops between files (hmem/cli/signals.py)
+        with opened as s:
+            before = s.stats()
+            with out.progress("importing", total, bytes_mode=True) as bar:
+                report = import_files(s, files, layer=layer, importance=importance, layout=layout,
+                                      chunk_tokens=chunk_tokens, dry_run=dry_run,
+                                      progress=lambda result: bar.advance(result.bytes),
+                                      should_stop=signals.requested)
+            if not dry_run:
+                s.flush()
+            after = s.stats()
+        code = _report(out, store, dry_run, report, before, after, time.perf_counter() - started)
+    if code:
+        raise typer.Exit(code)

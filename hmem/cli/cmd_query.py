@@ -10,8 +10,10 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
-from hmem import BadFileError, InvalidArgumentError, Store, export_results, read_tensor_file
+from hmem import BadFileError, InvalidArgumentError, Store, check_export_path, export_results, read_tensor_file
+from hmem.cli.health_view import report_skipped, skipped_json
 from hmem.cli.options import JsonOption, LockWaitOption, QuietOption, StoreArgument
+from hmem.cli.query_export import ExportLayoutOption, KvHeadsOption, check_heads, check_options
 from hmem.cli.output import Output, human_bytes, human_duration
 
 QUERY_TENSOR_NAMES = ("query", "q", "keys", "k")
@@ -49,8 +51,12 @@ def query(
     rerank: Annotated[bool, typer.Option("--rerank/--no-rerank",
                                          help="Re-rank a 4x shortlist by the exact cosine of pooled keys.")] = True,
     export: Annotated[Path | None, typer.Option("--export", help="Write the retrieved K/V to this safetensors file.")] = None,
+    export_layout: ExportLayoutOption = "entries",
+    kv_heads: KvHeadsOption = None,
     count_access: Annotated[bool, typer.Option("--count-access", help="Count the results as accesses (takes the "
                                                "write lock); by default a query from the shell only reads.")] = False,
+    skip_damaged: Annotated[bool, typer.Option("--skip-damaged", help="Leave out entries whose shard or tensors "
+                                               "are damaged (listed on stderr) and show the next best.")] = False,
     lock_wait: LockWaitOption = 0.0,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
@@ -58,13 +64,19 @@ def query(
     """Show the entries of a layer most similar to a query, best first."""
     out = Output(json_mode=json_output, quiet=quiet)
     tokens = load_query(query_file)
+    check_options(export, export_layout, kv_heads)
+    if export is not None:
+        check_export_path(export)  # a bad --export path fails before the store is touched
     started = time.perf_counter()
     with Store.open(store, read_only=not count_access, lock_wait=lock_wait) as s:
-        results = s.query(tokens, layer, top_k, rerank=rerank)
+        check_heads(s.config.embed_dim, kv_heads)
+        results = s.query(tokens, layer, top_k, rerank=rerank, on_damage="skip" if skip_damaged else "raise")
+        skipped_note = report_skipped(out, results, layer)
         seconds = time.perf_counter() - started
         exported = None
         if export is not None:
-            exported = export_results(results, export, {"layer": str(layer), "store": str(store)})
+            exported = export_results(results, export, {"layer": str(layer), "store": str(store)},
+                                      layout=export_layout, kv_heads=kv_heads)
     now = time.time_ns()
     rows: list[dict[str, Any]] = [
         {
@@ -84,7 +96,8 @@ def query(
     ]
     if json_output:
         out.emit_json({"store": str(store), "layer": layer, "top_k": top_k, "rerank": rerank,
-                       "results": rows, "export": str(export) if export else None, "seconds": seconds})
+                       "results": rows, "skipped": skipped_json(results), "export": str(export) if export else None,
+                       "seconds": seconds})
         return
     if not results:
         out.print(f"no entries in layer {layer}")
@@ -96,6 +109,7 @@ def query(
                       human_duration(max(0, now - row["timestamp_ns"]) / 1e9))
     out.print(table)
     ranked = "cosine of pooled keys" if rerank else "signature similarity"
-    out.print(f"{len(results)} result(s) from layer {layer}, ranked by {ranked}, in {human_duration(seconds)}")
+    out.print(f"{len(results)} result(s) from layer {layer}, ranked by {ranked}, in {human_duration(seconds)}"
+              + skipped_note, soft_wrap=True)
     if exported is not None:
         out.print(f"exported K/V of {len(results)} entries to {export} ({human_bytes(exported)})")

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from hmem import Store
+from hmem.cli.health_view import health_line
 from hmem.cli.options import JsonOption, QuietOption, StoreArgument
 from hmem.cli.output import Output, human_bytes
 
@@ -19,12 +20,13 @@ def stats(
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """Show entries, layers, shards, bytes on disk and what compaction would free."""
+    """Show entries, layers, shards, bytes on disk, what compaction would free, and
+    whether every shard file is there with its recorded size (the health line)."""
     out = Output(json_mode=json_output, quiet=quiet)
     with Store.open(store, read_only=True) as s:
         st = s.stats()
     if json_output:
-        out.emit_json(st.to_dict())
+        out.emit_json(st.to_dict())  # exactly the library's stats, health included (docs/cli.md)
         return
     cfg = st.config
     summary = out.table("", ">value", show_header=False)
@@ -40,12 +42,13 @@ def stats(
                     if st.reclaimable_bytes else "0 B")
     summary.add_row("accesses", str(st.total_accesses))
     summary.add_row("config", f"embed_dim {cfg.embed_dim}, hdc_dim {cfg.hdc_dim}, seed {cfg.seed}, "
-                    f"{'INT8' if cfg.quantize_stored else 'F32'}, shards up to {human_bytes(cfg.shard_max_bytes)}")
+                    f"stored as {cfg.storage_dtype}, shards up to {human_bytes(cfg.shard_max_bytes)}")
     limits = [f"max {cfg.max_entries} entries" if cfg.max_entries else "",
               f"max {human_bytes(cfg.max_disk_bytes)} on disk" if cfg.max_disk_bytes else ""]
     summary.add_row("limits", ", ".join(x for x in limits if x) or "none")
     summary.add_row("kernels", st.kernels)
     out.print(summary)
+    out.print(health_line(st.health, st.entries), markup=False, soft_wrap=True)
     if st.layers:
         layers = out.table(">layer", ">entries", title="entries per layer")
         for layer, count in st.layers.items():
@@ -54,9 +57,11 @@ def stats(
     if st.shards:
         shards = out.table(">shard", "file", ">size", ">entries", ">evicted", ">dead bytes", title="shards")
         shown = st.shards if all_shards else st.shards[:SHARD_ROWS]
+        damage = {**dict.fromkeys(st.health.missing_shards, " (missing)"),
+                  **dict.fromkeys(st.health.wrong_size_shards, " (wrong size)")}
         for sh in shown:
-            shards.add_row(str(sh.index), sh.file, human_bytes(sh.bytes), str(sh.entries), str(sh.dead_entries),
-                           human_bytes(sh.dead_bytes))
+            shards.add_row(str(sh.index), sh.file + damage.get(sh.file, ""), human_bytes(sh.bytes), str(sh.entries),
+                           str(sh.dead_entries), human_bytes(sh.dead_bytes))
         out.print(shards)
         if len(shown) < len(st.shards):
             out.print(f"... and {len(st.shards) - len(shown)} more shards (--all-shards lists them)")

@@ -28,6 +28,9 @@ def _subset(text: str | None) -> tuple[int, int] | None:
 
 
 def _next_step(codes: set[str], full: bool) -> str:
+    if "index.stale" in codes:
+        return ("index.json is older than the store's files: run 'hmem verify --repair' to roll forward "
+                "(every intact entry is kept)")
     if codes & {"index.pending", "entries.tail", "file.temp"} and len(codes) == 1:
         return "open the store for writing (any writing command) to finish what was interrupted"
     if codes <= {"file.orphan", "file.temp", "entries.tail", "index.pending", "file.foreign"}:
@@ -40,10 +43,11 @@ def verify_command(
     store: StoreArgument,
     full: Annotated[bool, typer.Option("--full", help="Also read every tensor and check its checksum.")] = False,
     subset: Annotated[str | None, typer.Option("--subset", metavar="K/N",
-                                               help="With --full, check only shards whose index is K-1 modulo N "
-                                               "(e.g. a nightly cron job with 1/7 .. 7/7).")] = None,
+                                               help="With --full (required), check only shards whose index is K-1 "
+                                               "modulo N (e.g. a nightly cron job with 1/7 .. 7/7).")] = None,
     max_seconds: Annotated[float | None, typer.Option("--max-seconds", min=0.0,
-                                                      help="With --full, stop checking tensors after this long.")] = None,
+                                                      help="With --full (required), stop checking tensors after "
+                                                      "this long; exit 3 if stopped.")] = None,
     max_findings: Annotated[int, typer.Option("--max-findings", min=1, help="List at most this many findings.")] = 50,
     do_repair: Annotated[bool, typer.Option("--repair", help="Salvage what can be saved: drop records whose data "
                                             "is lost, rebuild index.json and shards.")] = False,
@@ -59,6 +63,8 @@ def verify_command(
     --repair is given (which asks first, or --yes).
     """
     out = Output(json_mode=json_output, quiet=quiet)
+    if not full and (subset is not None or max_seconds is not None):
+        raise InvalidArgumentError("--subset and --max-seconds bound the full check: give them with --full")
     report = verify(store, full=full or do_repair, subset=_subset(subset), max_seconds=max_seconds)
     document: dict = {"verify": report.to_dict(), "repair": None}
     problems = report.problems
@@ -73,7 +79,10 @@ def verify_command(
     depth = "full" if report.full else "quick"
     checked = (f"{report.records} records, {report.shards} shards"
                + (f", {report.tensors_checked} tensors ({human_bytes(report.bytes_checked)})" if report.full else ""))
-    if not problems:
+    if not problems and not report.complete:
+        out.print(f"incomplete: the {depth} check stopped after {human_duration(report.seconds)} (--max-seconds) "
+                  f"having checked {checked}; no problem found so far")
+    elif not problems:
         out.print(f"ok: {depth} check of {checked} found no problem in {human_duration(report.seconds)}")
     else:
         errors = sum(f.severity == "error" for f in problems)
@@ -86,6 +95,8 @@ def verify_command(
             fixed = repair(store, lock_wait=lock_wait)
             document["repair"] = fixed.to_dict()
             lost = len([d for d in fixed.dropped if d[0] is not None])
+            if fixed.rolled_forward:
+                out.print("index.json was older than the store's files: rolled forward to what they hold")
             if fixed.action == "tidied":
                 out.print("repaired: finished what an interrupted writer left and removed its leftovers")
             else:
@@ -103,3 +114,5 @@ def verify_command(
         out.emit_json(document)
     if problems:
         raise typer.Exit(ExitCode.PROBLEMS_FOUND)
+    if not report.complete and document["repair"] is None:
+        raise typer.Exit(ExitCode.PARTIAL)

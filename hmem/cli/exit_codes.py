@@ -14,7 +14,10 @@ from hmem import (
     HmemError,
     InvalidArgumentError,
     KernelUnavailableError,
+    NoSpaceError,
     NotAStoreError,
+    PathError,
+    PermissionDeniedError,
     StoreLockedError,
     UnsupportedFormatError,
 )
@@ -30,6 +33,11 @@ class ExitCode(enum.IntEnum):
     LOCKED = 6  # another process holds the store's write lock
     UNSUPPORTED_FORMAT = 7  # the store's format version is unknown to this hmem
     INTERRUPTED = 130  # stopped by Ctrl-C (SIGINT)
+    NO_PERMISSION = 8  # permission denied, or a read-only file system
+    NO_SPACE = 9  # no space left on the file system (or the disk quota is used up)
+    BAD_PATH = 10  # a path is missing or of the wrong kind (a file for a directory, or the reverse)
+    BROKEN_PIPE = 141  # stdout was closed by its reader (128 + SIGPIPE, as for a standard tool)
+    TERMINATED = 143  # stopped by SIGTERM (128 + 15), at a consistent point (hmem/cli/signals.py)
 
 
 # Most specific class first: the first match wins.
@@ -38,6 +46,9 @@ ERROR_EXIT_CODES: tuple[tuple[type[BaseException], ExitCode], ...] = (
     (StoreLockedError, ExitCode.LOCKED),
     (UnsupportedFormatError, ExitCode.UNSUPPORTED_FORMAT),
     (InvalidArgumentError, ExitCode.USAGE),
+    (PermissionDeniedError, ExitCode.NO_PERMISSION),
+    (NoSpaceError, ExitCode.NO_SPACE),
+    (PathError, ExitCode.BAD_PATH),
     (KernelUnavailableError, ExitCode.FAILURE),
     (HmemError, ExitCode.FAILURE),
 )
@@ -60,6 +71,7 @@ HINT_WORDING: dict[str, str] = {
     Hint.LOCK_WAIT: "wait for it to finish, or retry with a lock wait such as --lock-wait 30",
     Hint.CREATE: "create one with 'hmem init'",
     Hint.OPEN_AGAIN: "try the command again",
+    Hint.ROLL_FORWARD: "run 'hmem verify --repair': it rolls the store forward and keeps every intact entry",
 }
 
 

@@ -6,11 +6,15 @@
   is a terminal and neither ``--json`` nor ``--quiet`` is set.
 - Colour follows Rich's detection: none when the stream is not a terminal,
   none when NO_COLOR is set.
+- A closed stdout (``hmem stats S | head -1``) ends the command quietly
+  with exit code 141 (docs/cli.md, "Exit codes").
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import json
 import os
 import sys
@@ -29,6 +33,66 @@ from rich.progress import (
 from rich.table import Table
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+class StdoutClosed(Exception):
+    """stdout's reader went away.  Not an OSError, so that Typer, which
+    would end the command with exit code 1 on a BrokenPipeError, lets it
+    through to hmem's own handler (hmem/cli/app.py)."""
+
+
+@contextlib.contextmanager
+def closed_stdout_guard() -> Iterator[None]:
+    """Turn a BrokenPipeError into StdoutClosed."""
+    try:
+        yield
+    except BrokenPipeError as exc:
+        raise StdoutClosed() from exc
+
+
+def silence_stdout() -> None:
+    """Python's recipe for a closed stdout (the signal module's "Note on
+    SIGPIPE"): point stdout at os.devnull, so that the interpreter's last
+    flush at exit does not fail again.  Rich's Console.on_broken_pipe is
+    that recipe; it opens os.devnull, which hmem's own code leaves to
+    hmem/_io.py (docs/architecture.md, rule 6)."""
+    try:
+        sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test runner's buffer): nothing to flush at exit
+        return
+    with contextlib.suppress(SystemExit):  # Rich ends the process with exit code 1 after it
+        Console().on_broken_pipe()
+
+
+def whole_writes_to_stdout() -> None:
+    """Under PYTHONUNBUFFERED (or ``python -u``) stdout's text layer writes
+    to the file itself and drops what a partial write leaves over (a pipe
+    closed mid-write): the rest of the output is lost without an error.  A
+    buffered layer in between writes everything or raises; hmem flushes
+    after each result it prints."""
+    raw = getattr(sys.stdout, "buffer", None)
+    if isinstance(raw, io.FileIO):
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(raw), encoding=sys.stdout.encoding,
+                                      errors=sys.stdout.errors, write_through=True)
+
+
+def flush_stdout() -> bool:
+    """Flush stdout; False when its reader has gone (stdout is then silenced)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        silence_stdout()
+        return False
+    except (OSError, ValueError):  # closed or not flushable: nothing more to do
+        pass
+    return True
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # Rich would exit with code 1; hmem ends with 141 (hmem/cli/app.py)
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
 
 def human_bytes(n: int | float) -> str:
@@ -63,8 +127,8 @@ class Output:
         self.quiet = quiet
         # NO_COLOR: no escape codes at all (Rich alone would still embolden).
         plain: Any = {"color_system": None} if os.environ.get("NO_COLOR") else {}
-        self.out = Console(highlight=False, **plain)
-        self.err = Console(stderr=True, highlight=False, **plain)
+        self.out = _Console(highlight=False, **plain)
+        self.err = _Console(stderr=True, highlight=False, **plain)
 
     # ---- results ---------------------------------------------------------
 

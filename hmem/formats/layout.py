@@ -1,4 +1,5 @@
-"""A store directory: the names of its files, and what each file in it is.
+"""A store directory: the names of its files, what each file in it is, and
+how hmem opens one to read it.
 
     index.json               the commit point (hmem/formats/manifest.py)
     entries.bin              one record per entry (hmem/formats/records.py)
@@ -9,6 +10,11 @@
 Anything else in the directory is foreign: hmem did not make it and leaves
 it alone.  docs/format.md, "Files", describes each; "The write protocol"
 says which leftovers a writer removes.
+
+A store's files may come from an untrusted source (docs/security.md): a
+file name read from any store file is used only when it is one of these
+names (``name_problem``); store files are opened without following
+symbolic links and only when they are regular files (hmem/_io.py).
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ INDEX_FILE = "index.json"
 LOCK_FILE = "lock"
 # ENTRIES_FILE ("entries.bin") is defined beside the record format, which
 # this module builds on (record_bytes); it is imported from here like the rest.
-FIXED_FILES = (INDEX_FILE, ENTRIES_FILE, LOCK_FILE)
+STAMP_FILE = "commit.stamp"  # hmem/formats/stamp.py
+FIXED_FILES = (INDEX_FILE, ENTRIES_FILE, LOCK_FILE, STAMP_FILE)
 SHARD_NAME = re.compile(r"^shard_(\d{4,9})\.safetensors$")
 # Compaction and repair write a store's new files under these names first
 # (docs/format.md, "Compaction").
 REWRITE_PREFIX = TEMP_PREFIX + "rewrite."
+TEMP_NAME = re.compile(r"^" + re.escape(TEMP_PREFIX) + r"[A-Za-z0-9_.-]{1,200}$")
 
-__all__ = ["ENTRIES_FILE", "FIXED_FILES", "INDEX_FILE", "LOCK_FILE", "REWRITE_PREFIX", "SHARD_NAME", "TEMP_PREFIX",
+__all__ = ["ENTRIES_FILE", "FIXED_FILES", "INDEX_FILE", "LOCK_FILE", "STAMP_FILE", "REWRITE_PREFIX", "SHARD_NAME", "TEMP_PREFIX",
            "DirectoryFiles", "classify", "directory_bytes", "record_bytes", "resolve", "shard_file", "shard_index",
            "shard_names"]
 
@@ -50,6 +58,33 @@ def shard_index(name: str) -> int | None:
     """The index a shard file name carries, or None for any other name."""
     match = SHARD_NAME.match(name)
     return int(match.group(1)) if match else None
+
+
+def name_problem(name: object, *, shard_at: int | None = None, rename: bool = False,
+                 delete: bool = False) -> str | None:
+    """Why `name`, read from a store file, is not a name that file may give,
+    or None.  `shard_at`: the name of shard number `shard_at`; `rename`: the
+    source of a pending rename (a rewrite's temporary name of a store file);
+    `delete`: a file a pending step deletes (a shard or temporary file)."""
+    if not isinstance(name, str):
+        return f"a file name must be a string, got {type(name).__name__}"
+    if not 0 < len(name) <= 255 or "/" in name or "\\" in name or "\0" in name or name in (".", ".."):
+        return f"{name!r} is not a plain file name of the store directory"
+    if shard_at is not None:
+        return None if name == shard_file(shard_at) else f"shard {shard_at} must be {shard_file(shard_at)}, not {name!r}"
+    if rename:
+        final = name[len(REWRITE_PREFIX):] if name.startswith(REWRITE_PREFIX) else ""
+        return None if final == ENTRIES_FILE or SHARD_NAME.match(final) else f"{name!r} is no rewrite's file"
+    if delete:
+        return None if SHARD_NAME.match(name) or TEMP_NAME.match(name) else f"{name!r} is not a file hmem deletes"
+    return None if name in FIXED_FILES or SHARD_NAME.match(name) else f"{name!r} is not a store file"
+
+
+def is_store(path: str | os.PathLike) -> bool:
+    """Whether `path` is a directory holding an hmem store (it has an
+    index.json; whether that is sound is verify's question)."""
+    root = Path(path)
+    return root.is_dir() and (root / INDEX_FILE).is_file()
 
 
 def record_bytes(signature_bytes: int) -> int:
@@ -79,9 +114,18 @@ class DirectoryFiles:
         return sorted(n for n in self.temporary + self.unnamed_shards if n not in self.irregular)
 
     @property
+    def unsafe(self) -> list[str]:
+        """Committed names that are not regular files (a symbolic link, a
+        named pipe, a directory): hmem reads and writes none of them, and a
+        writer refuses the store (docs/security.md)."""
+        return sorted(n for n in self.committed if n in self.irregular)
+
+    @property
     def foreign(self) -> list[str]:
-        """Everything else the commit does not name: hmem leaves it alone."""
-        return sorted(self.others + [n for n in self.temporary + self.unnamed_shards if n in self.irregular])
+        """Everything else, which hmem did not make and leaves alone: what
+        the commit does not name, and the unsafe files."""
+        return sorted(self.others + self.unsafe
+                      + [n for n in self.temporary + self.unnamed_shards if n in self.irregular])
 
 
 def classify(root: Path, shards: Iterable[ShardInfo] = (), pending: Pending | None = None) -> DirectoryFiles:

@@ -27,13 +27,22 @@ import numpy as np
 from hmem import _io
 from hmem._version import __version__
 from hmem.config import StoreConfig
-from hmem.errors import CorruptStoreError, Hint, NotAStoreError, UnsupportedFormatError
-from hmem.formats.layout import INDEX_FILE, record_bytes
+from hmem.errors import CorruptStoreError, Hint, NotAStoreError, UnsupportedFormatError, storage_error
+from hmem.formats.layout import INDEX_FILE, REWRITE_PREFIX, name_problem, record_bytes
 from hmem.formats.records import UPDATE_DTYPE
+from hmem.formats.shard_file import INDEX_ROW_BYTES
 from hmem.kernels import checksum as checksum_kernels
 
 FORMAT_NAME = "hmem-store"
 FORMAT_VERSION = 1
+# Bounds of what index.json may claim (docs/security.md): far past any real
+# store, small enough that nothing sized by them exhausts a machine.
+MAX_INDEX_BYTES = 1 << 30
+MAX_COUNT = (1 << 63) - 1
+MAX_RECORDS = 1 << 40
+MAX_SHARDS = 1 << 22
+MAX_FILE_BYTES = 1 << 50
+MAX_DEPTH = 16  # lists and objects within each other; hmem's own go 3 deep
 
 
 def _now() -> str:
@@ -136,10 +145,12 @@ def read_bytes(store_dir: Path) -> bytes:
         raise NotAStoreError(f"{store_dir} is not a directory holding an hmem store",
                              hint=Hint.CREATE)
     try:
-        return (store_dir / INDEX_FILE).read_bytes()
+        return _io.read_regular(store_dir / INDEX_FILE, MAX_INDEX_BYTES)
     except FileNotFoundError:
         raise NotAStoreError(f"{store_dir} holds no hmem store (no {INDEX_FILE})",
                              hint=Hint.CREATE) from None
+    except OSError as exc:  # permissions, a disk error: docs/reliability.md, "OS errors"
+        raise storage_error(exc, "read", store_dir / INDEX_FILE, writing=False) from exc
 
 
 def parse(store_dir: Path, data: bytes) -> Manifest:
@@ -148,11 +159,13 @@ def parse(store_dir: Path, data: bytes) -> Manifest:
     where = store_dir / INDEX_FILE
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: "[[[[...": docs/security.md
         raise CorruptStoreError(f"{where} is not valid JSON",
                                 hint=Hint.REPAIR) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise NotAStoreError(f"{where} is not an hmem store index")
+    if _nested_past(doc, MAX_DEPTH):  # what reads it (the checksum's json.dumps) recurses
+        raise CorruptStoreError(f"{where} nests values deeper than an index.json does", hint=Hint.VERIFY)
     version = doc.get("format_version")
     if type(version) is not int or version != FORMAT_VERSION:
         raise UnsupportedFormatError(
@@ -178,12 +191,68 @@ def parse(store_dir: Path, data: bytes) -> Manifest:
         )
     except (UnsupportedFormatError, CorruptStoreError):
         raise
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e400)
         raise CorruptStoreError(f"{where} is missing or has a malformed field ({exc})",
                                 hint=Hint.REPAIR) from None
     if doc.get("record_size") != record_bytes(config.signature_bytes):
         raise CorruptStoreError(f"{where} gives a record size that does not match hdc_dim")
+    problem = _problem(doc, manifest)
+    if problem is not None:  # a crafted or damaged index.json: docs/security.md
+        raise CorruptStoreError(f"{where}: {problem}", hint=Hint.VERIFY)
     return manifest
+
+
+def _problem(doc: dict[str, Any], mf: Manifest) -> str | None:
+    """What in a decoded index.json lies outside what hmem ever writes:
+    names that are not the store's own, numbers past any sane bound."""
+    for key, high in (("generation", MAX_COUNT), ("next_entry_id", MAX_COUNT), ("record_count", MAX_RECORDS)):
+        if not _whole(doc[key], high):
+            return f"{key} {doc[key]!r} is not a whole number up to {high}"
+    if not isinstance(doc["shards"], list) or len(doc["shards"]) > MAX_SHARDS:
+        return f"it lists more than {MAX_SHARDS} shards"
+    for i, (raw, info) in enumerate(zip(doc["shards"], mf.shards)):
+        why = name_problem(raw.get("file"), shard_at=i)
+        if why is not None:
+            return why
+        if not all(_whole(raw.get(k), MAX_FILE_BYTES) for k in ("bytes", "entries", "dead_entries", "dead_bytes")):
+            return f"shard {info.file} has a size or count that is not a whole number in range"
+        if not _whole(raw.get("index_crc"), 0xFFFFFFFF) or not _is_uid(raw.get("uid")):
+            return f"shard {info.file} has a malformed uid or index checksum"
+        # (dead_bytes is an estimate that may pass the file's size: not bounded by it)
+        if info.entries > info.bytes // INDEX_ROW_BYTES or info.dead_entries > info.entries:
+            return f"shard {info.file} claims more entries than its size allows"
+    for src, dst in mf.pending.renames:
+        why = name_problem(src, rename=True)
+        if why is not None or dst != src[len(REWRITE_PREFIX):]:
+            return why or f"a pending rename of {src!r} to {dst!r} is not one hmem makes"
+    for name in mf.pending.deletes:
+        why = name_problem(name, delete=True)
+        if why is not None:
+            return why
+    updates = mf.pending.record_updates
+    if len(updates) and int(updates["position"].max()) >= mf.record_count:
+        return "a pending record update names a record past record_count"
+    return None
+
+
+def _nested_past(value: Any, limit: int) -> bool:
+    """Whether lists and objects in `value` nest deeper than `limit` (looked
+    at level by level, without recursion)."""
+    level = [value]
+    for _ in range(limit):
+        level = [item for v in level if isinstance(v, (dict, list))
+                 for item in (v.values() if isinstance(v, dict) else v)]
+        if not level:
+            return False
+    return any(isinstance(v, (dict, list)) for v in level)
+
+
+def _whole(value: Any, high: int) -> bool:
+    return type(value) is int and 0 <= value <= high
+
+
+def _is_uid(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
 
 
 def load(store_dir: Path) -> Manifest:

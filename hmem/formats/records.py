@@ -21,11 +21,13 @@ checksum of a committed record ever change, and they are adjacent (bytes
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 
-from hmem.errors import CorruptStoreError, Hint
+from hmem import _io
+from hmem.errors import CorruptStoreError, Hint, storage_error
 from hmem.kernels import checksum as checksum_kernels
 
 ENTRIES_FILE = "entries.bin"  # the store directory's files are listed in hmem/formats/layout.py
@@ -83,22 +85,47 @@ def damaged(records: np.ndarray) -> np.ndarray:
     return np.flatnonzero(checksums(records) != records["checksum"])
 
 
+def problem(records: np.ndarray, shard_count: int, next_entry_id: int) -> str | None:
+    """What in records that pass their checksums breaks the format (ids
+    strictly increasing and below next_entry_id, each live record naming a
+    shard of the commit), or None.  A crafted store can reseal any record
+    (docs/security.md): verify reports these as record.order, record.id and
+    record.shard."""
+    ids = records["entry_id"]
+    if len(ids) > 1 and not np.all(ids[1:] > ids[:-1]):
+        return "entry ids are not strictly increasing"
+    if len(ids) and int(ids[-1]) >= next_entry_id:
+        return f"entry id {int(ids[-1])} is not below next_entry_id {next_entry_id}"
+    shard = records["shard_idx"]
+    bad = np.flatnonzero((shard != EVICTED) & (shard >= shard_count))
+    if len(bad):
+        return f"record {int(bad[0])} names shard {int(shard[bad[0]])}, which the store does not have"
+    return None
+
+
 def read(path: Path, count: int, signature_bytes: int) -> np.ndarray:
     """The first `count` records of entries.bin (bytes past them are ignored)."""
     dtype = record_dtype(signature_bytes)
     try:
-        size = path.stat().st_size
+        fd = _io.open_regular(path)
     except FileNotFoundError:
         if count == 0:
             return empty(0, signature_bytes)
         raise CorruptStoreError(f"{path} is missing but the store commits {count} records",
                                 hint=Hint.VERIFY) from None
-    if size < count * dtype.itemsize:
-        raise CorruptStoreError(
-            f"{path} holds {size // dtype.itemsize} whole records but the store commits {count}",
-            hint=Hint.VERIFY,
-        )
-    return np.fromfile(path, dtype=dtype, count=count)
+    except OSError as exc:  # permissions, a disk error: docs/reliability.md, "OS errors"
+        raise storage_error(exc, "read", path, writing=False) from exc
+    with open(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size < count * dtype.itemsize:  # checked before anything is allocated for them
+            raise CorruptStoreError(
+                f"{path} holds {size // dtype.itemsize} whole records but the store commits {count}",
+                hint=Hint.VERIFY,
+            )
+        try:
+            return np.fromfile(f, dtype=dtype, count=count)
+        except OSError as exc:
+            raise storage_error(exc, "read", path, writing=False) from exc
 
 
 def updates_for(records: np.ndarray, positions: np.ndarray) -> np.ndarray:

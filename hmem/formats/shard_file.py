@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from hmem import _io
 from hmem.errors import CorruptStoreError, Hint
 from hmem.formats import safetensors
 from hmem.formats.layout import SHARD_NAME as SHARD_NAME, shard_file as shard_file  # named in layout
@@ -43,6 +44,8 @@ from hmem.kernels import checksum as checksum_kernels
 SHARD_FORMAT = "hmem-shard"
 SHARD_FORMAT_VERSION = "1"
 CRC_PREFIX = "crc32c:"
+META_PREFIX = "meta:"  # + entry id: that entry's metadata, a JSON object (docs/format.md, "Shards")
+META_MAX_BYTES = 4096  # an entry's metadata as JSON, at most
 
 INDEX_TENSOR = "hmem_index"
 INDEX_MAGIC = int.from_bytes(b"HMEMIDX1", "little")
@@ -50,7 +53,13 @@ INDEX_VERSION = 1
 INDEX_COLUMNS = 12
 KINDS = ("k", "v", "p", "ks", "vs")  # index columns 2-6 (offsets) and 7-11 (CRCs)
 
-DTYPES: dict[str, np.dtype] = {name: safetensors.NUMPY_DTYPES[name] for name in ("F32", "I8", "I64")}
+DTYPES: dict[str, np.dtype] = {name: safetensors.NUMPY_DTYPES[name] for name in ("F32", "F16", "I8", "I64")}
+# numpy has no bfloat16: a BF16 tensor is held as its raw 16-bit words (a
+# bfloat16 is the top half of a float32).  No shard holds U16 tensors, so the
+# raw words' dtype names BF16 here without ambiguity.
+DTYPES["BF16"] = np.dtype("<u2")
+# The dtype of an entry's keys and values for each storage_dtype (StoreConfig).
+KV_DTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "int8": "I8"}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _ITEM_SIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # Upper bound of one tensor's share of the JSON header: its entry with
@@ -60,12 +69,17 @@ HEADER_FIXED_BYTES = 256 + INDEX_COLUMNS * 8  # the metadata, the length word, t
 INDEX_ROW_BYTES = INDEX_COLUMNS * 8
 
 
-def entry_bytes(n_tokens: int, embed_dim: int, quantized: bool) -> int:
+def kinds(storage: str) -> tuple[str, ...]:
+    """The tensor kinds an entry has in a store of this storage_dtype."""
+    return KINDS if storage == "int8" else KINDS[:3]
+
+
+def entry_bytes(n_tokens: Any, embed_dim: int, storage: str) -> Any:
     """Tensor bytes one entry adds to a shard (keys, values, pooled key,
-    scales), not counting its index row and header entries."""
-    if quantized:
-        return 2 * n_tokens * embed_dim + 4 * embed_dim + 2 * 4 * n_tokens
-    return 2 * 4 * n_tokens * embed_dim + 4 * embed_dim
+    scales), not counting its index row and header entries (an int, or an
+    array for an array of n_tokens)."""
+    kv = 2 * DTYPES[KV_DTYPES[storage]].itemsize * n_tokens * embed_dim + 4 * embed_dim
+    return kv + 2 * 4 * n_tokens if storage == "int8" else kv
 
 
 # How a shard's damaged header is worded (verify reports these).
@@ -116,10 +130,10 @@ class ShardScan:
     problems: list[tuple[str, str]]  # (finding code, message)
 
 
-def tensor_layout(kind: str, n_tokens: int, embed_dim: int, quantized: bool) -> tuple[np.dtype, tuple[int, ...]]:
-    """dtype and shape of one tensor of an entry."""
+def tensor_layout(kind: str, n_tokens: int, embed_dim: int, storage: str) -> tuple[np.dtype, tuple[int, ...]]:
+    """dtype and shape of one tensor of an entry in a store of this storage_dtype."""
     if kind in ("k", "v"):
-        return (DTYPES["I8"] if quantized else DTYPES["F32"]), (n_tokens, embed_dim)
+        return DTYPES[KV_DTYPES[storage]], (n_tokens, embed_dim)
     return DTYPES["F32"], ((embed_dim,) if kind == "p" else (n_tokens,))
 
 
@@ -128,7 +142,7 @@ _MAGIC_BYTES = INDEX_MAGIC.to_bytes(8, "little")
 
 def shard_metadata(path: Path) -> dict[str, str]:
     """The __metadata__ of a shard file (raises CorruptStoreError)."""
-    with open(path, "rb") as f:
+    with open(_io.open_regular(path), "rb") as f:  # no link, a regular file: docs/security.md
         size = f.seek(0, 2)
         if size < 8:
             raise CorruptStoreError(f"shard {path.name} is too short to be safetensors")
@@ -158,11 +172,11 @@ def _find_index(buf: Any, data_start: int | None) -> tuple[np.ndarray | None, in
     return None, -1
 
 
-def scan_shard(path: Path, *, embed_dim: int, quantized: bool, index_crc: int | None = None) -> ShardScan:
+def scan_shard(path: Path, *, embed_dim: int, storage: str, index_crc: int | None = None) -> ShardScan:
     """Read a shard without trusting its header or its index.  `index_crc`
     is what index.json records for the index (None when it is lost)."""
     problems: list[tuple[str, str]] = []
-    with open(path, "rb") as f:
+    with open(_io.open_regular(path), "rb") as f:  # no link, a regular file: docs/security.md
         size = f.seek(0, 2)
         buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
     metadata: dict[str, str] = {}
@@ -205,7 +219,7 @@ def scan_shard(path: Path, *, embed_dim: int, quantized: bool, index_crc: int | 
             offset = int(row[2 + column])
             if offset < 0:
                 continue
-            dtype, shape = tensor_layout(kind, n_tokens, embed_dim, quantized)
+            dtype, shape = tensor_layout(kind, n_tokens, embed_dim, storage)
             start = index_start + offset
             end = start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             from_index[(entry_id, kind)] = (dtype, shape, start, end, int(row[7 + column]))

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from hmem import _io
 from hmem.config import StoreConfig
-from hmem.errors import CorruptStoreError, HmemError, InvalidArgumentError, NotAStoreError
-from hmem.formats import layout, manifest, records, shard_file
+from hmem.errors import CorruptStoreError, HmemError, InvalidArgumentError, NotAStoreError, UnsupportedFormatError
+from hmem.formats import layout, manifest, records, shard_file, stamp
 from hmem.formats.layout import ENTRIES_FILE
 from hmem.formats.records import EVICTED
 from hmem.kernels import checksum as checksum_kernels
@@ -63,7 +64,8 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        """No problem found, and everything asked for was checked."""
+        return not self.problems and self.complete
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -81,7 +83,7 @@ class _Collector:
 
 
 def _kinds(config: StoreConfig) -> tuple[str, ...]:
-    return shard_file.KINDS if config.quantize_stored else shard_file.KINDS[:3]
+    return shard_file.kinds(config.storage_dtype)
 
 
 def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | None = None,
@@ -92,20 +94,31 @@ def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | No
     if not root.is_dir() or not any((root / name).exists() for name in (layout.INDEX_FILE, ENTRIES_FILE)) \
             and not layout.shard_names(root):
         raise NotAStoreError(f"{root} holds no hmem store", hint="check the path")
+    if not full and (subset is not None or max_seconds is not None):
+        raise InvalidArgumentError("subset and max_seconds bound the full check: give them with full=True")
+    if max_seconds is not None and not max_seconds >= 0:
+        raise InvalidArgumentError(f"max_seconds must be >= 0, got {max_seconds}")
     if subset is not None:
         k, n = subset
         if not (isinstance(k, int) and isinstance(n, int) and 1 <= k <= n):
             raise InvalidArgumentError(f"subset must be k/n with 1 <= k <= n, got {k}/{n}")
     out = _Collector()
     mf = _check_index(root, out)
+    files = layout.classify(root, mf.shards if mf else (), mf.pending if mf else None)
+    for name in files.unsafe:  # never read: docs/security.md
+        out.add("file.unsafe", ERROR, name, "a symbolic link or not a regular file in place of a store file: "
+                "hmem reads and writes nothing through it", "a regular file")
     loaded = np.zeros(0)
     scans: dict[int, shard_file.ShardScan] = {}
     tensors = nbytes = 0
     complete = True
     if mf is not None:
-        loaded = _check_records(root, mf, out)
+        evidence = stamp.stale_evidence(root, mf)
+        if evidence is not None:
+            out.add("index.stale", ERROR, layout.INDEX_FILE, evidence, "an index.json as new as the store's files")
+        loaded = _check_records(root, mf, out, stale=evidence is not None)
         scans = _check_shards(root, mf, loaded, out)
-        _check_directory(root, mf, out)
+        _check_directory(root, mf, out, stale=evidence is not None)
         if full:
             tensors, nbytes, complete = _check_tensors(root, mf, loaded, scans, out, subset, max_seconds, started)
             if not complete:
@@ -125,7 +138,9 @@ def _check_index(root: Path, out: _Collector) -> manifest.Manifest | None:
         code = "index.checksum" if "checksum" in exc.message else "index.unreadable"
         out.add(code, ERROR, name, exc.message)
         return None
-    except HmemError as exc:  # unsupported format or config
+    except UnsupportedFormatError:
+        raise  # a newer hmem's store: nothing here can judge it (docs/reliability.md)
+    except HmemError as exc:
         out.add("index.format", ERROR, name, exc.message, f"format version {manifest.FORMAT_VERSION}")
         return None
     if mf.pending:
@@ -133,10 +148,12 @@ def _check_index(root: Path, out: _Collector) -> manifest.Manifest | None:
     return mf
 
 
-def _check_records(root: Path, mf: manifest.Manifest, out: _Collector) -> np.ndarray:
+def _check_records(root: Path, mf: manifest.Manifest, out: _Collector, *, stale: bool) -> np.ndarray:
     path = layout.resolve(root, ENTRIES_FILE, mf.pending)
     size = layout.record_bytes(mf.config.signature_bytes)
     committed = mf.record_count * size
+    if _unsafe(path):
+        return records.empty(0, mf.config.signature_bytes)  # file.unsafe
     try:
         actual = path.stat().st_size
     except FileNotFoundError:
@@ -146,10 +163,12 @@ def _check_records(root: Path, mf: manifest.Manifest, out: _Collector) -> np.nda
         out.add("entries.truncated", ERROR, ENTRIES_FILE,
                 f"holds {actual // size} whole records of {mf.record_count} committed", f"{committed} bytes")
     elif actual > committed:
-        out.add("entries.tail", WARNING, ENTRIES_FILE,
-                f"{actual - committed} bytes past the committed records (an interrupted flush; a writer removes them)")
+        why = ("newer records the stale index.json does not name; repair keeps them" if stale
+               else "an interrupted flush; a writer removes them")
+        out.add("entries.tail", WARNING, ENTRIES_FILE, f"{actual - committed} bytes past the committed records ({why})")
     count = min(actual // size, mf.record_count)
-    loaded = np.fromfile(path, dtype=records.record_dtype(mf.config.signature_bytes), count=count)
+    with open(_io.open_regular(path), "rb") as f:
+        loaded = np.fromfile(f, dtype=records.record_dtype(mf.config.signature_bytes), count=count)
     records.apply_updates(loaded, mf.pending.record_updates)
     for pos in records.damaged(loaded):
         out.add("record.checksum", ERROR, ENTRIES_FILE, f"record {int(pos)} fails its checksum",
@@ -175,6 +194,8 @@ def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
     live[records.damaged(loaded)] = False  # a damaged record's fields mean nothing
     for idx, info in enumerate(mf.shards):
         path = layout.resolve(root, info.file, mf.pending)
+        if _unsafe(path):
+            continue  # file.unsafe
         if not path.exists():
             out.add("shard.missing", ERROR, info.file, "the shard file is missing",
                     f"{info.bytes} bytes holding {info.entries} entries")
@@ -182,7 +203,7 @@ def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
         size = path.stat().st_size
         if size != info.bytes:
             out.add("shard.size", ERROR, info.file, f"{size} bytes", f"{info.bytes} bytes")
-        scan = shard_file.scan_shard(path, embed_dim=mf.config.embed_dim, quantized=mf.config.quantize_stored,
+        scan = shard_file.scan_shard(path, embed_dim=mf.config.embed_dim, storage=mf.config.storage_dtype,
                                  index_crc=info.index_crc)
         scans[idx] = scan
         for code, message in scan.problems:
@@ -210,11 +231,18 @@ def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
 _TEMP_NOTE = ("file.temp", WARNING, "a temporary file of an interrupted writer (the next writer removes it)")
 _ORPHAN_NOTE = ("file.orphan", WARNING, "a shard file no commit names ('hmem compact' removes it)")
 _FOREIGN_NOTE = ("file.foreign", INFO, "a file hmem did not make (left alone)")
+_NEWER_NOTE = ("file.orphan", WARNING, "a shard file the stale index.json does not name (repair keeps its entries)")
 
 
-def _check_directory(root: Path, mf: manifest.Manifest, out: _Collector) -> None:
+def _unsafe(path: Path) -> bool:
+    """A link, or an entry that is not a regular file (reported as file.unsafe)."""
+    return path.is_symlink() or (path.exists() and not path.is_file())
+
+
+def _check_directory(root: Path, mf: manifest.Manifest, out: _Collector, *, stale: bool) -> None:
     files = layout.classify(root, mf.shards, mf.pending)
-    notes = {**{name: _TEMP_NOTE for name in files.temporary}, **{name: _ORPHAN_NOTE for name in files.unnamed_shards},
+    orphan = _NEWER_NOTE if stale else _ORPHAN_NOTE
+    notes = {**{name: _TEMP_NOTE for name in files.temporary}, **{name: orphan for name in files.unnamed_shards},
              **{name: _FOREIGN_NOTE for name in files.others}}
     for name in sorted(notes):
         code, severity, message = notes[name]
@@ -232,8 +260,8 @@ def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans:
             continue
         info = mf.shards[idx]
         rows = np.flatnonzero(good & (loaded["shard_idx"] == idx))
-        with open(layout.resolve(root, info.file, mf.pending), "rb") as f:
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if info.bytes else b""
+        with open(_io.open_regular(layout.resolve(root, info.file, mf.pending)), "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if scan.size else b""
         for pos in rows.tolist():
             if max_seconds is not None and time.perf_counter() - started > max_seconds:
                 return checked, nbytes, False
@@ -244,7 +272,7 @@ def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans:
                     continue  # reported by the quick check
                 dtype, shape, start, end, crc = spec
                 want_dtype, want_shape = shard_file.tensor_layout(kind, n_tokens, mf.config.embed_dim,
-                                                              mf.config.quantize_stored)
+                                                              mf.config.storage_dtype)
                 name = f"{kind}_{entry_id}"
                 if dtype != want_dtype or tuple(shape) != want_shape:
                     out.add("tensor.shape", ERROR, info.file, f"{name} is {dtype} {list(shape)}",
@@ -264,6 +292,6 @@ def config_from_shards(root: Path) -> StoreConfig | None:
     for path in (root / name for name in layout.shard_names(root)):
         try:
             return StoreConfig.from_dict(json.loads(shard_file.shard_metadata(path)["store_config"]))
-        except (KeyError, ValueError, HmemError, OSError):
+        except (KeyError, TypeError, ValueError, RecursionError, HmemError, OSError):  # any text: docs/security.md
             continue
     return None

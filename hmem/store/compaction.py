@@ -91,47 +91,56 @@ class Compaction:
         live = state.live_positions()
         sizes = np.asarray(state.entry_file_bytes(state.records["n_tokens"][live].astype(np.int64)), dtype=np.int64)
         deletes = [info.file for info in state.shards] + orphans
+        generation = state.committed.generation
         try:
             mf, new_records = rewrite.rewrite(
                 state.path, state.committed, state.records[live], [self._sources(int(p)) for p in live], sizes,
                 deletes, arenas=state.arenas, config_json=state.config_json, crash_prefix="compact",
                 progress=progress)
-        except BaseException:
+            state.cache.drop()
+            state.adopt(mf, None, new_records)
+        except BaseException:  # an interrupt included
             try:
-                committed = manifest.load(state.path).generation != state.committed.generation
+                committed = manifest.load(state.path).generation != generation
             except HmemError:
                 committed = True
             if committed:
-                # Committed, but memory still holds the old layout: close;
-                # opening the store again finishes the job.
+                # Committed, but memory may still hold the old layout (or
+                # part of the new one): close; opening the store again
+                # finishes the job.
                 state.shut()
+            else:
+                # The old state stands (everything was flushed above) and the
+                # Store stays usable: drop the new files written so far.
+                try:
+                    rewrite.remove_leftovers(state.path, state.committed)
+                except OSError:
+                    pass  # the next writer removes them
             raise
-        state.cache.drop()
-        state.adopt(mf, None, new_records)
         after = layout.directory_bytes(state.path)
         return CompactionReport(True, "compacted", shards_before, len(mf.shards), before, after,
                                 max(0, before - after), state.n, plan.evicted_records, len(orphans),
                                 time.perf_counter() - started)
 
-    def _sources(self, pos: int) -> Callable[[], rewrite.TensorSources]:
+    def _sources(self, pos: int) -> Callable[[], rewrite.EntrySource]:
         """Where the tensors of record `pos` lie; each is checked against its
         CRC as it is copied (compaction must never carry damage over)."""
         state = self.state
-        kinds = shard_file.KINDS if state.config.quantize_stored else shard_file.KINDS[:3]
+        kinds = shard_file.kinds(state.config.storage_dtype)
 
-        def locate() -> rewrite.TensorSources:
+        def locate() -> rewrite.EntrySource:
             row = state.records[pos]
             entry_id = int(row["entry_id"])
             reader = self.reader.shard(int(row["shard_idx"]))
             found = {}
             for kind in kinds:
                 dtype, shape = shard_file.tensor_layout(kind, int(row["n_tokens"]), state.config.embed_dim,
-                                                        state.config.quantize_stored)
+                                                        state.config.storage_dtype)
                 nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
                 crc = reader.crc(entry_id, kind)
                 where = reader.file_range(entry_id, kind, nbytes)
                 found[kind] = (dtype, shape, where._replace(check=_crc_check(crc, f"{kind}_{entry_id}", where)), crc)
-            return found
+            return found, reader.meta(entry_id)
         return locate
 
 

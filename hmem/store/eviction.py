@@ -14,7 +14,8 @@ from hmem.store.compaction import Compaction
 from hmem.store.policy import eviction_order, scores
 from hmem.store.results import EvictionPlan
 from hmem.store.state import StoreState
-from hmem.store.writer import PreparedEntry, Writer
+from hmem.store.prepare import PreparedEntry
+from hmem.store.writer import Writer
 
 DISK_LOW_WATER = 0.9  # a put past max_disk_bytes makes room down to this share, then compacts
 FIXED_OVERHEAD_BYTES = 16 * 1024  # index.json, the lock and a shard's fixed header, at most

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from hmem import _io
-from hmem.errors import Hint, StoreLockedError
+from hmem.errors import Hint, HmemError, StoreLockedError
 
 from hmem.formats.layout import LOCK_FILE  # noqa: F401  (lock.LOCK_FILE stays importable)
 _POLL_SECONDS = 0.05
@@ -34,11 +34,14 @@ def _owner_record() -> bytes:
     ).encode()
 
 
+OWNER_RECORD_BYTES = 4096  # an owner record is a few hundred bytes; a larger lock file is not read
+
+
 def read_owner(store_dir: Path) -> dict | None:
     """The owner record of the lock file, if one is readable."""
     try:
-        data = json.loads((store_dir / LOCK_FILE).read_text() or "null")
-    except (OSError, ValueError):
+        data = json.loads(_io.read_regular(store_dir / LOCK_FILE, OWNER_RECORD_BYTES) or b"null")
+    except (OSError, ValueError, RecursionError, HmemError):  # any bytes may be there: docs/security.md
         return None
     return data if isinstance(data, dict) else None
 

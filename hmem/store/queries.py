@@ -1,22 +1,34 @@
 """Similarity queries: rank a layer's entries by signature, re-rank a
 shortlist by the exact cosine of pooled keys, and count accesses
-(docs/format.md, "Signatures")."""
+(docs/format.md, "Signatures").
+
+With ``on_damage="skip"`` a query answers as if its layer held only the
+entries it can read: an entry whose shard is missing, of the wrong size or
+fails its index check, or whose tensor fails its CRC-32C, is left out, the
+next best takes its place, and the query reports what it left out
+(docs/reliability.md, "Degraded reads")."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
 from hmem import validation
+from hmem.errors import CorruptStoreError
+from hmem.formats import layout
 from hmem.store.projection import similarity
 from hmem.store.reading import EntryReader
-from hmem.store.results import QueryResult, as_framework
+from hmem.store.results import QueryResult, QueryResults, SkippedEntry, as_framework
 from hmem.store.state import StoreState
 from hmem.store.tensors import as_rows
 
 FRAMEWORKS = ("numpy", "torch")
+ON_DAMAGE = ("raise", "skip")
+
+T = TypeVar("T")
 
 
 class Queries:
@@ -27,38 +39,76 @@ class Queries:
         self.reader = reader
 
     def query(self, query: Any, layer_idx: int, top_k: int, *, rerank: bool, shortlist_factor: int,
-              framework: str, count_access: bool) -> list[QueryResult]:
+              framework: str, count_access: bool, on_damage: str = "raise") -> QueryResults:
         """See Store.query."""
         state = self.state
         q = as_rows(query, "query", state.config.embed_dim, allow_vector=True)
         layer = validation.layer_index(layer_idx)
         k = validation.top_k(top_k)
         validation.choice(framework, "framework", FRAMEWORKS)
+        # "skip" checks every tensor it hands out, verify_reads or not: a
+        # skipped entry is one whose damage was seen, so one never seen must
+        # have been checked (docs/reliability.md, "Degraded reads").
+        skipped: dict[int, SkippedEntry] | None = \
+            {} if validation.choice(on_damage, "on_damage", ON_DAMAGE) == "skip" else None
+        check = True if skipped is not None else None
         factor = validation.integer(shortlist_factor, "shortlist_factor", low=1) if rerank else 1
         signature, q_mean = state.projector.signature_and_mean(q)
-        positions, dists = state.index.search(layer, signature, k * factor)
-        sims = np.asarray(similarity(dists, state.config.hdc_dim))
-        cosines: np.ndarray | None = None
-        if rerank and len(positions):
-            cosines = self._cosines(positions, q_mean)
-            order = np.lexsort((state.records["entry_id"][positions], -cosines))[:k]
-            positions, sims, cosines = positions[order], sims[order], cosines[order]
+        while True:  # each pass that finds damage leaves more out, so this ends
+            positions, sims = self._shortlist(layer, signature, k * factor, skipped)
+            cosines: np.ndarray | None = None
+            if rerank and len(positions):
+                pooled = self._read_all(positions, lambda pos: self.reader.tensor(pos, "p", check=check), skipped)
+                if pooled is None:
+                    continue
+                cosines = _cosines(pooled, q_mean)
+                order = np.lexsort((state.records["entry_id"][positions], -cosines))[:k]
+                positions, sims, cosines = positions[order], sims[order], cosines[order]
+            kv = self._read_all(positions, lambda pos: self.reader.kv(pos, check=check), skipped)
+            if kv is not None:
+                break
         results = [self._result(int(pos), float(sims[i]), None if cosines is None else float(cosines[i]),
-                                framework) for i, pos in enumerate(positions)]
+                                kv[i], framework) for i, pos in enumerate(positions)]
         if count_access and not state.read_only and len(positions):
             self.count_access(positions)
             results = [dataclasses.replace(r, access_count=int(state.records["access_count"][pos]))
                        for r, pos in zip(results, positions)]
-        return results
+        return QueryResults(results, () if skipped is None else skipped.values())
 
-    def _cosines(self, positions: np.ndarray, target: np.ndarray) -> np.ndarray:
-        # Row by row with numpy's own reduction (not a BLAS product, whose
-        # rounding depends on a row's place in the block): an entry's cosine
-        # is the same whatever the other candidates, and equal keys tie.
-        pooled = np.stack([self.reader.tensor(int(pos), "p") for pos in positions]).astype(np.float64)
-        norms = np.sqrt((pooled * pooled).sum(axis=1)) * np.sqrt((target * target).sum())
-        dots = (pooled * target).sum(axis=1)
-        return np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0)
+    def _shortlist(self, layer: int, signature: np.ndarray, n: int,
+                   skipped: dict[int, SkippedEntry] | None) -> tuple[np.ndarray, np.ndarray]:
+        """(record positions, similarities) of the `n` entries of the layer
+        nearest by signature, the skipped ones left out (so the next take
+        their places: the order is the same total order either way)."""
+        state = self.state
+        positions, dists = state.index.search(layer, signature, n + (len(skipped) if skipped else 0))
+        if skipped:
+            keep = ~np.isin(positions, np.fromiter(skipped, dtype=np.int64, count=len(skipped)))
+            positions, dists = positions[keep][:n], dists[keep][:n]
+        return positions, np.asarray(similarity(dists, state.config.hdc_dim))
+
+    def _read_all(self, positions: np.ndarray, read: Callable[[int], T],
+                  skipped: dict[int, SkippedEntry] | None) -> list[T] | None:
+        """read(pos) of every position.  Raising on damage (`skipped` None),
+        or noting each damaged entry in `skipped` and returning None when it
+        found any (the caller ranks again without them)."""
+        if skipped is None:
+            return [read(int(pos)) for pos in positions]
+        out: list[T] = []
+        for pos in positions.tolist():
+            try:
+                out.append(read(pos))
+            except CorruptStoreError as exc:
+                skipped[pos] = self._skipped(pos, exc)
+        return None if len(out) < len(positions) else out
+
+    def _skipped(self, pos: int, exc: CorruptStoreError) -> SkippedEntry:
+        row = self.state.records[pos]
+        entry_id, shard_idx = int(row["entry_id"]), int(row["shard_idx"])
+        shards = self.state.shards
+        shard = shards[shard_idx].file if shard_idx < len(shards) else layout.shard_file(shard_idx)
+        reason = exc.message.removeprefix(f"entry {entry_id}: ")  # the entry is named beside it
+        return SkippedEntry(entry_id, shard, reason)
 
     def count_access(self, positions: np.ndarray) -> None:
         """One more access of each record (persisted by the next flush)."""
@@ -67,9 +117,10 @@ class Queries:
         counts[positions] = np.minimum(counts[positions].astype(np.int64) + 1, validation.U32_MAX)
         state.dirty.update(int(p) for p in positions if p < state.committed_n)
 
-    def _result(self, pos: int, sim: float, cosine: float | None, framework: str) -> QueryResult:
+    def _result(self, pos: int, sim: float, cosine: float | None, kv: tuple[np.ndarray, np.ndarray],
+                framework: str) -> QueryResult:
         row = self.state.records[pos]
-        keys, values = self.reader.kv(pos)
+        keys, values = kv
         return QueryResult(
             entry_id=int(row["entry_id"]),
             layer_idx=int(row["layer_idx"]),
@@ -84,3 +135,13 @@ class Queries:
             access_count=int(row["access_count"]),
             shard_idx=int(row["shard_idx"]),
         )
+
+
+def _cosines(pooled_rows: list[np.ndarray], target: np.ndarray) -> np.ndarray:
+    # Row by row with numpy's own reduction (not a BLAS product, whose
+    # rounding depends on a row's place in the block): an entry's cosine
+    # is the same whatever the other candidates, and equal keys tie.
+    pooled = np.stack(pooled_rows).astype(np.float64)
+    norms = np.sqrt((pooled * pooled).sum(axis=1)) * np.sqrt((target * target).sum())
+    dots = (pooled * target).sum(axis=1)
+    return np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0)

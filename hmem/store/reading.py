@@ -1,14 +1,22 @@
 """Reading an entry's tensors: from the open shard while it is in memory,
 else from its shard file through the bounded cache of memory maps, each
-tensor's CRC-32C checked the first time it is read (docs/format.md)."""
+tensor's CRC-32C checked the first time it is read (docs/format.md); and
+the cheap health check of stats(): which shard files are missing or of the
+wrong size (docs/reliability.md, "Degraded reads")."""
 
 from __future__ import annotations
+
+import json
+from typing import Any
+
+import os
 
 import numpy as np
 
 from hmem.errors import CorruptStoreError, Hint, StoreChangedError
 from hmem.formats import layout, shard_file
-from hmem.store.quantize import dequantize_rows
+from hmem.store import storage as storage_codec
+from hmem.store.results import StoreHealth
 from hmem.store.shard_reader import ShardReader
 from hmem.store.state import StoreState
 
@@ -19,13 +27,34 @@ class EntryReader:
     def __init__(self, state: StoreState) -> None:
         self.state = state
 
-    def kv(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values of the record at `pos`, as float32 rows."""
-        keys, values = self.tensor(pos, "k"), self.tensor(pos, "v")
-        if self.state.config.quantize_stored:
-            keys = dequantize_rows(keys, self.tensor(pos, "ks"))
-            values = dequantize_rows(values, self.tensor(pos, "vs"))
-        return keys, values
+    def kv(self, pos: int, *, check: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of the record at `pos`, as float32 rows (each
+        tensor's CRC checked on first read with verify_reads, or when `check`)."""
+        storage = self.state.config.storage_dtype
+        rows = []
+        for kind in ("k", "v"):
+            scales = self.tensor(pos, kind + "s", check=check) if storage == "int8" else None
+            rows.append(storage_codec.decode(self.tensor(pos, kind, check=check), scales, storage))
+        return rows[0], rows[1]
+
+    def meta(self, pos: int) -> dict[str, Any] | None:
+        """The metadata of the record at `pos` (put with the entry), or None."""
+        state = self.state
+        row = state.records[pos]
+        entry_id, shard_idx = int(row["entry_id"]), int(row["shard_idx"])
+        if state.builder is not None and shard_idx == state.builder.index:
+            text = state.builder.meta(entry_id)
+        else:
+            text = self.shard(shard_idx).meta(entry_id)
+        if text is None:
+            return None
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise CorruptStoreError(f"entry {entry_id}: its metadata in shard {shard_idx} is damaged", hint=Hint.VERIFY)
+        return value
 
     def tensor(self, pos: int, kind: str, *, check: bool | None = None) -> np.ndarray:
         """Tensor `kind` (k, v, p, ks, vs) of the record at `pos`, its CRC
@@ -38,7 +67,7 @@ class EntryReader:
             return state.builder.get(entry_id, kind).copy()
         reader = self.shard(shard_idx)
         dtype, shape = shard_file.tensor_layout(kind, int(row["n_tokens"]), state.config.embed_dim,
-                                                state.config.quantize_stored)
+                                                state.config.storage_dtype)
         array = reader.tensor(entry_id, kind, dtype, shape)
         wanted = state.verify_reads if check is None else check
         if wanted and (entry_id, kind) not in reader.verified and not reader.check(entry_id, kind, array):
@@ -72,3 +101,53 @@ class EntryReader:
                 raise CorruptStoreError(f"shard {info.file} is not the file the store names (its uid differs)",
                                         hint=Hint.VERIFY) from None
             raise
+
+    def health(self) -> StoreHealth:
+        """Every shard file present with its recorded size and entries.bin
+        holding the committed records: file sizes only, no tensor read."""
+        state = self.state
+        problems: list[str] = []
+        missing: list[str] = []
+        wrong_size: list[str] = []
+        bad_shards: list[int] = []
+        shard_of = state.records["shard_idx"][: state.n]
+        for idx, info in enumerate(state.shards):
+            size = self._file_size(info.file)
+            if size == info.bytes:
+                continue
+            bad_shards.append(idx)
+            live = int(np.count_nonzero(shard_of == idx))
+            held = f"{live} live {'entry' if live == 1 else 'entries'}"
+            if size is None:
+                missing.append(info.file)
+                problems.append(f"shard {info.file} is missing ({held})")
+            else:
+                wrong_size.append(info.file)
+                problems.append(f"shard {info.file} is {size} bytes, the store expects {info.bytes} "
+                                f"({held})")
+        unreachable = int(np.count_nonzero(np.isin(shard_of, bad_shards)))  # evicted: shard_idx EVICTED
+        need = state.committed_n * state.record_size
+        size = self._file_size(layout.ENTRIES_FILE)
+        entries_problem = ""
+        if size is None:
+            entries_problem = f"{layout.ENTRIES_FILE} is missing"
+        elif size < need:
+            entries_problem = (f"{layout.ENTRIES_FILE} is {size} bytes, shorter than its {state.committed_n} "
+                               f"committed records ({need} bytes)")
+        if entries_problem:
+            problems.append(entries_problem)
+        return StoreHealth(ok=not problems, problems=tuple(problems),
+                           advice=Hint.VERIFY_THEN_REPAIR if problems else "", missing_shards=tuple(missing),
+                           wrong_size_shards=tuple(wrong_size), unreachable_entries=unreachable,
+                           entries_file_problem=entries_problem)
+
+    def _file_size(self, name: str) -> int | None:
+        """The size of a file the commit names, where a reader finds it now
+        (before or after a pending rename); None when it is not there."""
+        state = self.state
+        for path in dict.fromkeys((layout.resolve(state.path, name, state.committed.pending), state.path / name)):
+            try:
+                return os.stat(path).st_size
+            except OSError:  # missing, or the path is no longer usable
+                continue
+        return None

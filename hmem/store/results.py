@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,6 +35,29 @@ class QueryResult:
     shard_idx: int
 
 
+class SkippedEntry(NamedTuple):
+    """A result a query with ``on_damage="skip"`` left out: the entry, the
+    shard file that holds its tensors, and what is wrong (the message the
+    query would have raised as CorruptStoreError)."""
+
+    entry_id: int
+    shard: str
+    reason: str
+
+
+class QueryResults(list[QueryResult]):
+    """What ``Store.query`` returns: the results, best first (a list), and in
+    ``skipped`` the damaged entries left out (always empty unless the query
+    was made with ``on_damage="skip"``), in the order they were found."""
+
+    def __init__(self, results: Any = (), skipped: Any = ()) -> None:
+        super().__init__(results)
+        self.skipped: tuple[SkippedEntry, ...] = tuple(skipped)
+
+    def __repr__(self) -> str:
+        return f"QueryResults({list.__repr__(self)}, skipped={self.skipped!r})"
+
+
 @dataclasses.dataclass(frozen=True)
 class EntryInfo:
     """The metadata of one live entry (``Store.entries``)."""
@@ -48,6 +71,13 @@ class EntryInfo:
     shard_idx: int
     bytes: int  # what the entry takes in its shard, index row and header entries included
 
+    @classmethod
+    def from_record(cls, row: Any, size: int) -> EntryInfo:
+        """The info of a record of entries.bin (hmem/formats/records.py)."""
+        return cls(entry_id=int(row["entry_id"]), layer_idx=int(row["layer_idx"]), n_tokens=int(row["n_tokens"]),
+                   importance=float(row["importance"]), access_count=int(row["access_count"]),
+                   created=int(row["timestamp"]), shard_idx=int(row["shard_idx"]), bytes=size)
+
 
 @dataclasses.dataclass(frozen=True)
 class StoredEntry:
@@ -58,6 +88,7 @@ class StoredEntry:
     info: EntryInfo
     keys: np.ndarray
     values: np.ndarray
+    meta: dict[str, Any] | None = None  # what was put with it (e.g. source file, chunk, token range)
 
     @property
     def entry_id(self) -> int:
@@ -73,6 +104,25 @@ class ShardStats:
     dead_entries: int
     dead_bytes: int
     committed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreHealth:
+    """What ``Store.stats()`` finds from the file sizes alone, reading no
+    tensor: every shard file present with the size the store recorded,
+    entries.bin holding at least the committed records.  A shard that is
+    missing or of the wrong size cannot be read at all, so its live entries
+    are ``unreachable``: a query raises CorruptStoreError on them, or skips
+    them with ``on_damage="skip"``.  ``ok`` says nothing about a flipped
+    bit inside a file: ``hmem.verify(path, full=True)`` reads every tensor."""
+
+    ok: bool
+    problems: tuple[str, ...]  # one sentence per problem, naming the file
+    advice: str  # what to do (an errors.Hint), "" when ok
+    missing_shards: tuple[str, ...]  # shard files that are not there
+    wrong_size_shards: tuple[str, ...]  # shard files whose size is not the recorded one
+    unreachable_entries: int  # live entries in those shards
+    entries_file_problem: str  # entries.bin missing or short of the committed records; "" when sound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +144,7 @@ class StoreStats:
     total_accesses: int  # sum of access counts
     next_entry_id: int
     kernels: str
+    health: StoreHealth  # the cheap file check (no tensor read)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -13,6 +13,7 @@ next writer finishes the pending steps).  docs/format.md, "Compaction".
 from __future__ import annotations
 
 import dataclasses
+import os
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,13 +21,16 @@ from pathlib import Path
 import numpy as np
 
 from hmem import _io
-from hmem.formats import layout, manifest, records, shard_file
+from hmem.errors import Hint, UnsafeFileError
+from hmem.formats import layout, manifest, records, shard_file, stamp
 from hmem.formats.layout import ENTRIES_FILE
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.store import shard_builder
 
 # kind -> (dtype, shape, where the bytes are, their checked CRC-32C)
 TensorSources = dict[str, tuple[np.dtype, tuple[int, ...], _io.FileRange, int]]
+# An entry's tensor sources and its metadata (JSON, or None), carried over as they are.
+EntrySource = tuple[TensorSources, str | None]
 
 TEMP_PREFIX = layout.REWRITE_PREFIX
 
@@ -50,7 +54,7 @@ def rewrite(
     root: Path,
     base: Manifest,
     kept: np.ndarray,
-    sources: Sequence[Callable[[], TensorSources]],
+    sources: Sequence[Callable[[], EntrySource]],
     sizes: np.ndarray,
     deletes: Sequence[str],
     *,
@@ -60,7 +64,8 @@ def rewrite(
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Manifest, np.ndarray]:
     """Write the store anew with the records `kept` (in order; sources[i]()
-    gives where record i's tensors are, sizes[i] its bytes in a shard) and
+    gives where record i's tensors are and its metadata, sizes[i] its bytes
+    in a shard) and
     commit it over `base`; old files in `deletes` go after the commit.
     Returns the committed manifest and the new records."""
     groups = pack(sizes, base.config.shard_max_bytes)
@@ -71,7 +76,8 @@ def rewrite(
     for j, count in enumerate(groups):
         builder = shard_builder.ShardBuilder(j, uuid.uuid4().hex, arenas, config_json)
         for i in range(start, start + count):
-            builder.add_lent_entry(int(kept["entry_id"][i]), int(kept["n_tokens"][i]), sources[i]())
+            tensors, meta = sources[i]()
+            builder.add_lent_entry(int(kept["entry_id"][i]), int(kept["n_tokens"][i]), tensors, meta)
         name = layout.shard_file(j)
         size, index_crc = builder.seal(root / (TEMP_PREFIX + name))
         new_shards.append(ShardInfo(file=name, bytes=size, uid=builder.uid, entries=builder.entries,
@@ -94,12 +100,14 @@ def rewrite(
         pending=Pending(renames=renames, deletes=sorted({name for name in deletes if name not in keep})),
     )
     manifest.write(root, mf)
+    stamp.write(root, mf)  # after the commit, never before (hmem/formats/stamp.py)
     _io.crash_point(f"{crash_prefix}.committed")
     finish_pending(root, mf)
     _io.crash_point(f"{crash_prefix}.finished")
     # Done: commit again without the finished steps (the store must not grow).
     clean = dataclasses.replace(mf, generation=mf.generation + 1, pending=Pending())
     manifest.write(root, clean)
+    stamp.write(root, clean)
     return clean, new_records
 
 
@@ -115,12 +123,28 @@ def finish_pending(root: Path, mf: Manifest) -> None:
     _io.unlink_many([root / name for name in mf.pending.deletes])
 
 
+def refuse_unsafe(root: Path, files: layout.DirectoryFiles) -> None:
+    """Refuse (UnsafeFileError) a store where a file the commit names is a
+    link or not a regular file, or where entries.bin or commit.stamp, which
+    are written in place, has other names (a hard link): nothing is read or
+    written through them, so a writer would fail part way (docs/security.md)."""
+    if files.unsafe:
+        raise UnsafeFileError(f"{', '.join(files.unsafe)} in {root}: not a regular file (a symbolic link or the "
+                              "like); hmem writes no store whose own files are links", hint=Hint.VERIFY)
+    for name in (ENTRIES_FILE, layout.STAMP_FILE):
+        if name in files.committed and os.lstat(root / name).st_nlink > 1:
+            raise UnsafeFileError(f"{name} in {root} has other names (hard links); hmem writes no file in place "
+                                  "that another name shares",
+                                  hint="copy the store directory and use the copy, whose files are its own")
+
+
 def remove_leftovers(root: Path, mf: Manifest) -> None:
     """Remove what an interrupted writer left past the commit: temporary
     files, shards the commit does not name at indices it would use next,
-    and records past the committed count."""
+    and records past the committed count; first, refuse_unsafe."""
     files = layout.classify(root, mf.shards, mf.pending)
-    for name in files.temporary + files.unnamed_shards:
+    refuse_unsafe(root, files)
+    for name in files.orphans:  # regular files only: a link or directory is never hmem's
         if name in files.temporary or (layout.shard_index(name) or 0) >= len(mf.shards):
             _io.unlink(root / name)
     entries = root / ENTRIES_FILE

@@ -3,6 +3,7 @@ hmem/formats/shard_file.py and docs/format.md)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from hmem.formats.shard_file import (
     INDEX_TENSOR,
     INDEX_VERSION,
     KINDS,
+    META_PREFIX,
     SHARD_FORMAT,
     SHARD_FORMAT_VERSION,
     bytes_view,
@@ -47,17 +49,16 @@ class Arena:
         self.used = 0
 
     def reset(self) -> None:
-        self._used = [0] * len(self._segments)
-        self._current = 0
-        self.used = 0
+        self._current, self._used, self.used = 0, [0] * len(self._segments), 0
 
     def mark(self) -> tuple:
         return (self._current, list(self._used), self.used)
 
     def rollback(self, mark: tuple) -> None:
-        """Forget what was appended since `mark`."""
-        self._current, used, self.used = mark
-        self._used = used + [0] * (len(self._segments) - len(used))
+        """Forget what was appended since `mark` (one assignment: an interrupt
+        leaves the arena rolled back or not, never half)."""
+        current, used, total = mark
+        self._current, self._used, self.used = current, used + [0] * (len(self._segments) - len(used)), total
 
     def append(self, array: np.ndarray) -> tuple[int, int]:
         """Copy `array`'s bytes after the previous ones; returns (segment, offset)."""
@@ -68,8 +69,8 @@ class Arena:
                 break
             self._current += 1
         if self._current == len(self._segments):
-            self._segments.append(np.empty(max(n, self.SEGMENT_BYTES), dtype=np.uint8))
-            self._used.append(0)
+            segment = np.empty(max(n, self.SEGMENT_BYTES), dtype=np.uint8)
+            self._segments, self._used = [*self._segments, segment], [*self._used, 0]  # both or neither
         seg, offset = self._current, self._used[self._current]
         self._segments[seg][offset : offset + n] = np.frombuffer(bytes_view(array), dtype=np.uint8)
         self._used[seg] += n
@@ -107,13 +108,18 @@ class ShardBuilder:
         self._rows: list[tuple[int, int]] = []  # (entry_id, n_tokens)
         # (entry_id, kind) -> (arena 0 or 1, dtype, shape, lent array or None, place in the arena, CRC or None)
         self._tensors: dict[tuple[int, str], tuple] = {}
+        self._meta: dict[int, str] = {}  # entry_id -> its metadata as JSON (docs/format.md, "Shards")
 
     @property
     def entries(self) -> int:
         return len(self._rows)
 
-    def add_entry(self, entry_id: int, n_tokens: int, tensors: dict[str, np.ndarray]) -> None:
-        """Copy one entry's tensors (kind -> array, kinds from KINDS) in."""
+    def add_entry(self, entry_id: int, n_tokens: int, tensors: dict[str, np.ndarray], meta: str | None = None) -> None:
+        """Copy one entry's tensors (kind -> array, kinds from KINDS) in.
+
+        The tensors go in before the entry's row: an exception part-way (an
+        interrupt included) leaves tensors without a row, which ``rollback``
+        to a mark taken before takes back with the rest."""
         for kind, array in tensors.items():
             if kind not in KINDS or array.dtype not in DTYPE_NAMES or not array.flags.c_contiguous:
                 raise AssertionError(f"bad shard tensor {kind} ({array.dtype})")
@@ -121,10 +127,12 @@ class ShardBuilder:
             place = self._arenas[region].append(array)
             self._tensors[(entry_id, kind)] = (region, array.dtype, array.shape, None, place, None)
             self.data_bytes += array.nbytes
+        self._add_meta(entry_id, meta)
         self._rows.append((entry_id, n_tokens))
 
     def add_lent_entry(self, entry_id: int, n_tokens: int,
-                       tensors: dict[str, tuple[np.dtype, tuple[int, ...], _io.FileRange, int]]) -> None:
+                       tensors: dict[str, tuple[np.dtype, tuple[int, ...], _io.FileRange, int]],
+                       meta: str | None = None) -> None:
         """Add one entry whose tensors stay where they are (kind -> dtype,
         shape, the bytes in another file, their checked CRC): the sealed
         file copies them inside the kernel."""
@@ -132,25 +140,42 @@ class ShardBuilder:
             region = 0 if dtype == DTYPES["F32"] else 1
             self._tensors[(entry_id, kind)] = (region, dtype, tuple(shape), part, None, crc)
             self.data_bytes += part.length
+        self._add_meta(entry_id, meta)
         self._rows.append((entry_id, n_tokens))
 
+    def _add_meta(self, entry_id: int, meta: str | None) -> None:
+        if meta is not None:
+            self._meta[entry_id] = meta
+            # its share of the JSON header, counted with the data so that the
+            # size bound and a rollback cover it: the key, and the value with
+            # every character escaped at worst
+            self.data_bytes += 2 * len(meta) + 40
+
     def mark(self) -> tuple:
-        return (len(self._rows), self.data_bytes, tuple(arena.mark() for arena in self._arenas))
+        return (len(self._rows), len(self._tensors), self.data_bytes, tuple(arena.mark() for arena in self._arenas))
 
     def rollback(self, mark: tuple) -> None:
-        """Forget the entries added since `mark`."""
-        rows, self.data_bytes, arena_marks = mark
-        for entry_id, _ in self._rows[rows:]:
-            for kind in KINDS:
-                self._tensors.pop((entry_id, kind), None)
-        del self._rows[rows:]
+        """Forget everything added since `mark`: every tensor, whether or not
+        its entry's row went in (``add_entry`` cut short by an interrupt
+        leaves tensors without a row, which would make ``encode`` fail)."""
+        rows, tensors, data_bytes, arena_marks = mark
+        kept = dict(itertools.islice(self._tensors.items(), tensors))  # a dict keeps insertion order
+        kept_rows = self._rows[:rows]
+        ids = {entry_id for entry_id, _ in kept_rows}
+        kept_meta = {entry_id: meta for entry_id, meta in self._meta.items() if entry_id in ids}
+        # One assignment: an interrupt leaves the builder rolled back or not, never half.
+        self._rows, self._tensors, self._meta, self.data_bytes = kept_rows, kept, kept_meta, data_bytes
         for arena, arena_mark in zip(self._arenas, arena_marks):
-            arena.rollback(arena_mark)
+            arena.rollback(arena_mark)  # an arena not rolled back only wastes its tail
 
     def file_bytes_bound(self) -> int:
         """An upper bound of the file size if sealed now."""
         return (self.data_bytes + HEADER_FIXED_BYTES + HEADER_BYTES_PER_TENSOR * len(self._tensors)
                 + INDEX_ROW_BYTES * len(self._rows))
+
+    def meta(self, entry_id: int) -> str | None:
+        """An entry's metadata (JSON), if it has any."""
+        return self._meta.get(entry_id)
 
     def get(self, entry_id: int, kind: str) -> np.ndarray:
         """A copied-in tensor (lent ones are not readable from here)."""
@@ -171,6 +196,9 @@ class ShardBuilder:
         metadata = {"format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION, "shard_uid": self.uid}
         if self.store_config:
             metadata["store_config"] = self.store_config
+        for entry_id, _ in self._rows:
+            if entry_id in self._meta:
+                metadata[META_PREFIX + str(entry_id)] = self._meta[entry_id]
         data: list[memoryview | _io.FileRange] = []
         start = index.nbytes
         for region in (0, 1):  # every F32 tensor, then every I8 tensor

@@ -14,13 +14,14 @@ from typing import Any
 import numpy as np
 
 from hmem import _io
-from hmem.errors import CorruptStoreError, Hint, StoreChangedError
+from hmem.errors import CorruptStoreError, Hint, StoreChangedError, storage_error
 from hmem.formats.shard_file import (
     INDEX_COLUMNS,
     INDEX_MAGIC,
     INDEX_ROW_BYTES,
     INDEX_VERSION,
     KINDS,
+    META_PREFIX,
     bytes_view,
     parse_header,
 )
@@ -35,7 +36,7 @@ class ShardState:
     """What this process has checked of one shard file (known by its uid),
     kept while its map comes and goes: shard files never change."""
 
-    __slots__ = ("uid", "uid_halves", "ids", "verified")
+    __slots__ = ("uid", "uid_halves", "ids", "verified", "metadata")
 
     def __init__(self, uid: str) -> None:
         value = int(uid, 16)
@@ -43,6 +44,7 @@ class ShardState:
         self.uid_halves = (_signed64(value >> 64), _signed64(value & ((1 << 64) - 1)))
         self.ids: np.ndarray | None = None  # entry ids of the index, once it passed its checksum
         self.verified: set[tuple[int, str]] = set()  # (entry_id, kind) whose CRC matched
+        self.metadata: dict[str, str] | None = None  # the JSON header's __metadata__, once read
 
 
 class ShardReader:
@@ -55,9 +57,11 @@ class ShardReader:
         self.uid = info.uid
         self.state = state
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = _io.open_regular(path)  # never through a link: docs/security.md
         except FileNotFoundError:
             raise CorruptStoreError(f"shard {path.name} is missing", hint=Hint.VERIFY) from None
+        except OSError as exc:  # permissions, a disk error: docs/reliability.md, "OS errors"
+            raise storage_error(exc, "read", path, writing=False) from exc
         try:
             actual = os.fstat(fd).st_size
             if actual != info.bytes:
@@ -66,7 +70,10 @@ class ShardReader:
             if actual < 8:
                 raise CorruptStoreError(f"shard {path.name} is damaged: too short to be safetensors",
                                         hint=Hint.VERIFY)
-            self._map = mmap.mmap(fd, actual, access=mmap.ACCESS_READ)
+            try:
+                self._map = mmap.mmap(fd, actual, access=mmap.ACCESS_READ)
+            except OSError as exc:
+                raise storage_error(exc, "map", path, writing=False) from exc
         finally:
             os.close(fd)
         self.size = actual
@@ -138,6 +145,13 @@ class ShardReader:
         if ok:
             self.verified.add((entry_id, kind))
         return ok
+
+    def meta(self, entry_id: int) -> str | None:
+        """An entry's metadata (JSON) from the header's __metadata__, read
+        once per shard file; None when it has none."""
+        if self.state.metadata is None:
+            self.state.metadata = self.header()[0]
+        return self.state.metadata.get(META_PREFIX + str(entry_id))
 
     def header(self) -> tuple[dict[str, str], dict[str, tuple]]:
         """The JSON header, parsed and checked (for verify and tests)."""

@@ -104,10 +104,9 @@ class StoreState:
     def entry_file_bytes(self, n_tokens: Any) -> Any:
         """Bytes an entry of n_tokens takes in a shard, header entries and
         index row included (an int, or an array for an array)."""
-        quantized = self.config.quantize_stored
-        tensors = 5 if quantized else 3
-        return (shard_file.entry_bytes(n_tokens, self.config.embed_dim, quantized)
-                + tensors * shard_file.HEADER_BYTES_PER_TENSOR + shard_file.INDEX_ROW_BYTES)
+        storage = self.config.storage_dtype
+        return (shard_file.entry_bytes(n_tokens, self.config.embed_dim, storage)
+                + len(shard_file.kinds(storage)) * shard_file.HEADER_BYTES_PER_TENSOR + shard_file.INDEX_ROW_BYTES)
 
     def grow(self, extra: int) -> None:
         """Room for `extra` more records."""
@@ -171,4 +170,7 @@ def load_records(root: Path, committed: Manifest, *, follow_renames: bool) -> np
             f"entry {int(loaded['entry_id'][first])})",
             hint=Hint.VERIFY_THEN_REPAIR,
         )
+    why = records.problem(loaded, len(committed.shards), committed.next_entry_id)
+    if why is not None:  # sound records of a crafted store: docs/security.md
+        raise CorruptStoreError(f"{name} of {root}: {why}", hint=Hint.VERIFY_THEN_REPAIR)
     return loaded

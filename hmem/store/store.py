@@ -23,11 +23,19 @@ import numpy as np
 
 from hmem import _io, kernels, validation
 from hmem.config import StoreConfig
-from hmem.errors import EntryNotFoundError, InvalidArgumentError, StoreChangedError, StoreExistsError
-from hmem.formats import layout, manifest, records, shard_file
+from hmem.errors import (
+    CorruptStoreError,
+    EntryNotFoundError,
+    Hint,
+    InvalidArgumentError,
+    StoreChangedError,
+    StoreExistsError,
+)
+from hmem.formats import layout, manifest, records, shard_file, stamp
+from hmem.formats.layout import is_store
 from hmem.formats.manifest import Manifest
 from hmem.formats.records import EVICTED
-from hmem.store import lock, rewrite
+from hmem.store import caches, lock, prepare, rewrite
 from hmem.store.bridge import AugmentedKV, augmented_kv
 from hmem.store.compaction import Compaction
 from hmem.store.eviction import Eviction
@@ -39,13 +47,14 @@ from hmem.store.results import (
     CompactionReport,
     EntryInfo,
     EvictionPlan,
-    QueryResult,
+    QueryResults,
     ShardStats,
     StoredEntry,
     StoreStats,
 )
 from hmem.store.state import StoreState, load_records
-from hmem.store.writer import Entry, Writer
+from hmem.store.prepare import Entry
+from hmem.store.writer import Writer
 
 _READ_RETRIES = 5
 
@@ -124,6 +133,9 @@ class Store:
         try:
             data = manifest.read_bytes(root)
             mf = manifest.parse(root, data)
+            evidence = stamp.stale_evidence(root, mf)
+            if evidence is not None:  # leftovers are newer data here: never remove them
+                raise CorruptStoreError(f"{root}: {evidence}", hint=Hint.ROLL_FORWARD)
             rewrite.finish_pending(root, mf)
             rewrite.remove_leftovers(root, mf)
             loaded = load_records(root, mf, follow_renames=False)
@@ -192,7 +204,7 @@ class Store:
         """Store one entry; returns its id.  Bad input raises and stores nothing."""
         with self._state.mutex:
             self._state.check_writable()
-            batch = [self._writer.prepare(keys, values, layer_idx, importance)]
+            batch = [prepare.prepare(self._state, keys, values, layer_idx, importance)]
             self._eviction.make_room(batch)
             return self._writer.insert(batch)[0]
 
@@ -201,7 +213,7 @@ class Store:
         checked before any is stored, so one bad entry stores nothing."""
         with self._state.mutex:
             self._state.check_writable()
-            batch = self._writer.prepare_all(entries)
+            batch = prepare.prepare_all(self._state, entries)
             self._eviction.make_room(batch)
             return self._writer.insert(batch)
 
@@ -210,13 +222,13 @@ class Store:
         read-only store); returns how many there are."""
         with self._state.mutex:
             self._state.check_open()
-            return len(self._writer.prepare_all(entries))
+            return len(prepare.prepare_all(self._state, entries))
 
     # ---- reading ---------------------------------------------------------------------
 
     def query(self, query: Any, layer_idx: int, top_k: int = 5, *, rerank: bool = True,
               shortlist_factor: int = 4, framework: str = "numpy",
-              count_access: bool = True) -> list[QueryResult]:
+              count_access: bool = True, on_damage: str = "raise") -> QueryResults:
         """The `top_k` entries of layer `layer_idx` most similar to `query`
         ([n_tokens, embed_dim] or [embed_dim]), best first.
 
@@ -224,12 +236,15 @@ class Store:
         shortlist of shortlist_factor * top_k is re-ranked by the exact
         cosine of pooled keys.  Ties go to the lower entry id.  Each result
         counts as an access of its entry (persisted by the next flush; a
-        read-only store does not count).
+        read-only store does not count).  A damaged entry raises
+        CorruptStoreError; with on_damage="skip" it is left out, the next
+        best takes its place and ``results.skipped`` names it (every tensor
+        returned then passed its CRC, verify_reads or not).
         """
         with self._state.mutex:
             self._state.check_open()
             return self._queries.query(query, layer_idx, top_k, rerank=rerank, shortlist_factor=shortlist_factor,
-                                       framework=framework, count_access=count_access)
+                                       framework=framework, count_access=count_access, on_damage=on_damage)
 
     def entry_ids(self, layer_idx: int | None = None) -> list[int]:
         """Ids of the live entries (of one layer, if given), ascending."""
@@ -245,7 +260,7 @@ class Store:
             state.check_open()
             rows = state.records[self._live_in(layer_idx)].copy()
             sizes = np.asarray(state.entry_file_bytes(rows["n_tokens"].astype(np.int64)), dtype=np.int64)
-        return (_entry_info(row, size) for row, size in zip(rows, sizes.tolist()))
+        return (EntryInfo.from_record(row, size) for row, size in zip(rows, sizes.tolist()))
 
     def get(self, entry_id: int) -> StoredEntry:
         """One live entry's metadata and K/V (read-only arrays, bit-exact as
@@ -256,8 +271,8 @@ class Store:
             pos = self._position(validation.integer(entry_id, "entry_id", low=0))
             keys, values = self._reader.kv(pos)
             row = state.records[pos]
-            info = _entry_info(row, int(state.entry_file_bytes(int(row["n_tokens"]))))
-            return StoredEntry(info, _read_only(keys), _read_only(values))
+            info = EntryInfo.from_record(row, int(state.entry_file_bytes(int(row["n_tokens"]))))
+            return StoredEntry(info, _read_only(keys), _read_only(values), self._reader.meta(pos))
 
     def _live_in(self, layer_idx: int | None) -> np.ndarray:
         live = self._state.live_positions()
@@ -312,6 +327,16 @@ class Store:
             share = validation.share(min_reclaim_share, "min_reclaim_share")
             return self._compaction.run(share, progress)
 
+    def put_cache(self, cache: Any, *, chunk_tokens: int | None = None, importance: float = 1.0,
+                  layers: Iterable[int] | None = None) -> dict[int, list[int]]:
+        """Store a transformers cache (DynamicCache, or the legacy tuple of
+        per-layer (key, value) [batch, kv_heads, tokens, head_dim]): each
+        layer's batch rows, cut into chunks of `chunk_tokens` if given, heads
+        flattened into the row (embed_dim = kv_heads x head_dim).  All or
+        nothing; returns the new ids per layer, in order
+        (hmem/store/caches.py; `hmem.cache_tensors` turns entries back)."""
+        return caches.put_cache(self, cache, chunk_tokens=chunk_tokens, importance=importance, layers=layers)
+
     def augmented_kv(self, query: Any, cache_k: Any, cache_v: Any, layer_idx: int, top_k: int = 5,
                      **query_options: Any) -> AugmentedKV:
         """Keys and values of the `top_k` retrieved entries (rank order)
@@ -344,13 +369,14 @@ class Store:
                 shards=shard_rows,
                 bytes_on_disk=layout.directory_bytes(self.path),
                 live_bytes=int(np.sum(shard_file.entry_bytes(n_tokens, self.config.embed_dim,
-                                                             self.config.quantize_stored))),
+                                                             self.config.storage_dtype))),
                 reclaimable_bytes=self._compaction.plan().reclaimable_bytes,
                 orphan_files=files.orphans,
                 foreign_files=files.foreign,
                 total_accesses=int(rows["access_count"].astype(np.int64).sum()),
                 next_entry_id=state.next_id,
                 kernels=kernels.describe(),
+                health=self._reader.health(),
             )
 
     def size(self) -> int:
@@ -358,19 +384,6 @@ class Store:
         transient owner record aside)."""
         with self._state.mutex:
             return layout.directory_bytes(self.path)
-
-
-def is_store(path: str | os.PathLike) -> bool:
-    """Whether `path` is a directory holding an hmem store (it has an
-    index.json; whether that is sound is verify's question)."""
-    root = Path(path)
-    return root.is_dir() and (root / layout.INDEX_FILE).is_file()
-
-
-def _entry_info(row: np.void, size: int) -> EntryInfo:
-    return EntryInfo(entry_id=int(row["entry_id"]), layer_idx=int(row["layer_idx"]), n_tokens=int(row["n_tokens"]),
-                     importance=float(row["importance"]), access_count=int(row["access_count"]),
-                     created=int(row["timestamp"]), shard_idx=int(row["shard_idx"]), bytes=size)
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:

@@ -25,46 +25,18 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Iterable
-from typing import Any, NamedTuple
 
 import numpy as np
 
-from hmem import _io, validation
-from hmem.errors import InvalidArgumentError, InvalidTensorError
-from hmem.formats import layout, manifest, records, shard_file
+from hmem import _io
+from hmem.formats import layout, manifest, records, shard_file, stamp
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
-from hmem.store.quantize import quantize_rows
+from hmem.store.search import SearchIndex
 from hmem.store.shard_builder import ShardBuilder
+from hmem.store.prepare import PreparedEntry
 from hmem.store.state import DeadBytes, StoreState
-from hmem.store.tensors import as_rows
 
 ID_LEASE = 4096  # ids reserved per index.json write
-
-
-class Entry(NamedTuple):
-    """One put of a batch (``Store.put_many``)."""
-
-    keys: Any
-    values: Any
-    layer_idx: int = 0
-    importance: float = 1.0
-
-
-@dataclasses.dataclass
-class PreparedEntry:
-    """A checked put, ready to be stored."""
-
-    keys: np.ndarray
-    values: np.ndarray
-    layer_idx: int
-    importance: float
-    signature: np.ndarray
-    pooled: np.ndarray
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.keys.shape[0])
 
 
 class Writer:
@@ -73,47 +45,16 @@ class Writer:
     def __init__(self, state: StoreState) -> None:
         self.state = state
 
-    # ---- checking -------------------------------------------------------------------
-
-    def prepare_all(self, entries: Iterable[Entry | tuple]) -> list[PreparedEntry]:
-        """Every entry checked and converted; the first bad one raises, naming it."""
-        prepared = []
-        for i, item in enumerate(entries):
-            try:
-                entry = Entry(*item)
-            except TypeError:
-                raise InvalidArgumentError(
-                    f"entry {i}: expected (keys, values[, layer_idx[, importance]]), got {type(item).__name__}"
-                ) from None
-            try:
-                prepared.append(self.prepare(*entry))
-            except InvalidArgumentError as exc:
-                raise type(exc)(f"entry {i}: {exc.message}", hint=exc.hint) from None
-        return prepared
-
-    def prepare(self, keys: Any, values: Any, layer_idx: Any, importance: Any) -> PreparedEntry:
-        dim = self.state.config.embed_dim
-        k = as_rows(keys, "keys", dim)  # the open shard copies them
-        v = as_rows(values, "values", dim)
-        if k.shape != v.shape:
-            raise InvalidTensorError(f"keys {list(k.shape)} and values {list(v.shape)} differ in shape")
-        if k.shape[0] > validation.U32_MAX:
-            raise InvalidTensorError(f"an entry holds at most {validation.U32_MAX} tokens")
-        layer = validation.layer_index(layer_idx)
-        imp = validation.importance(importance)
-        signature, mean = self.state.projector.signature_and_mean(k)
-        return PreparedEntry(k, v, layer, imp, signature, mean.astype(np.float32))
-
     # ---- storing ----------------------------------------------------------------------
 
     def insert(self, batch: list[PreparedEntry]) -> list[int]:
         """Store a checked batch (the limits already made room); returns the
-        new ids.  A failure takes the whole batch back."""
+        new ids.  A failure, an interrupt included, takes the whole batch
+        back: it is in (one last assignment) or every part of it is undone."""
         state = self.state
         if not batch:
             return []
         self._reserve_ids(len(batch))
-        quantized = state.config.quantize_stored
         first_id, start = state.next_id, state.n
         ids = np.arange(first_id, first_id + len(batch), dtype=np.uint64)
         shard_of = np.zeros(len(batch), dtype=np.uint32)
@@ -122,29 +63,29 @@ class Writer:
             # Seal what came before, so every shard sealed below holds
             # entries of this batch only and a failure can take them back.
             self.seal_open_shard()
-        shards_mark = len(state.shards)
-        builder_mark = (state.builder, state.builder.mark()) if state.builder is not None else None
+        builder = state.builder
+        undo = (len(state.shards), builder, builder.mark() if builder is not None else None, _index_mark(state.index))
         try:
             for i, p in enumerate(batch):  # each entry's own tensors go to the open shard
-                builder = self._open_shard_for(sizes[i])
-                builder.add_entry(first_id + i, p.n_tokens, _entry_tensors(p, quantized))
-                shard_of[i] = builder.index
+                b = self._open_shard_for(sizes[i])
+                b.add_entry(first_id + i, p.n_tokens, p.tensors, p.meta)
+                shard_of[i] = b.index
+            state.grow(len(batch))
+            rows = state.records[start : start + len(batch)]  # past state.n: not yet part of the store
+            rows["entry_id"] = ids
+            rows["layer_idx"] = [p.layer_idx for p in batch]
+            rows["n_tokens"] = [p.n_tokens for p in batch]
+            rows["importance"] = [p.importance for p in batch]
+            rows["timestamp"] = time.time_ns()
+            rows["access_count"] = 0
+            rows["shard_idx"] = shard_of
+            rows["signature"] = np.stack([p.signature for p in batch])
+            state.index.add_records(state.records, np.arange(start, start + len(batch), dtype=np.int64))
+            state.n, state.next_id = start + len(batch), first_id + len(batch)  # the batch is in
         except BaseException:
-            self._undo_insert(shards_mark, builder_mark)
+            if state.n == start:
+                self._undo_insert(*undo)
             raise
-        state.grow(len(batch))
-        rows = state.records[start : start + len(batch)]
-        rows["entry_id"] = ids
-        rows["layer_idx"] = [p.layer_idx for p in batch]
-        rows["n_tokens"] = [p.n_tokens for p in batch]
-        rows["importance"] = [p.importance for p in batch]
-        rows["timestamp"] = time.time_ns()
-        rows["access_count"] = 0
-        rows["shard_idx"] = shard_of
-        rows["signature"] = np.stack([p.signature for p in batch])
-        state.next_id += len(batch)
-        state.n += len(batch)
-        state.index.add_records(state.records, np.arange(start, state.n, dtype=np.int64))
         return [int(i) for i in ids]
 
     def _batch_rolls_over(self, sizes: list[int]) -> bool:
@@ -159,20 +100,22 @@ class Writer:
             entries += 1
         return False
 
-    def _undo_insert(self, shards_mark: int, builder_mark: tuple | None) -> None:
-        """Take back a failed batch: the shards sealed for it (not yet
-        committed) and its entries in the open shard."""
+    def _undo_insert(self, shards_mark: int, builder: ShardBuilder | None, builder_mark: tuple | None,
+                     index_mark: dict[int, int]) -> None:
+        """Take back a failed batch: its rows in the search index, its
+        entries in the open shard from before it (`builder`, which the batch
+        sealed nothing of), and the shards sealed for it (not yet committed)."""
         state = self.state
-        for info in state.shards[shards_mark:]:
-            try:
-                _io.unlink(state.path / info.file)
-            except OSError:
-                pass  # past the commit: the next writer removes it
-        del state.shards[shards_mark:]
-        if builder_mark is not None and state.builder is builder_mark[0]:
-            state.builder.rollback(builder_mark[1])
-        else:
-            state.builder = None
+        _index_rollback(state.index, index_mark)
+        if builder is not None and builder_mark is not None:
+            builder.rollback(builder_mark)
+        sealed = len(state.shards)
+        state.shards, state.builder = state.shards[:shards_mark], builder
+        # Files of the shards sealed for the batch, and of one whose seal was cut short.
+        try:
+            _io.unlink_many([state.path / layout.shard_file(i) for i in range(shards_mark, sealed + 1)])
+        except OSError:
+            pass  # nothing names them: the next writer removes them
 
     def _reserve_ids(self, count: int) -> None:
         state = self.state
@@ -206,10 +149,10 @@ class Writer:
         name = layout.shard_file(b.index)
         size, index_crc = b.seal(state.path / name)
         dead = state.builder_dead
-        state.shards.append(ShardInfo(file=name, bytes=size, uid=b.uid, entries=b.entries, index_crc=index_crc,
-                                      dead_entries=dead.entries, dead_bytes=dead.bytes))
-        state.builder = None
-        state.builder_dead = DeadBytes()
+        info = ShardInfo(file=name, bytes=size, uid=b.uid, entries=b.entries, index_crc=index_crc,
+                         dead_entries=dead.entries, dead_bytes=dead.bytes)
+        # One assignment: an interrupt leaves the shard listed and closed, or open and unlisted.
+        state.shards, state.builder, state.builder_dead = [*state.shards, info], None, DeadBytes()
 
     # ---- flushing ---------------------------------------------------------------------
 
@@ -246,7 +189,11 @@ class Writer:
             next_entry_id=next_id,
             pending=Pending(record_updates=updates),
         )
+        adds_files = bool(new) or len(state.shards) > state.shards_committed
         self.commit(mf)
+        if adds_files:
+            # after the commit, never before: hmem/formats/stamp.py
+            stamp.write(state.path, mf)
         state.committed_n = state.n
         state.shards_committed = len(state.shards)
         state.dirty.clear()
@@ -272,9 +219,12 @@ class Writer:
             self.commit(dataclasses.replace(state.committed, generation=state.committed.generation + 1))
 
 
-def _entry_tensors(p: PreparedEntry, quantized: bool) -> dict[str, np.ndarray]:
-    if not quantized:
-        return {"k": p.keys, "v": p.values, "p": p.pooled}
-    kq, ks = quantize_rows(p.keys)
-    vq, vs = quantize_rows(p.values)
-    return {"k": kq, "v": vq, "p": p.pooled, "ks": ks, "vs": vs}
+def _index_mark(index: SearchIndex) -> dict[int, int]:
+    """The rows of each layer of the search index, to take a failed batch back."""
+    return {layer_idx: layer.n for layer_idx, layer in index.layers.items()}
+
+
+def _index_rollback(index: SearchIndex, mark: dict[int, int]) -> None:
+    """Forget the rows appended since `mark` (appends only add rows past n)."""
+    for layer_idx, layer in index.layers.items():
+        layer.n = mark.get(layer_idx, 0)

@@ -5,18 +5,21 @@ files back is hmem/transfer/kv_import.py."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hmem import _io
-from hmem.errors import InvalidArgumentError
+from hmem import _io, validation
+from hmem.errors import InvalidArgumentError, storage_error
 from hmem.formats import safetensors
+from hmem.store import layouts
 
-__all__ = ["export_results", "write_kv_file"]
+__all__ = ["EXPORT_LAYOUTS", "check_export_path", "export_results", "write_kv_file"]
 
 
 def _write(path: Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None) -> int:
@@ -53,16 +56,65 @@ def write_kv_file(path: str | Path, tensors: Mapping[str, np.ndarray],
     return _write(Path(path), arrays, metadata)
 
 
-def export_results(results: Iterable[Any], path: Path, metadata: dict[str, str] | None = None) -> int:
-    """Write query results to a safetensors file: ``k_{id}`` and ``v_{id}``
-    (F32) per result, and in ``__metadata__`` the entry ids and scores in
-    rank order (JSON lists) plus `metadata`.  Written atomically; returns
-    the file size."""
+def check_export_path(path: str | Path) -> None:
+    """Raise PathError when `path` cannot take an export: its directory is
+    missing (or is a file), or `path` is a directory.  Checked before
+    anything is written (docs/reliability.md, "OS errors")."""
+    path = Path(path)
+    if path.is_dir():
+        code = errno.EISDIR
+    elif not path.parent.is_dir():
+        code = errno.ENOENT if not path.parent.exists() else errno.ENOTDIR
+    else:
+        return
+    raise storage_error(OSError(code, os.strerror(code)), "write", path)
+
+
+EXPORT_LAYOUTS = ("entries", "hf")
+
+
+def export_results(results: Iterable[Any], path: Path, metadata: dict[str, str] | None = None, *,
+                   layout: str = "entries", kv_heads: int | None = None) -> int:
+    """Write query results to a safetensors file, in `layout`:
+
+    - "entries" (the default): ``k_{id}`` and ``v_{id}`` [n_tokens,
+      embed_dim] F32 per result;
+    - "hf": the model's layout, ``past_key_values.{i}.key`` / ``.value``
+      [1, kv_heads, tokens, head_dim] F32 (bhtd) for each layer i among the
+      results, the rows of that layer's results concatenated along tokens
+      in rank order (`kv_heads` required: embed_dim = kv_heads x head_dim).
+      `hmem put` reads the file back as one entry per layer.
+
+    ``__metadata__`` holds the entry ids and scores in rank order (JSON
+    lists), the layout (and kv_heads and each entry's token count with
+    "hf"), plus `metadata`.  Written atomically; returns the file size.  A
+    missing directory or a directory as `path` is a PathError, a bad layout
+    or kv_heads an InvalidArgumentError, before anything is written."""
+    check_export_path(path)
+    validation.choice(layout, "layout", EXPORT_LAYOUTS)
+    if layout == "hf" and kv_heads is None:
+        raise InvalidArgumentError("the hf export layout needs kv_heads, the number of K/V heads")
+    if layout != "hf" and kv_heads is not None:
+        raise InvalidArgumentError("kv_heads applies to the hf export layout only")
     results = list(results)
-    meta = {"format": "hmem-export", "entry_ids": json.dumps([r.entry_id for r in results]),
+    meta = {"format": "hmem-export", "layout": layout, "entry_ids": json.dumps([r.entry_id for r in results]),
             "scores": json.dumps([r.score for r in results]), **(metadata or {})}
-    tensors = {}
+    tensors: dict[str, np.ndarray] = {}
+    if layout == "entries":
+        for r in results:
+            for kind, array in (("k", r.keys), ("v", r.values)):
+                tensors[f"{kind}_{r.entry_id}"] = np.ascontiguousarray(np.asarray(array), dtype=np.float32)
+        return _write(path, tensors, meta)
+    heads = validation.integer(kv_heads, "kv_heads", low=1)
+    by_layer: dict[int, list[Any]] = {}
     for r in results:
-        for kind, array in (("k", r.keys), ("v", r.values)):
-            tensors[f"{kind}_{r.entry_id}"] = np.ascontiguousarray(np.asarray(array), dtype=np.float32)
+        by_layer.setdefault(int(r.layer_idx), []).append(r)
+    for layer in sorted(by_layer):
+        for side, kind in (("keys", "key"), ("values", "value")):
+            rows = np.concatenate([np.asarray(getattr(r, side), dtype=np.float32) for r in by_layer[layer]])
+            if rows.shape[1] % heads:
+                raise InvalidArgumentError(f"rows of {rows.shape[1]} values do not split into kv_heads={heads} "
+                                           "heads of equal size")
+            tensors[f"past_key_values.{layer}.{kind}"] = np.ascontiguousarray(layouts.to_heads(rows, heads)[None])
+    meta.update(kv_heads=str(heads), entry_tokens=json.dumps([int(np.shape(r.keys)[0]) for r in results]))
     return _write(path, tensors, meta)

@@ -1,25 +1,25 @@
 """K/V safetensors files into a store: the batch import that `hmem put`
-runs (docs/cli.md).  The export of query results is hmem/transfer/kv_export.py.
+runs (docs/cli.md, "Naming conventions and layouts").  The export of query
+results is hmem/transfer/kv_export.py.
 
-Naming conventions a file may follow (tensor names, case-sensitive):
+Which tensors pair up as keys and values, their layer and their layout
+come from the naming conventions (hmem/transfer/kv_names.py, names matched
+case-insensitively), the caller's ``layout``, or the tensor's shape and the
+store's embed_dim; a shape two layouts fit with nothing to say which is
+refused (AmbiguousLayoutError), never guessed.  Heads are flattened into
+rows [tokens, kv_heads x head_dim] (hmem/store/layouts.py); each batch row
+is its own entry, and with ``chunk_tokens`` each run of that many tokens;
+each entry's meta records its source file, token range, chunk and batch row.
 
-- one entry: ``keys`` and ``values``, or ``k`` and ``v``;
-- one entry per layer: ``layer.{i}.k`` / ``layer.{i}.v`` (also ``layers``,
-  ``_`` instead of ``.``, ``keys`` / ``values`` instead of ``k`` / ``v``):
-  entry i goes to layer i;
-- several entries: ``k_{n}`` / ``v_{n}`` (also ``k.{n}``, ``keys_{n}``):
-  one entry per n, in ascending n.
+Layer: the tensor names when they carry one, else the caller's ``layer``,
+else ``__metadata__["layer"]``, else 0.  Importance: the caller's, else
+``__metadata__["importance"]``, else 1.0.  F32, F16, BF16 and F64 are read
+and stored as the store's dtype (F16 and BF16 bit-exact in f16/bf16 stores).
 
-The layer of an entry comes from its tensor names when they carry one,
-else from the caller's ``layer``, else from the file's ``__metadata__``
-key ``layer``, else 0.  Importance: the caller's ``importance``, else
-``__metadata__["importance"]``, else 1.0.  Tensors may be F32, F16, BF16
-or F64; they are stored as the store's dtype.
-
-A file that cannot be read, holds no K/V pair in these forms, holds a tensor
-that is not float, or whose entries the store refuses (shape, NaN/Inf) is
-skipped whole, with the reason: a file's entries go in together or not at
-all.  Other tensors in a file are ignored.
+A file that cannot be read, holds no K/V pair, holds a tensor that is not
+float, or whose entries the store refuses (shape, NaN/Inf) is skipped
+whole, with the reason: a file's entries go in together or not at all.
+Other tensors in a file are ignored.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
-import re
 import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -36,17 +35,15 @@ from typing import Any
 import numpy as np
 
 from hmem import validation
-from hmem.errors import BadFileError, InvalidArgumentError
+from hmem.errors import BadFileError, InvalidArgumentError, InvalidTensorError
 from hmem.formats import safetensors
+from hmem.store import layouts
 from hmem.store.store import Entry, Store
+from hmem.transfer import kv_names
 
 __all__ = ["BadFileError", "FileResult", "ImportReport", "find_files", "import_files", "read_entries", "read_tensor"]
 
 SUFFIX = ".safetensors"
-
-_LAYERED = re.compile(r"^layers?[._](\d{1,10})[._](k|v|keys|values)$")
-_NUMBERED = re.compile(r"^(k|v|keys|values)[._](\d{1,18})$")
-_SINGLE = {"k": "k", "v": "v", "keys": "k", "values": "v"}
 
 # K/V tensors may be stored as these; BF16 is widened to float32 on reading.
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
@@ -59,12 +56,15 @@ class FileResult:
     planned: int = 0  # entries found in the file
     bytes: int = 0  # file size
     skipped: str | None = None  # why the file was skipped
+    hint: str | None = None  # what to do about it, in library terms
+    layouts: tuple[str, ...] = ()  # the layouts that fit, when the skip is an ambiguous layout (give one)
 
 
 @dataclasses.dataclass(frozen=True)
 class ImportReport:
-    files: tuple[FileResult, ...]
+    files: tuple[FileResult, ...]  # the files done (imported or skipped), in order
     dry_run: bool
+    not_started: tuple[str, ...] = ()  # the files left when `should_stop` stopped the import
 
     @property
     def entries_added(self) -> int:
@@ -83,17 +83,44 @@ class ImportReport:
         return sum(f.bytes for f in self.files)
 
 
-def find_files(paths: Iterable[str | Path]) -> list[Path]:
+def find_files(paths: Iterable[str | Path], *, store: str | os.PathLike | None = None) -> list[Path]:
     """The given files, and the *.safetensors files below given directories
-    (sorted); a path that does not exist is returned as is and reported."""
+    (sorted); a path that does not exist is returned as is and reported.
+
+    With `store` (the store imported into), a store never imports its own
+    files: a given path that is the store or lies inside it raises
+    InvalidArgumentError naming it, and the files of a directory that
+    contains the store leave out the store's subtree.  Paths are compared
+    resolved (symlinks followed)."""
+    root = Path(store).resolve() if store is not None else None
     out: list[Path] = []
     for raw in paths:
         path = Path(raw)
+        if root is not None:
+            _refuse_inside(path, root)
         if path.is_dir():
-            out.extend(sorted(p for p in path.rglob(f"*{SUFFIX}") if p.is_file()))
+            found = sorted(p for p in path.rglob(f"*{SUFFIX}") if p.is_file())
+            out.extend(found if root is None else [p for p in found if not _inside(p.resolve(), root)])
         else:
             out.append(path)
     return out
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _refuse_inside(path: Path, root: Path) -> None:
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: inside nothing; reported unreadable when read
+        return
+    if resolved == root:
+        raise InvalidArgumentError(f"{path} is the store itself: a store never imports its own files",
+                                   hint="give the files or directories to import into it")
+    if root in resolved.parents:
+        raise InvalidArgumentError(f"{path} lies inside the store {root}: a store never imports its own files",
+                                   hint="import files kept outside the store directory")
 
 
 # ---- reading one file ----------------------------------------------------------------
@@ -159,35 +186,54 @@ def _metadata_number(metadata: dict, key: str, cast: Callable[[str], Any]) -> An
         raise BadFileError(f"__metadata__[{key!r}] = {value!r} is not a number") from None
 
 
-def read_entries(path: Path, *, layer: int | None = None, importance: float | None = None) -> tuple[list[Entry], int]:
-    """The entries one file holds under the naming conventions, and its size."""
+def read_entries(path: Path, *, layer: int | None = None, importance: float | None = None,
+                 layout: str | None = None, chunk_tokens: int | None = None,
+                 embed_dim: int | None = None) -> tuple[list[Entry], int]:
+    """The entries one file holds under the naming conventions, and its size.
+    `embed_dim` (the store's) tells per-head layouts apart when neither
+    `layout` nor the naming convention says; `chunk_tokens` cuts each
+    sequence into entries of that many tokens."""
     f = _File(path)
-    names = set(f.tensors)
     meta_layer = _metadata_number(f.metadata, "layer", int)
     meta_importance = _metadata_number(f.metadata, "importance", float)
     default_layer = layer if layer is not None else (meta_layer if meta_layer is not None else 0)
     imp = importance if importance is not None else (meta_importance if meta_importance is not None else 1.0)
-    pairs: dict[tuple[str, int], dict[str, str]] = {}  # (form, number) -> {"k": name, "v": name}
-    for name in names:
-        if name in _SINGLE:
-            pairs.setdefault(("single", 0), {})[_SINGLE[name]] = name
-        elif (m := _LAYERED.match(name)) is not None:
-            pairs.setdefault(("layer", int(m.group(1))), {})[_SINGLE[m.group(2)]] = name
-        elif (m := _NUMBERED.match(name)) is not None:
-            pairs.setdefault(("numbered", int(m.group(2))), {})[_SINGLE[m.group(1)]] = name
-    if not pairs:
-        shown = ", ".join(sorted(names)[:5]) or "no tensors"
-        raise BadFileError(f"no K/V pair found (tensors: {shown}); see the naming conventions in 'hmem put --help'")
-    for (form, number), pair in sorted(pairs.items()):
-        missing = {"k", "v"} - set(pair)
-        if missing:
-            have = next(iter(pair.values()))
-            raise BadFileError(f"tensor {have!r} has no {'values' if 'v' in missing else 'keys'} partner")
-    entries = []
-    for (form, number), pair in sorted(pairs.items()):
-        entry_layer = number if form == "layer" else default_layer
-        entries.append(Entry(f.array(pair["k"]), f.array(pair["v"]), entry_layer, imp))
+    groups = kv_names.groups(list(f.tensors), layout)
+    source = Path(path).name
+    entries: list[Entry] = []
+    for (convention, number), pair in sorted(groups.items(), key=lambda item: kv_names.order(item[0])):
+        if convention == "all-layers":
+            name = pair["kv"]
+            array = f.array(name)
+            kv_names.layout_of(name, array.shape, convention, layout, embed_dim)
+            for index, (k, v) in enumerate(layouts.split_l2thd(array, f"tensor {name!r}")):
+                entries += _cut(k, v, index, imp, source, chunk_tokens, 0, 1)
+            continue
+        k, v = f.array(pair["k"]), f.array(pair["v"])
+        if k.shape != v.shape:
+            raise InvalidTensorError(f"tensors {pair['k']!r} {list(k.shape)} and {pair['v']!r} {list(v.shape)} "
+                                     "differ in shape")
+        chosen = kv_names.layout_of(pair["k"], k.shape, convention, layout, embed_dim)
+        key_rows = layouts.rows_of(k, chosen, f"tensor {pair['k']!r}")
+        value_rows = layouts.rows_of(v, chosen, f"tensor {pair['v']!r}")
+        entry_layer = number if convention in kv_names.CARRIES_LAYER else default_layer
+        for batch, (kr, vr) in enumerate(zip(key_rows, value_rows)):
+            entries += _cut(kr, vr, entry_layer, imp, source, chunk_tokens, batch, len(key_rows))
     return entries, f.size
+
+
+def _cut(keys: np.ndarray, values: np.ndarray, layer: int, importance: float, source: str,
+         chunk_tokens: int | None, batch: int, batches: int) -> list[Entry]:
+    """The entries of one sequence: one, or one per chunk of `chunk_tokens`."""
+    out = []
+    for ck, cv in zip(layouts.chunks(keys, chunk_tokens, batch), layouts.chunks(values, chunk_tokens, batch)):
+        meta: dict[str, Any] = {"source": source, "tokens": [ck.start, ck.stop]}
+        if chunk_tokens is not None:
+            meta["chunk"] = ck.chunk
+        if batches > 1:
+            meta["batch"] = batch
+        out.append(Entry(ck.rows, cv.rows, layer, importance, meta))
+    return out
 
 
 # ---- the import -------------------------------------------------------------------------
@@ -199,22 +245,43 @@ def import_files(
     *,
     layer: int | None = None,
     importance: float | None = None,
+    layout: str | None = None,
+    chunk_tokens: int | None = None,
     dry_run: bool = False,
     progress: Callable[[FileResult], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> ImportReport:
     """Put the entries of every file (files first checked whole, then stored
-    with one batch put each); skip bad files with their reason.  With
+    with one batch put each); skip bad files with their reason (and a hint;
+    `layouts` when the file's layout is ambiguous).  `layout` (one of
+    hmem.LAYOUTS) says how every per-head tensor is laid out; `chunk_tokens`
+    stores each sequence as entries of that many tokens.  With
     `dry_run`, everything is read and checked and nothing is written (the
     store may be read-only).  `progress` is called after each file.  The
-    caller flushes (or closes) the store."""
+    caller flushes (or closes) the store.
+
+    The store's own files are never imported (``find_files`` with `store`):
+    a path that is the store or lies inside it raises InvalidArgumentError
+    before anything is put.  `should_stop` is asked before each file; when
+    it returns True the import ends there, every file before it done whole,
+    and the report lists the files not started (``not_started``)."""
     if layer is not None and (isinstance(layer, bool) or not 0 <= int(layer) <= 0xFFFFFFFF):
         raise InvalidArgumentError(f"layer must be between 0 and {0xFFFFFFFF}, got {layer}")
     if importance is not None:
         importance = validation.importance(importance)
-    results = []
-    for path in find_files(paths):
+    if layout is not None:
+        layout = validation.choice(layout, "layout", layouts.LAYOUTS)
+    if chunk_tokens is not None:
+        chunk_tokens = validation.integer(chunk_tokens, "chunk_tokens", low=1)
+    embed_dim = store.config.embed_dim
+    files = find_files(paths, store=store.path)
+    results: list[FileResult] = []
+    for i, path in enumerate(files):
+        if should_stop is not None and should_stop():
+            return ImportReport(tuple(results), dry_run, tuple(str(p) for p in files[i:]))
         try:
-            entries, size = read_entries(path, layer=layer, importance=importance)
+            entries, size = read_entries(path, layer=layer, importance=importance, layout=layout,
+                                         chunk_tokens=chunk_tokens, embed_dim=embed_dim)
             if dry_run:
                 store.check_entries(entries)
                 result = FileResult(str(path), (), len(entries), size)
@@ -223,7 +290,8 @@ def import_files(
                 result = FileResult(str(path), tuple(ids), len(entries), size)
         except (BadFileError, InvalidArgumentError) as exc:
             size = path.stat().st_size if path.is_file() else 0
-            result = FileResult(str(path), (), 0, size, skipped=exc.message)
+            result = FileResult(str(path), (), 0, size, skipped=exc.message, hint=exc.hint,
+                                layouts=getattr(exc, "layouts", ()))
         results.append(result)
         if progress is not None:
             progress(result)

@@ -1,0 +1,130 @@
+"""Per-head K/V layouts into the rows hmem stores, and back.
+
+A store's entry is a matrix [tokens, embed_dim].  Models keep K/V per head;
+hmem flattens the heads into the row, so a store's embed_dim is
+kv_heads x head_dim (grouped-query attention included: only the K/V heads
+are stored).  The layouts a tensor may come in (docs/cli.md, "Layouts"):
+
+    td      [tokens, embed_dim]                        one entry
+    thd     [tokens, kv_heads, head_dim]               flash-attention / paged
+    htd     [kv_heads, tokens, head_dim]
+    bhtd    [batch, kv_heads, tokens, head_dim]        a transformers cache layer
+    bthd    [batch, tokens, kv_heads, head_dim]
+    l2thd   [layers, 2, tokens, kv_heads, head_dim]    every layer's keys and values
+
+Batch > 1: each batch row becomes its own entry.  A long sequence may be cut
+into chunks of `chunk_tokens` consecutive tokens, one entry each, as prefix
+caches cut requests (the last chunk may be shorter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hmem import validation
+from hmem.errors import InvalidTensorError
+
+LAYOUTS = ("td", "thd", "htd", "bhtd", "bthd", "l2thd")
+RANKS = {"td": 2, "thd": 3, "htd": 3, "bhtd": 4, "bthd": 4, "l2thd": 5}
+SHAPES = {"td": "[tokens, embed_dim]", "thd": "[tokens, kv_heads, head_dim]", "htd": "[kv_heads, tokens, head_dim]",
+          "bhtd": "[batch, kv_heads, tokens, head_dim]", "bthd": "[batch, tokens, kv_heads, head_dim]",
+          "l2thd": "[layers, 2, tokens, kv_heads, head_dim]"}
+
+
+class Chunk(NamedTuple):
+    """Rows of one entry cut from a tensor: batch row, chunk number, token range."""
+
+    batch: int
+    chunk: int
+    start: int
+    stop: int
+    rows: np.ndarray
+
+
+def rows_of(array: np.ndarray, layout: str, what: str) -> list[np.ndarray]:
+    """[tokens, heads x head_dim] matrices of a per-head tensor, one per
+    batch row ("td", "thd", "htd" have one).  A view where the layout allows."""
+    validation.choice(layout, "layout", LAYOUTS)
+    if layout == "l2thd":
+        raise InvalidTensorError(f"{what}: l2thd holds keys and values together; split it with split_l2thd")
+    if array.ndim != RANKS[layout]:
+        raise InvalidTensorError(f"{what} has shape {list(array.shape)}, which is not layout {layout} "
+                                 f"({RANKS[layout]} dimensions)")
+    if layout == "td":
+        return [array]
+    if layout == "thd":
+        return [array.reshape(array.shape[0], -1)]
+    if layout == "htd":
+        return [np.ascontiguousarray(array.transpose(1, 0, 2)).reshape(array.shape[1], -1)]
+    if layout == "bthd":
+        return [row.reshape(row.shape[0], -1) for row in array]
+    return [np.ascontiguousarray(row.transpose(1, 0, 2)).reshape(row.shape[1], -1) for row in array]  # bhtd
+
+
+def row_width(shape: tuple[int, ...] | list[int], layout: str) -> int:
+    """How many values a row holds when a tensor of `shape` is read as `layout`."""
+    if layout == "td":
+        return int(shape[1])
+    if layout in ("htd", "thd"):
+        return int(shape[1 if layout == "thd" else 0]) * int(shape[2])
+    if layout in ("bhtd", "bthd"):
+        return int(shape[1 if layout == "bhtd" else 2]) * int(shape[3])
+    return int(shape[3]) * int(shape[4])  # l2thd
+
+
+def fitting(shape: tuple[int, ...] | list[int], embed_dim: int) -> tuple[str, ...]:
+    """The layouts of a tensor's rank under which its rows hold `embed_dim`
+    values: for [a, b, c], thd when b*c == embed_dim and htd when
+    a*c == embed_dim (both when a == b: heads as many as tokens); 4-D
+    likewise bhtd and bthd; 5-D l2thd when shape[1] == 2."""
+    rank = len(shape)
+    if rank == 5 and shape[1] != 2:
+        return ()
+    return tuple(name for name in LAYOUTS if RANKS[name] == rank and row_width(shape, name) == embed_dim)
+
+
+def split_l2thd(array: np.ndarray, what: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(keys, values) [tokens, heads x head_dim] of every layer of an l2thd tensor."""
+    if array.ndim != 5 or array.shape[1] != 2:
+        raise InvalidTensorError(f"{what} has shape {list(array.shape)}, which is not layout l2thd "
+                                 "[layers, 2, tokens, kv_heads, head_dim]")
+    return [(layer[0].reshape(layer.shape[1], -1), layer[1].reshape(layer.shape[1], -1)) for layer in array]
+
+
+def chunks(rows: np.ndarray, chunk_tokens: int | None, batch: int = 0) -> Iterator[Chunk]:
+    """`rows` cut into consecutive chunks of `chunk_tokens` (None: one chunk)."""
+    total = rows.shape[0]
+    step = total if chunk_tokens is None else validation.integer(chunk_tokens, "chunk_tokens", low=1)
+    for number, start in enumerate(range(0, max(total, 1), max(step, 1))):
+        stop = min(start + step, total)
+        yield Chunk(batch, number, start, stop, rows[start:stop])
+
+
+def to_heads(rows: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """[tokens, heads x head_dim] rows back to [heads, tokens, head_dim]."""
+    heads = validation.integer(num_kv_heads, "num_kv_heads", low=1)
+    if rows.shape[1] % heads:
+        raise InvalidTensorError(f"rows of {rows.shape[1]} values do not split into {heads} heads")
+    return rows.reshape(rows.shape[0], heads, -1).transpose(1, 0, 2)
+
+
+def layer_pairs(cache: Any) -> list[tuple[Any, Any]]:
+    """(keys, values) of each layer of a transformers cache: a DynamicCache
+    (``.layers[i].keys``/``.values``, or the older ``key_cache``/``value_cache``
+    lists) or the legacy tuple of per-layer (key, value) pairs."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer.keys, layer.values) for layer in layers]
+    if hasattr(cache, "key_cache") and hasattr(cache, "value_cache"):
+        return list(zip(cache.key_cache, cache.value_cache))
+    try:
+        pairs = [tuple(layer) for layer in cache]
+    except TypeError:
+        raise InvalidTensorError(f"expected a transformers cache or a tuple of (key, value) pairs, "
+                                 f"got {type(cache).__name__}") from None
+    if not all(len(pair) >= 2 for pair in pairs):
+        raise InvalidTensorError("each layer of a legacy cache must be a (key, value) pair")
+    return [(pair[0], pair[1]) for pair in pairs]
