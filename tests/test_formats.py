@@ -167,7 +167,7 @@ def test_a_shard_reader_words_a_damaged_header_its_own_way():
     cases = {
         b"abc": "too short to be safetensors (3 bytes)",
         shard({}, fmt="other"): "it is not an hmem shard",
-        shard({"dtype": "F16", "data_offsets": [0, 99]}): "tensor t has a malformed entry",  # no shard holds F16
+        shard({"dtype": "U16", "data_offsets": [0, 99]}): "tensor t has a malformed entry",  # no shard holds U16
         shard({"data_offsets": [0, 99]}): "tensor t lies outside the data",
         shard({"shape": [3]}): "tensor t's size does not match its shape",
     }
@@ -187,7 +187,7 @@ def test_names_and_record_size():
     assert layout.shard_file(3) == "shard_0003.safetensors"
     assert layout.shard_index("shard_0003.safetensors") == 3 and layout.shard_index("shard_3.safetensors") is None
     assert layout.record_bytes(16) == 56
-    assert layout.FIXED_FILES == ("index.json", "entries.bin", "lock")
+    assert layout.FIXED_FILES == ("index.json", "entries.bin", "lock", "commit.stamp")
 
 
 def _directory(root: Path) -> None:

@@ -5,7 +5,10 @@
 tuple of per-layer (key, value) tensors of [batch, kv_heads, tokens,
 head_dim]) and stores each layer's rows, heads flattened into the row
 (hmem/store/layouts.py), each batch row and each chunk of `chunk_tokens` as
-its own entry, all in one batch: every entry goes in, or none does.
+its own entry, all in one batch: every entry goes in, or none does.  Layers
+that hold no K/V (the mamba layers of a hybrid model) are left out.  An
+entry's meta "tokens" is its range in the sequence: a sliding-window layer
+holds only the last tokens, so its ranges end at the sequence's length.
 
 ``cache_tensors`` turns entries read back (chunks of one sequence, in
 order, per layer) into per-layer [1, kv_heads, tokens, head_dim] tensors
@@ -35,14 +38,20 @@ def put_cache(store: Store, cache: Any, *, chunk_tokens: int | None = None, impo
               layers: Iterable[int] | None = None) -> dict[int, list[int]]:
     """See Store.put_cache."""
     pairs = layouts.layer_pairs(cache)
-    chosen = list(range(len(pairs))) if layers is None else [validation.layer_index(x, "layers") for x in layers]
+    held = [layer for layer, pair in enumerate(pairs) if pair is not None]
+    chosen = held if layers is None else [validation.layer_index(x, "layers") for x in layers]
     for layer in chosen:
         if layer >= len(pairs):
             raise InvalidArgumentError(f"layers names layer {layer}; the cache has {len(pairs)}")
+        if pairs[layer] is None:
+            raise InvalidArgumentError(f"layers names layer {layer}, which holds no K/V (a mamba or "
+                                       "linear-attention layer keeps other state)")
     entries: list[Entry] = []
     owners: list[int] = []
     for layer in chosen:
-        keys, values = (to_numpy(t, f"layer {layer} {what}") for t, what in zip(pairs[layer], ("keys", "values")))
+        pair = pairs[layer]
+        assert pair is not None  # checked above
+        keys, values = (to_numpy(t, f"layer {layer} {what}") for t, what in zip(pair[:2], ("keys", "values")))
         if keys.shape != values.shape:
             raise InvalidTensorError(f"layer {layer}: keys {list(keys.shape)} and values {list(values.shape)} differ")
         key_rows = layouts.rows_of(keys, "bhtd", f"layer {layer} keys")
@@ -51,7 +60,7 @@ def put_cache(store: Store, cache: Any, *, chunk_tokens: int | None = None, impo
             if not k.shape[0]:
                 continue  # an empty layer (no tokens cached) stores nothing
             for ck, cv in zip(layouts.chunks(k, chunk_tokens, batch), layouts.chunks(v, chunk_tokens, batch)):
-                meta = {"batch": batch, "chunk": ck.chunk, "tokens": [ck.start, ck.stop]}
+                meta = {"batch": batch, "chunk": ck.chunk, "tokens": [pair.start + ck.start, pair.start + ck.stop]}
                 entries.append(Entry(ck.rows, cv.rows, layer, importance, meta))
                 owners.append(layer)
     ids = store.put_many(entries)

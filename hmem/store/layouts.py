@@ -111,15 +111,32 @@ def to_heads(rows: np.ndarray, num_kv_heads: int) -> np.ndarray:
     return rows.reshape(rows.shape[0], heads, -1).transpose(1, 0, 2)
 
 
-def layer_pairs(cache: Any) -> list[tuple[Any, Any]]:
-    """(keys, values) of each layer of a transformers cache: a DynamicCache
+class HeldKV(NamedTuple):
+    """What one layer of a model's cache holds: keys and values of [batch,
+    kv_heads, tokens, head_dim], token `start` of the sequence first."""
+
+    keys: Any
+    values: Any
+    start: int = 0
+
+
+def layer_pairs(cache: Any) -> list[HeldKV | None]:
+    """What each layer of a transformers cache holds: a DynamicCache
     (``.layers[i].keys``/``.values``, or the older ``key_cache``/``value_cache``
-    lists) or the legacy tuple of per-layer (key, value) pairs."""
+    lists) or the legacy tuple of per-layer (key, value) pairs.
+
+    None for a layer that holds no K/V: the linear-attention (mamba) layers
+    of a hybrid model keep conv and recurrent states instead, and a layer
+    not filled yet holds nothing.  A sliding-window layer (transformers'
+    DynamicSlidingWindowLayer) holds only the sequence's last tokens and
+    counts them all in ``cumulative_length``: its `start` is how many it
+    dropped."""
     layers = getattr(cache, "layers", None)
     if layers is not None:
-        return [(layer.keys, layer.values) for layer in layers]
+        return [_held(getattr(layer, "keys", None), getattr(layer, "values", None),
+                      getattr(layer, "cumulative_length", None)) for layer in layers]
     if hasattr(cache, "key_cache") and hasattr(cache, "value_cache"):
-        return list(zip(cache.key_cache, cache.value_cache))
+        return [_held(k, v, None) for k, v in zip(cache.key_cache, cache.value_cache)]
     try:
         pairs = [tuple(layer) for layer in cache]
     except TypeError:
@@ -127,4 +144,15 @@ def layer_pairs(cache: Any) -> list[tuple[Any, Any]]:
                                  f"got {type(cache).__name__}") from None
     if not all(len(pair) >= 2 for pair in pairs):
         raise InvalidTensorError("each layer of a legacy cache must be a (key, value) pair")
-    return [(pair[0], pair[1]) for pair in pairs]
+    return [HeldKV(pair[0], pair[1]) for pair in pairs]
+
+
+def _held(keys: Any, values: Any, seen: Any) -> HeldKV | None:
+    if keys is None or values is None:
+        return None
+    shape = tuple(getattr(keys, "shape", ()))
+    if len(shape) < 4 and 0 in shape:
+        return None  # the empty placeholder older hybrid caches keep for a mamba layer
+    held = int(shape[-2]) if len(shape) >= 2 else 0
+    start = int(seen) - held if isinstance(seen, int) and not isinstance(seen, bool) and seen > held else 0
+    return HeldKV(keys, values, start)

@@ -50,7 +50,7 @@ class EntryReader:
             return None
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or crafted to nest without end
             value = None
         if not isinstance(value, dict):
             raise CorruptStoreError(f"entry {entry_id}: its metadata in shard {shard_idx} is damaged", hint=Hint.VERIFY)
