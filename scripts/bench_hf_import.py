@@ -14,13 +14,19 @@ to a temporary directory; every run below starts from a fresh store.
   (opening the store through the flush) is shown beside it.
 - baseline: the library's `Store.put_many` of the same entries (rows
   already in memory as [256, kv_heads x head_dim] float32 chunks, with the
-  meta `hmem put` gives them), then `Store.flush`; `Store.create` is not
-  timed.  Same process, same store settings.
+  meta `hmem put` gives them), then `Store.flush`; `Store.create` and
+  making the entries are not timed.  Run as a program of its own in a fresh
+  process, as `hmem put` runs: a fresh process pays the first touch of the
+  memory it fills (on this benchmark's virtual machine about 4 ms per MiB
+  the first time, 0.2 ms after), and so does `hmem put`.  The same put_many
+  in this (warm) process is shown too.
 
-Both sides run for storage_dtype f32 and bf16, `--repeat` times each in
-rotating order; the medians are compared.  Goals: `hmem put` end to end at
->= 80% of put_many's throughput, and a bf16 store <= 0.52 x the disk of an
-f32 store of the same data (an int8 store is shown too).
+Every side runs for storage_dtype f32 and bf16, `--repeat` times in
+rotating order, each after `os.sync()` (no run pays for the write-back of
+the one before); the medians are compared.  Goals: `hmem put` end to end at
+>= 80% of put_many's throughput (the fresh process), and a bf16 store <=
+0.52 x the disk of an f32 store of the same data (an int8 store is shown
+too).
 
 Usage::
 
@@ -83,6 +89,16 @@ def write_dump(path: Path, layers: int, heads: int, tokens: int, dim: int, seed:
     return tensors
 
 
+def read_dump(path: Path) -> list[np.ndarray]:
+    """The bits of each tensor of a dump written by write_dump, in file order."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size)
+    order = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
+    return [data[a:b].view(np.uint16).reshape(t["shape"]) for _, t in order for a, b in [t["data_offsets"]]]
+
+
 def entries_of(tensors: list[np.ndarray], chunk: int, source: str) -> list[hmem.Entry]:
     """What `hmem put --chunk-tokens` makes of the dump: per layer, [tokens, heads x dim] rows in chunks."""
     out = []
@@ -133,14 +149,34 @@ def library_put(store: Path, entries: list[hmem.Entry], storage: str, embed_dim:
     return seconds, disk_bytes(store)
 
 
+def put_many_child(argv: list[str]) -> None:
+    """The baseline as a program of its own: DUMP STORE STORAGE CHUNK; prints the seconds as JSON."""
+    dump, store, storage, chunk = Path(argv[0]), Path(argv[1]), argv[2], int(argv[3])
+    tensors = read_dump(dump)
+    entries = entries_of(tensors, chunk, dump.name)
+    del tensors
+    seconds, size = library_put(store, entries, storage, entries[0].keys.shape[1])
+    print(json.dumps({"seconds": seconds, "disk_bytes": size}))
+
+
+def library_process(store: Path, dump: Path, storage: str, chunk: int) -> tuple[float, int]:
+    """(seconds of put_many + flush in a fresh process, bytes on disk)."""
+    proc = subprocess.run([sys.executable, __file__, "--put-many-child", str(dump), str(store), storage, str(chunk)],
+                          capture_output=True, text=True, check=True)
+    doc = json.loads(proc.stdout)
+    return doc["seconds"], doc["disk_bytes"]
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--put-many-child"]:
+        return put_many_child(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--chunk-tokens", type=int, default=256)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to build the dump and the stores (default: a temp dir)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args()
@@ -162,53 +198,71 @@ def main() -> None:
 
         t: dict[str, list[float]] = {}
         disk: dict[str, int] = {}
-        sides = ["cli", "lib"]
+        sides = ["cli", "proc", "warm"]
         for storage in ("f32", "bf16"):
             for r in range(args.repeat):
-                for side in sides[r % 2:] + sides[: r % 2]:  # rotate: neither side always runs first
-                    os.sync()  # neither side pays for the write-back of the run before it
+                for side in sides[r % 3:] + sides[: r % 3]:  # rotate: no side always runs first
+                    os.sync()  # no run pays for the write-back of the one before it
                     if side == "cli":
                         wall, own, size = cli_put(root / "cli", dump, storage, embed_dim, args.chunk_tokens)
                         t.setdefault(f"cli_{storage}", []).append(wall)
                         t.setdefault(f"cli_self_{storage}", []).append(own)
+                    elif side == "proc":
+                        seconds, size = library_process(root / "proc", dump, storage, args.chunk_tokens)
+                        t.setdefault(f"proc_{storage}", []).append(seconds)
                     else:
-                        seconds, size = library_put(root / "lib", entries, storage, embed_dim)
-                        t.setdefault(f"lib_{storage}", []).append(seconds)
+                        seconds, size = library_put(root / "warm", entries, storage, embed_dim)
+                        t.setdefault(f"warm_{storage}", []).append(seconds)
                     disk.setdefault(f"{side}_{storage}", size)
+                # the round's own share: runs next to each other see the same machine
+                t.setdefault(f"pair_{storage}", []).append(t[f"proc_{storage}"][-1] / t[f"cli_{storage}"][-1])
         os.sync()
         wall, own, disk["cli_int8"] = cli_put(root / "cli", dump, "int8", embed_dim, args.chunk_tokens)
         t["cli_int8"], t["cli_self_int8"] = [wall], [own]
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
+    pairs = {d: sorted(t.pop(f"pair_{d}")) for d in ("f32", "bf16")}
     m = {k: statistics.median(v) for k, v in t.items()}
     payload = values * 4
     report: dict = {"layers": args.layers, "tokens": args.tokens, "kv_heads": args.kv_heads,
                     "head_dim": args.head_dim, "chunk_tokens": args.chunk_tokens, "repeat": args.repeat,
                     "entries": len(entries), "kv_bytes_f32": payload, "median_seconds": m, "samples": t,
                     "disk_bytes": disk}
-    def line(label: str, key: str, share: str = "") -> None:
-        print(f"  {label:<44}{fmt_seconds(m[key]):>10}{fmt_rate(payload, m[key]):>12}  {share}")
+    best = {k: min(v) for k, v in t.items()}
+    report["best_seconds"] = best
 
-    print(f"  {'median of ' + str(args.repeat) + ' runs':<44}{'seconds':>10}{'throughput':>12}  share")
+    def line(label: str, key: str, share: str = "") -> None:
+        print(f"  {label:<44}{fmt_seconds(m[key]):>10}{fmt_seconds(best[key]):>10}"
+              f"{fmt_rate(payload, m[key]):>12}  {share}")
+
+    print(f"  {str(args.repeat) + ' runs each':<44}{'median':>10}{'best':>10}{'throughput':>12}  share (median)")
     for storage in ("f32", "bf16"):
-        share = m[f"lib_{storage}"] / m[f"cli_{storage}"]
+        share = m[f"proc_{storage}"] / m[f"cli_{storage}"]
         report[f"share_{storage}"] = share
-        line(f"{storage}: Store.put_many + flush (baseline)", f"lib_{storage}")
-        line(f"{storage}: hmem put, end to end", f"cli_{storage}", f"{share:.0%}")
+        report[f"share_vs_warm_{storage}"] = m[f"warm_{storage}"] / m[f"cli_{storage}"]
+        line(f"{storage}: put_many + flush, a fresh process", f"proc_{storage}", "baseline")
+        line(f"{storage}: put_many + flush, this (warm) process", f"warm_{storage}")
+        line(f"{storage}: hmem put, end to end", f"cli_{storage}",
+             f"{share:.0%} (best {best[f'proc_{storage}'] / best[f'cli_{storage}']:.0%}; "
+             f"{report[f'share_vs_warm_{storage}']:.0%} of warm)")
         line(f"{storage}: hmem put, as it reports itself", f"cli_self_{storage}",
-             f"{m[f'lib_{storage}'] / m[f'cli_self_{storage}']:.0%}")
+             f"{m[f'proc_{storage}'] / m[f'cli_self_{storage}']:.0%}")
     line("int8: hmem put, end to end (one run)", "cli_int8")
+    report["paired_shares"] = pairs
+    print("\nshare of each round (put_many in a fresh process / hmem put end to end, run side by side): "
+          + "; ".join(f"{d} median {statistics.median(v):.0%}, {v[0]:.0%}-{v[-1]:.0%}" for d, v in pairs.items()))
     ratio = {d: disk[f"cli_{d}"] / disk["cli_f32"] for d in ("bf16", "int8")}
     report["disk_ratio"] = ratio
     sizes = ", ".join(f"{d} {disk[f'cli_{d}'] / 2**20:,.1f} MiB" for d in ("f32", "bf16", "int8"))
     print(f"\ndisk after hmem put: {sizes}"
           + f"; bf16/f32 {ratio['bf16']:.3f}, int8/f32 {ratio['int8']:.3f}"
-          + f" (put_many's stores: f32 {disk['lib_f32'] / 2**20:,.1f} MiB, bf16 {disk['lib_bf16'] / 2**20:,.1f} MiB)")
+          + f" (put_many's stores: f32 {disk['proc_f32'] / 2**20:,.1f} MiB, bf16 {disk['proc_bf16'] / 2**20:,.1f} MiB)")
     share_holds = min(report["share_f32"], report["share_bf16"]) >= GOAL_SHARE
     disk_holds = ratio["bf16"] <= GOAL_DISK
     report["goals_hold"] = {"share": share_holds, "disk": disk_holds}
-    print(f"goal: hmem put >= {GOAL_SHARE:.0%} of put_many's throughput: {'holds' if share_holds else 'FAILS'} "
+    print(f"goal: hmem put >= {GOAL_SHARE:.0%} of put_many's throughput (fresh process): "
+          f"{'holds' if share_holds else 'FAILS'} "
           f"(f32 {report['share_f32']:.0%}, bf16 {report['share_bf16']:.0%})")
     print(f"goal: bf16 disk <= {GOAL_DISK} x f32: {'holds' if disk_holds else 'FAILS'} ({ratio['bf16']:.3f})")
     if args.json:

@@ -251,8 +251,10 @@ def bench_open_query(root: Path, args, report: dict) -> None:
                 float(r.keys[0, 0])
         with_rr = time_calls(lambda: one(True), min_runs=200)
         without = time_calls(lambda: one(False), min_runs=200)
-        sigs = store._index.layers[layer].sigs[: store._index.layers[layer].n]  # the same matrix
-        qsig = store._projector.signature(queries[:1])
+        # the baseline scans the very signature matrix hmem searches (internal state, read only)
+        index = store._state.index.layers[layer]
+        sigs = index.sigs[: index.n]
+        qsig = store._state.projector.signature(queries[:1])
 
         def numpy_scan() -> None:
             d = np.bitwise_count(np.bitwise_xor(sigs, qsig)).sum(axis=1, dtype=np.int32)

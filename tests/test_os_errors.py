@@ -31,8 +31,8 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,6 +50,10 @@ ENV = {"COLUMNS": "200", "NO_COLOR": "1", "FORCE_COLOR": None, "HMEM_STORE": Non
 LEFTOVERS = {"file.temp", "file.orphan", "entries.tail"}  # what verify notes and the next writer removes
 SEEDS = range(1, 25)
 TARGET = 10  # what `hmem evict` keeps
+
+# Subprocesses run outside the checkout so that they import the installed hmem
+# (with its compiled kernels), not the source tree.
+OUTSIDE_CHECKOUT = tempfile.gettempdir()
 
 
 def run(*args):
@@ -417,7 +421,8 @@ def test_a_store_another_user_may_not_write(world, tmp_path):
         env = {**os.environ, "NO_COLOR": "1", "HOME": str(shared)}
         for name, args in WRITING.items():
             proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-                                   "-m", "hmem", *map(str, args(w, store))], capture_output=True, text=True, env=env)
+                                   "-m", "hmem", *map(str, args(w, store))], capture_output=True, text=True, env=env,
+                                  cwd=OUTSIDE_CHECKOUT)
             assert proc.returncode == ExitCode.NO_PERMISSION, (name, proc.returncode, proc.stderr)
             lines = proc.stderr.strip().splitlines()
             assert len(lines) == 1 and "Permission denied" in lines[0] and str(store) in lines[0], proc.stderr
@@ -508,7 +513,7 @@ def _hmem(args: list, stdout: int, unbuffered: bool | None = None) -> subprocess
         env.pop("PYTHONUNBUFFERED", None)
         env.update({"PYTHONUNBUFFERED": "1"} if unbuffered else {})
     return subprocess.Popen([sys.executable, "-m", "hmem", *map(str, args)], stdout=stdout,
-                            stderr=subprocess.PIPE, env=env)
+                            stderr=subprocess.PIPE, env=env, cwd=OUTSIDE_CHECKOUT)
 
 
 @pytest.fixture(scope="module")
@@ -577,7 +582,8 @@ def test_output_that_reaches_the_pipe_only_at_the_final_flush():
     120; hmem flushes first, then points stdout at os.devnull."""
     r, w = os.pipe()
     os.close(r)
-    proc = subprocess.run([sys.executable, "-c", PROBE], stdout=w, stderr=subprocess.PIPE, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", PROBE], stdout=w, stderr=subprocess.PIPE, timeout=60,
+                          cwd=OUTSIDE_CHECKOUT)
     os.close(w)
     assert (proc.returncode, proc.stderr) == (ExitCode.BROKEN_PIPE, b"")
 

@@ -20,8 +20,8 @@ little above what was measured (seeds 0-19, whole and chunked, max |logit
 difference| over the decoded steps; the logits reach |4.7|):
 
     float32 model,  int8 storage   measured 0.093    bound 0.12
-    bfloat16 model, int8 storage   measured 0.094    bound 0.12
-    float32 model,  bf16 storage   measured 0.022    bound 0.03
+    bfloat16 model, int8 storage   measured 0.121    bound 0.15
+    float32 model,  bf16 storage   measured 0.030    bound 0.04
 
 INT8 keeps one scale per row of kv_heads x head_dim values (a relative step
 of about 1/254 of the row's largest value); BF16 rounds a float32 value to
@@ -61,11 +61,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # (model dtype, storage dtype, bound on max |logit difference|; 0: torch.equal); see the docstring
 CASES = [
     ("float32", "f32", 0.0),
-    ("float32", "bf16", 0.03),
+    ("float32", "bf16", 0.04),
     ("float32", "int8", 0.12),
     ("bfloat16", "f32", 0.0),
     ("bfloat16", "bf16", 0.0),
-    ("bfloat16", "int8", 0.12),
+    ("bfloat16", "int8", 0.15),
 ]
 LOSSY = [case for case in CASES if case[2]]
 
@@ -108,10 +108,13 @@ class Run:
         gen = torch.Generator().manual_seed(seed)
         prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=gen)
         logits, self.cache = _forward(model, prompt, None)
-        self.tokens = [int(logits[0, -1].argmax())]  # greedy, then fed as is to every restored cache
+        self.tokens = [int(logits[0, -1].argmax())]  # STEPS greedy tokens, then fed as is to every restored cache
+        cache = self.own_cache()
+        while len(self.tokens) < STEPS:
+            logits, cache = _forward(model, torch.tensor([[self.tokens[-1]]]), cache)
+            self.tokens.append(int(logits[0, -1].argmax()))
         self.logits = self.decode(self.own_cache())
-        self.tokens += [int(step.argmax()) for step in self.logits[:-1]]
-        self.logits = self.decode(self.own_cache())
+        assert len(self.logits) == STEPS
 
     def own_cache(self) -> Any:
         return copy.deepcopy(self.cache)

@@ -37,6 +37,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import sys
 import time
 from collections.abc import Callable
@@ -71,6 +72,10 @@ BASE_ENV = {"COLUMNS": "200", "NO_COLOR": None, "FORCE_COLOR": None, "TTY_COMPAT
 DOCUMENTED_EXIT_CODES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}  # docs/cli.md, "Exit codes"
 FUZZ_CASES = int(os.environ.get("HMEM_FUZZ_CASES", "150"))
 MEMORY_LIMIT = 1536 << 20  # address space of the fuzzer's subprocess
+
+# Subprocesses run outside the checkout so that they import the installed hmem
+# (with its compiled kernels), not the source tree.
+OUTSIDE_CHECKOUT = tempfile.gettempdir()
 
 
 def _report(name: str, **figures: Any) -> None:
@@ -460,7 +465,7 @@ def run_bounded(argv: list[list[str]], limit: int, timeout: float = 120) -> dict
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     env.pop("HMEM_CRASH_AT", None)
     proc = subprocess.run([sys.executable, "-c", _BOUNDED.format(limit=limit), json.dumps(argv)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=OUTSIDE_CHECKOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -826,7 +831,7 @@ def test_fuzzed_stores_stay_within_a_memory_limit(tmp_path):
     cases = max(20, FUZZ_CASES // 6)
     kinds = ",".join(m.__name__ for m in COUNT_MUTATIONS)
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(cases), kinds],
-                          capture_output=True, text=True, timeout=300, env=env)
+                          capture_output=True, text=True, timeout=300, env=env, cwd=OUTSIDE_CHECKOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert figures["cases"] == cases
