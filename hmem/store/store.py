@@ -332,9 +332,10 @@ class Store:
         """Store a transformers cache (DynamicCache, or the legacy tuple of
         per-layer (key, value) [batch, kv_heads, tokens, head_dim]): each
         layer's batch rows, cut into chunks of `chunk_tokens` if given, heads
-        flattened into the row (embed_dim = kv_heads x head_dim).  All or
-        nothing; returns the new ids per layer, in order
-        (hmem/store/caches.py; `hmem.cache_tensors` turns entries back)."""
+        flattened into the row (embed_dim = kv_heads x head_dim); layers
+        without K/V (mamba) are left out, a sliding-window layer stores the
+        tokens it holds.  All or nothing; returns the new ids per layer, in
+        order (hmem/store/caches.py; `hmem.cache_tensors` turns entries back)."""
         return caches.put_cache(self, cache, chunk_tokens=chunk_tokens, importance=importance, layers=layers)
 
     def augmented_kv(self, query: Any, cache_k: Any, cache_v: Any, layer_idx: int, top_k: int = 5,
