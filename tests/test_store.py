@@ -8,6 +8,7 @@ the randomized model check is tests/test_store_statemachine.py.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -1404,6 +1405,16 @@ def test_second_writer_in_the_same_process_is_refused(tmp_path):
         store.close()
     with Store.open(tmp_path / "s") as store:
         assert store.stats().entries == 1
+
+
+def test_a_writer_dropped_unclosed_lets_its_lock_go(tmp_path):
+    store = Store.create(tmp_path / "s", embed_dim=16, hdc_dim=256)
+    with pytest.raises(hmem.StoreLockedError):
+        Store.open(tmp_path / "s")
+    del store
+    gc.collect()
+    with Store.open(tmp_path / "s") as again:  # the collected store's lock is gone
+        assert again.stats().entries == 0
 
 
 _HOLD_LOCK = """

@@ -58,8 +58,11 @@ class HmemGroup(TyperGroup):
         whole_writes_to_stdout()  # so that a closed stdout is always noticed (exit code 141)
         handlers = signals.install()  # SIGINT and SIGTERM stop at a consistent point (hmem/cli/signals.py)
         try:
-            rv = super().main(args=args, prog_name=prog_name or "hmem", complete_var=complete_var,
-                              standalone_mode=False, **extra)
+            try:
+                rv = super().main(args=args, prog_name=prog_name or "hmem", complete_var=complete_var,
+                                  standalone_mode=False, **extra)
+            finally:
+                signals.settle()
             code = rv if isinstance(rv, int) else ExitCode.OK
             code, stop_line = signals.final(code)  # Typer turns Ctrl-C into Exit(130)
             if stop_line:

@@ -10,7 +10,9 @@ The command line handles both signals for the whole run:
   the shards it writes), stops there, says what it committed and exits
   with ``stop_code()``: 130 for SIGINT, 143 for SIGTERM.  Work without a
   safe point (evict, init) is short and is finished first;
-- a second signal stops at once, as outside a section.
+- a second signal stops at once, as outside a section;
+- once the command has returned (``settle()``), a signal changes nothing:
+  the exit code is being decided and the output flushed.
 
 The library never sees a signal: its write path leaves each step done or
 undone when a KeyboardInterrupt cuts it short (docs/reliability.md,
@@ -41,6 +43,7 @@ class _Run:
     sections = 0  # stoppable sections entered and not left
     reported = False  # the command said what it committed before exiting
     owns_process = False  # the process exits when the run ends
+    settled = False  # the command has returned: its exit code is being decided
 
 
 def _handle(signum: int, frame: FrameType | None) -> None:
@@ -48,19 +51,27 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         _Run.first = signum
         if _Run.sections:
             return  # the command stops at its next safe point
+    if _Run.settled:
+        return  # too late to stop anything: an exception now would only be a traceback
     raise KeyboardInterrupt
 
 
 def install() -> dict[int, Any] | None:
     """Handle SIGINT and SIGTERM for one run; returns the handlers to put
     back (None off the main thread, where Python allows no handler)."""
-    _Run.first, _Run.sections, _Run.reported = None, 0, False
+    _Run.first, _Run.sections, _Run.reported, _Run.settled = None, 0, False, False
     if threading.current_thread() is not threading.main_thread():
         return None
     previous: dict[int, Any] = {int(sig): signal.getsignal(sig) for sig in HANDLED}
     for sig in HANDLED:
         signal.signal(sig, _handle)
     return previous
+
+
+def settle() -> None:
+    """The command has returned or failed: a signal from here on is only
+    recorded, while the exit code is decided and the output flushed."""
+    _Run.settled = True
 
 
 def own_process() -> None:

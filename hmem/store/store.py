@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,11 @@ class Store:
         self._eviction = Eviction(state, self._writer, self._compaction)
         self.path: Path = state.path
         self.config: StoreConfig = state.config
+        # A store dropped unclosed lets its lock go when collected.  A finalizer
+        # (not __del__) so that a closed store runs no Python code when
+        # collected: a signal arriving then would be lost in a destructor.
+        self._release_unclosed = (weakref.finalize(self, state.writer.release)
+                                  if state.writer is not None else None)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -180,18 +186,14 @@ class Store:
                     self._writer.close()
             finally:
                 state.shut()
+                if self._release_unclosed is not None:
+                    self._release_unclosed.detach()
 
     def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        # Never flush from the garbage collector; just let the lock go.
-        state = self.__dict__.get("_state")
-        if state is not None and state.writer is not None:
-            state.writer.release()
 
     def __repr__(self) -> str:
         state = self._state
