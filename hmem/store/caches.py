@@ -54,14 +54,14 @@ def put_cache(store: Store, cache: Any, *, chunk_tokens: int | None = None, impo
         keys, values = (to_numpy(t, f"layer {layer} {what}") for t, what in zip(pair[:2], ("keys", "values")))
         if keys.shape != values.shape:
             raise InvalidTensorError(f"layer {layer}: keys {list(keys.shape)} and values {list(values.shape)} differ")
-        key_rows = layouts.rows_of(keys, "bhtd", f"layer {layer} keys")
-        value_rows = layouts.rows_of(values, "bhtd", f"layer {layer} values")
-        for batch, (k, v) in enumerate(zip(key_rows, value_rows)):
+        key_views = layouts.token_major(keys, "bhtd", f"layer {layer} keys")
+        value_views = layouts.token_major(values, "bhtd", f"layer {layer} values")
+        for batch, (k, v) in enumerate(zip(key_views, value_views)):
             if not k.shape[0]:
                 continue  # an empty layer (no tokens cached) stores nothing
             for ck, cv in zip(layouts.chunks(k, chunk_tokens, batch), layouts.chunks(v, chunk_tokens, batch)):
                 meta = {"batch": batch, "chunk": ck.chunk, "tokens": [pair.start + ck.start, pair.start + ck.stop]}
-                entries.append(Entry(ck.rows, cv.rows, layer, importance, meta))
+                entries.append(Entry(layouts.matrix(ck.view), layouts.matrix(cv.view), layer, importance, meta))
                 owners.append(layer)
     ids = store.put_many(entries)
     out: dict[int, list[int]] = {layer: [] for layer in chosen}

@@ -41,27 +41,47 @@ class Chunk(NamedTuple):
     chunk: int
     start: int
     stop: int
-    rows: np.ndarray
+    view: np.ndarray  # token-major: ``matrix`` makes the rows a store takes
 
 
-def rows_of(array: np.ndarray, layout: str, what: str) -> list[np.ndarray]:
-    """[tokens, heads x head_dim] matrices of a per-head tensor, one per
-    batch row ("td", "thd", "htd" have one).  A view where the layout allows."""
+def token_major(array: np.ndarray, layout: str, what: str) -> list[np.ndarray]:
+    """Views of a per-head tensor with the token axis first, one per batch
+    row ("td", "thd", "htd" have one): [tokens, embed_dim] or [tokens,
+    kv_heads, head_dim].  Nothing is copied: ``matrix`` makes each chunk's
+    matrix, so that a long tensor is never transposed whole at once."""
     validation.choice(layout, "layout", LAYOUTS)
     if layout == "l2thd":
         raise InvalidTensorError(f"{what}: l2thd holds keys and values together; split it with split_l2thd")
     if array.ndim != RANKS[layout]:
         raise InvalidTensorError(f"{what} has shape {list(array.shape)}, which is not layout {layout} "
                                  f"({RANKS[layout]} dimensions)")
-    if layout == "td":
+    if layout in ("td", "thd"):
         return [array]
-    if layout == "thd":
-        return [array.reshape(array.shape[0], -1)]
     if layout == "htd":
-        return [np.ascontiguousarray(array.transpose(1, 0, 2)).reshape(array.shape[1], -1)]
+        return [array.transpose(1, 0, 2)]
     if layout == "bthd":
-        return [row.reshape(row.shape[0], -1) for row in array]
-    return [np.ascontiguousarray(row.transpose(1, 0, 2)).reshape(row.shape[1], -1) for row in array]  # bhtd
+        return list(array)
+    return [row.transpose(1, 0, 2) for row in array]  # bhtd
+
+
+def matrix(view: np.ndarray, *, bf16_words: bool = False) -> np.ndarray:
+    """A token-major view (or a chunk of one) as the float32 matrix
+    [tokens, width] a store takes: the view itself when it already is one,
+    else one copy that transposes and converts in the same pass.  With
+    `bf16_words`, the view holds bfloat16 bit patterns (uint16), which
+    become float32 exactly (a bfloat16 is the top half of a float32).
+    Arrays of other dtypes than floats keep theirs."""
+    width = int(np.prod(view.shape[1:], dtype=np.int64))
+    if not bf16_words and (view.dtype == np.float32 or view.dtype.kind != "f"):
+        # float32 already, or not floats (kept as they are, for the put to refuse by dtype)
+        return np.ascontiguousarray(view).reshape(view.shape[0], width)
+    out = np.empty((view.shape[0], width), dtype=np.float32)
+    if bf16_words:
+        np.left_shift(view, 16, out=out.view(np.uint32).reshape(view.shape), dtype=np.uint32)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):  # float64 overflow becomes inf, which a put refuses
+            np.copyto(out.reshape(view.shape), view, casting="unsafe")
+    return out
 
 
 def row_width(shape: tuple[int, ...] | list[int], layout: str) -> int:
@@ -87,20 +107,22 @@ def fitting(shape: tuple[int, ...] | list[int], embed_dim: int) -> tuple[str, ..
 
 
 def split_l2thd(array: np.ndarray, what: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(keys, values) [tokens, heads x head_dim] of every layer of an l2thd tensor."""
+    """(keys, values) token-major views [tokens, kv_heads, head_dim] of every
+    layer of an l2thd tensor (``matrix`` makes their matrices)."""
     if array.ndim != 5 or array.shape[1] != 2:
         raise InvalidTensorError(f"{what} has shape {list(array.shape)}, which is not layout l2thd "
                                  "[layers, 2, tokens, kv_heads, head_dim]")
-    return [(layer[0].reshape(layer.shape[1], -1), layer[1].reshape(layer.shape[1], -1)) for layer in array]
+    return [(layer[0], layer[1]) for layer in array]
 
 
-def chunks(rows: np.ndarray, chunk_tokens: int | None, batch: int = 0) -> Iterator[Chunk]:
-    """`rows` cut into consecutive chunks of `chunk_tokens` (None: one chunk)."""
-    total = rows.shape[0]
+def chunks(view: np.ndarray, chunk_tokens: int | None, batch: int = 0) -> Iterator[Chunk]:
+    """A token-major view cut into consecutive chunks of `chunk_tokens`
+    tokens (None: one chunk); each chunk is a view too."""
+    total = view.shape[0]
     step = total if chunk_tokens is None else validation.integer(chunk_tokens, "chunk_tokens", low=1)
     for number, start in enumerate(range(0, max(total, 1), max(step, 1))):
         stop = min(start + step, total)
-        yield Chunk(batch, number, start, stop, rows[start:stop])
+        yield Chunk(batch, number, start, stop, view[start:stop])
 
 
 def to_heads(rows: np.ndarray, num_kv_heads: int) -> np.ndarray:

@@ -34,20 +34,17 @@ class Entry(NamedTuple):
 
 @dataclasses.dataclass
 class PreparedEntry:
-    """A checked put, ready to be stored."""
+    """A checked put, ready to be stored.  It keeps only what goes into the
+    shard, not the float32 rows it came from: a large put_many of a
+    narrower storage dtype holds each entry's rows only while preparing it."""
 
-    keys: np.ndarray
-    values: np.ndarray
+    n_tokens: int
     layer_idx: int
     importance: float
     signature: np.ndarray
     pooled: np.ndarray
     tensors: dict[str, np.ndarray]  # what goes into the shard, in the store's storage dtype
     meta: str | None = None  # the entry's metadata as JSON
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.keys.shape[0])
 
 
 def prepare_all(state: StoreState, entries: Iterable[Entry | tuple]) -> list[PreparedEntry]:
@@ -81,7 +78,7 @@ def prepare(state: StoreState, keys: Any, values: Any, layer_idx: Any, importanc
     signature, mean = state.projector.signature_and_mean(k)
     pooled = mean.astype(np.float32)
     tensors = _entry_tensors(k, v, pooled, state.config.storage_dtype)
-    return PreparedEntry(k, v, layer, imp, signature, pooled, tensors, _meta_json(meta))
+    return PreparedEntry(int(k.shape[0]), layer, imp, signature, pooled, tensors, _meta_json(meta))
 
 
 def _meta_json(meta: Any) -> str | None:

@@ -28,7 +28,7 @@ import dataclasses
 import mmap
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,16 +153,19 @@ class _File:
 
     def array(self, name: str) -> np.ndarray:
         """The tensor as a float array (a view for F32/F16/F64, a float32 copy for BF16)."""
+        raw, bf16 = self.raw(name)
+        return layouts.matrix(raw.reshape(-1), bf16_words=True).reshape(raw.shape) if bf16 else raw
+
+    def raw(self, name: str) -> tuple[np.ndarray, bool]:
+        """The tensor as a view of the file, and whether it holds BF16 words
+        (uint16: numpy has no bfloat16) rather than floats."""
         dtype, shape, begin, end = self.tensors[name]
         if dtype not in _FLOAT_DTYPES:
             raise BadFileError(f"tensor {name!r} is {dtype}; K/V must be F32, F16, BF16 or F64")
-        offset = self._start + begin
-        if dtype == "BF16":  # bfloat16 is the top half of a float32
-            raw = np.frombuffer(self._map, dtype="<u2", count=(end - begin) // 2, offset=offset)
-            return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
-        np_dtype = safetensors.NUMPY_DTYPES[dtype]
-        return np.frombuffer(self._map, dtype=np_dtype, count=(end - begin) // np_dtype.itemsize,
-                             offset=offset).reshape(shape)
+        np_dtype = np.dtype("<u2") if dtype == "BF16" else safetensors.NUMPY_DTYPES[dtype]
+        view = np.frombuffer(self._map, dtype=np_dtype, count=(end - begin) // np_dtype.itemsize,
+                             offset=self._start + begin).reshape(shape)
+        return view, dtype == "BF16"
 
 
 def read_tensor(path: Path, names: tuple[str, ...]) -> np.ndarray:
@@ -194,46 +197,54 @@ def read_entries(path: Path, *, layer: int | None = None, importance: float | No
     `layout` nor the naming convention says; `chunk_tokens` cuts each
     sequence into entries of that many tokens."""
     f = _File(path)
+    return list(_entries(f, Path(path).name, layer, importance, layout, chunk_tokens, embed_dim)), f.size
+
+
+def _entries(f: _File, source: str, layer: int | None, importance: float | None, layout: str | None,
+             chunk_tokens: int | None, embed_dim: int | None) -> Iterator[Entry]:
+    """A file's entries one by one, each chunk's rows made when it is reached
+    (transposed and widened in one pass): a put of a large file never holds
+    a converted copy of the whole file besides what the store keeps."""
     meta_layer = _metadata_number(f.metadata, "layer", int)
     meta_importance = _metadata_number(f.metadata, "importance", float)
     default_layer = layer if layer is not None else (meta_layer if meta_layer is not None else 0)
     imp = importance if importance is not None else (meta_importance if meta_importance is not None else 1.0)
     groups = kv_names.groups(list(f.tensors), layout)
-    source = Path(path).name
-    entries: list[Entry] = []
     for (convention, number), pair in sorted(groups.items(), key=lambda item: kv_names.order(item[0])):
         if convention == "all-layers":
             name = pair["kv"]
-            array = f.array(name)
+            array, bf16 = f.raw(name)
             kv_names.layout_of(name, array.shape, convention, layout, embed_dim)
             for index, (k, v) in enumerate(layouts.split_l2thd(array, f"tensor {name!r}")):
-                entries += _cut(k, v, index, imp, source, chunk_tokens, 0, 1)
+                yield from _cut(k, v, bf16, index, imp, source, chunk_tokens, 0, 1)
             continue
-        k, v = f.array(pair["k"]), f.array(pair["v"])
+        (k, k_bf16), (v, v_bf16) = f.raw(pair["k"]), f.raw(pair["v"])
         if k.shape != v.shape:
             raise InvalidTensorError(f"tensors {pair['k']!r} {list(k.shape)} and {pair['v']!r} {list(v.shape)} "
                                      "differ in shape")
+        if k_bf16 != v_bf16:  # one widening for both (F32/F16/F64 mix freely: each is converted as it is)
+            k, v = (f.array(pair["k"]), f.array(pair["v"]))
+            k_bf16 = False
         chosen = kv_names.layout_of(pair["k"], k.shape, convention, layout, embed_dim)
-        key_rows = layouts.rows_of(k, chosen, f"tensor {pair['k']!r}")
-        value_rows = layouts.rows_of(v, chosen, f"tensor {pair['v']!r}")
+        key_views = layouts.token_major(k, chosen, f"tensor {pair['k']!r}")
+        value_views = layouts.token_major(v, chosen, f"tensor {pair['v']!r}")
         entry_layer = number if convention in kv_names.CARRIES_LAYER else default_layer
-        for batch, (kr, vr) in enumerate(zip(key_rows, value_rows)):
-            entries += _cut(kr, vr, entry_layer, imp, source, chunk_tokens, batch, len(key_rows))
-    return entries, f.size
+        for batch, (key_view, value_view) in enumerate(zip(key_views, value_views)):
+            yield from _cut(key_view, value_view, k_bf16, entry_layer, imp, source, chunk_tokens, batch, len(key_views))
 
 
-def _cut(keys: np.ndarray, values: np.ndarray, layer: int, importance: float, source: str,
-         chunk_tokens: int | None, batch: int, batches: int) -> list[Entry]:
-    """The entries of one sequence: one, or one per chunk of `chunk_tokens`."""
-    out = []
+def _cut(keys: np.ndarray, values: np.ndarray, bf16: bool, layer: int, importance: float, source: str,
+         chunk_tokens: int | None, batch: int, batches: int) -> Iterator[Entry]:
+    """The entries of one sequence (token-major views): one, or one per chunk
+    of `chunk_tokens`."""
     for ck, cv in zip(layouts.chunks(keys, chunk_tokens, batch), layouts.chunks(values, chunk_tokens, batch)):
         meta: dict[str, Any] = {"source": source, "tokens": [ck.start, ck.stop]}
         if chunk_tokens is not None:
             meta["chunk"] = ck.chunk
         if batches > 1:
             meta["batch"] = batch
-        out.append(Entry(ck.rows, cv.rows, layer, importance, meta))
-    return out
+        yield Entry(layouts.matrix(ck.view, bf16_words=bf16), layouts.matrix(cv.view, bf16_words=bf16),
+                    layer, importance, meta)
 
 
 # ---- the import -------------------------------------------------------------------------
@@ -280,14 +291,15 @@ def import_files(
         if should_stop is not None and should_stop():
             return ImportReport(tuple(results), dry_run, tuple(str(p) for p in files[i:]))
         try:
-            entries, size = read_entries(path, layer=layer, importance=importance, layout=layout,
-                                         chunk_tokens=chunk_tokens, embed_dim=embed_dim)
+            f = _File(path)
+            entries = _entries(f, path.name, layer, importance, layout, chunk_tokens, embed_dim)
             if dry_run:
-                store.check_entries(entries)
-                result = FileResult(str(path), (), len(entries), size)
+                result = FileResult(str(path), (), store.check_entries(entries), f.size)
             else:
+                # The entries are made as put_many takes them; it checks them
+                # all before storing any, so the file still goes in whole or not at all.
                 ids = store.put_many(entries)
-                result = FileResult(str(path), tuple(ids), len(entries), size)
+                result = FileResult(str(path), tuple(ids), len(ids), f.size)
         except (BadFileError, InvalidArgumentError) as exc:
             size = path.stat().st_size if path.is_file() else 0
             result = FileResult(str(path), (), 0, size, skipped=exc.message, hint=exc.hint,
