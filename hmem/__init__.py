@@ -50,24 +50,29 @@ from hmem.prefix_hit.operators import (
 from hmem.store.bridge import AugmentedKV, Segment
 from hmem.recovery.repair import RepairReport, repair
 from hmem.formats.manifest import FORMAT_VERSION
+from hmem.formats.sources import ImportedSource
 from hmem.kernels import describe as kernel_info
 from hmem.store.results import (
     CompactionPlan,
     CompactionReport,
+    DeletePlan,
     EntryInfo,
     EvictionPlan,
+    LimitActivity,
     QueryResult,
     QueryResults,
     ShardStats,
     SkippedEntry,
     StoredEntry,
+    StoredKV,
     StoreHealth,
     StoreStats,
 )
+from hmem.store.listing import ENTRY_SORTS, EntryListing
 from hmem.store.caches import cache_tensors
 from hmem.store.layouts import LAYOUTS
 from hmem.store.store import Entry, Store, is_store
-from hmem.transfer.kv_export import EXPORT_LAYOUTS, check_export_path, export_results, write_kv_file
+from hmem.transfer.kv_export import EXPORT_LAYOUTS, check_export_path, export_entries, export_results, write_kv_file
 from hmem.transfer.kv_import import (
     BadFileError,
     FileResult,
@@ -89,6 +94,10 @@ __all__ = [
     "FileResult",
     "ImportReport",
     "StoredEntry",
+    "StoredKV",
+    "ENTRY_SORTS",
+    "EntryListing",
+    "export_entries",
     "check_export_path",
     "export_results",
     "find_kv_files",
@@ -101,6 +110,9 @@ __all__ = [
     "read_tensor_file",
     "AugmentedKV",
     "CompactionPlan",
+    "DeletePlan",
+    "ImportedSource",
+    "LimitActivity",
     "CompactionReport",
     "EvictionPlan",
     "Finding",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -104,7 +105,77 @@ def test_init_put_query_evict_compact_stats(tmp_path):
     # shell completion is offered; show it and ask it for a word (nothing is installed)
     help_text = hmem("--help").stdout
     assert "--install-completion" in help_text and "--show-completion" in help_text
-    script = hmem("--show-completion", "bash").stdout
+    # the shell is found among the process's parents: run it from bash, whatever runs the tests
+    shown = subprocess.run(["bash", "-c", f"{sys.executable} -m hmem --show-completion; exit $?"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    script = shown.stdout
     assert "_HMEM_COMPLETE=complete_bash" in script
     env.update(_HMEM_COMPLETE="complete_bash", COMP_WORDS="hmem comp", COMP_CWORD="1")
     assert hmem().stdout.split() == ["compact"]
+
+
+def test_a_cron_import_day(tmp_path):
+    """A cron job imports a dump directory twice (the second run finds
+    everything stored), an operator lists, removes two entries, compacts,
+    lists again and exports a remaining entry, which comes back bit-exact
+    (bf16: the stored words themselves)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "HMEM_STORE", "HMEM_DEBUG")}
+    env.update(NO_COLOR="1", COLUMNS="120")
+
+    def hmem(*args, code: int = 0) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-m", "hmem", *map(str, args)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == code, (args, proc.returncode, proc.stdout, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        return proc
+
+    rng = np.random.default_rng(11)
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    for n in range(3):  # what a serving process dumps: [1, kv_heads, tokens, head_dim] per layer
+        save_file({f"past_key_values.{layer}.{kind}": rng.standard_normal((1, 2, 8, D // 2)).astype(np.float32)
+                   for layer in range(2) for kind in ("key", "value")}, dumps / f"req{n}.safetensors")
+    hmem("init", "store", "--embed-dim", D, "--storage-dtype", "bf16", "-q")
+
+    first = json.loads(hmem("put", "store", "dumps", "--chunk-tokens", "4", "--json").stdout)
+    assert (first["files_imported"], first["entries_added"]) == (3, 12)  # 3 files x 2 layers x 2 chunks
+    ids = [i for f in first["imported"] for i in f["entry_ids"]]
+    assert ids == list(range(1, 13))
+    again = json.loads(hmem("put", "store", "dumps", "--chunk-tokens", "4", "--json").stdout)
+    assert (again["entries_added"], again["files_already_imported"]) == (0, 3)
+
+    listed = [json.loads(line) for line in hmem("ls", "store", "--jsonl").stdout.splitlines()]
+    assert [row["entry_id"] for row in listed] == ids
+    table = hmem("ls", "store").stdout
+    assert all(f" {i} " in table for i in ids)
+
+    removed = json.loads(hmem("rm", "store", 2, 7, "--yes", "--json").stdout)
+    assert removed["deleted"] == 2 and removed["store_entries"] == 10
+    compacted = json.loads(hmem("compact", "store", "--json").stdout)
+    assert compacted["performed"] is True
+    left = [json.loads(line)["entry_id"] for line in hmem("ls", "store", "--jsonl").stdout.splitlines()]
+    assert left == [i for i in ids if i not in (2, 7)]
+
+    hmem("export", "store", 9, "-o", "nine.safetensors")
+    exported = _bf16_words(tmp_path / "nine.safetensors")  # numpy has no bfloat16: the raw words
+    shown = json.loads(hmem("show", "store", 9, "--json").stdout)
+    source = load_file(dumps / shown["meta"]["source"])  # entry 9: req2, one of its layers, tokens 0-4
+    layer = shown["layer"]
+    start, stop = shown["meta"]["tokens"]
+    for kind, name in (("k", "key"), ("v", "value")):
+        rows = source[f"past_key_values.{layer}.{name}"][0].transpose(1, 0, 2).reshape(8, D)[start:stop]
+        bits = rows.view(np.uint32)
+        words = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # float32 -> bf16, nearest even
+        assert exported[f"{kind}_9"] == ("BF16", [stop - start, D], words.tobytes()), kind
+
+
+def _bf16_words(path) -> dict[str, tuple[str, list[int], bytes]]:
+    """Each tensor of a safetensors file as (dtype, shape, its bytes)."""
+    data = path.read_bytes()
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    header.pop("__metadata__", None)
+    body = data[8 + size :]
+    return {name: (t["dtype"], t["shape"], body[t["data_offsets"][0] : t["data_offsets"][1]])
+            for name, t in header.items()}

@@ -329,12 +329,15 @@ def test_put_skips_bad_files_stores_good_ones_and_exits_partial(store, kv_files,
     assert result.exit_code == ExitCode.PARTIAL, result.stderr
     out = result.stdout
     total = 4 + len(reasons)
-    assert f"added {len(expected)} entries from 4 of {total} files" in out
-    assert "skipped file" in out
-    for name, reason in reasons.items():
-        line = next((x for x in out.splitlines() if name in x), None)
-        assert line is not None and reason in line, (name, reason, out)
+    assert f"added {len(expected)} entries from 4 of {total} files into {store}" in out
+    for name, reason in reasons.items():  # each skip on stderr, with its reason
+        assert name not in out
+        line = next((x for x in result.stderr.splitlines() if name in x), None)
+        assert line is not None and line.startswith("error: skipped ") and reason in line, (name, reason)
     assert library_stats(store)["entries"] == len(expected)  # the good files are stored
+    quiet = run("put", store, bad, folder / "a_single.safetensors", "-q")  # -q keeps the reasons
+    assert quiet.exit_code == ExitCode.PARTIAL and quiet.stdout == ""
+    assert sum(line.startswith("error: skipped ") for line in quiet.stderr.splitlines()) == len(reasons)
 
 
 def test_put_partial_json_lists_every_skip(store, kv_files, rng):
@@ -352,12 +355,13 @@ def test_put_partial_json_lists_every_skip(store, kv_files, rng):
     assert doc["entries_added"] == len(expected) == library_stats(store)["entries"]
 
 
-def test_put_only_bad_files_still_partial_and_changes_no_entry(store, rng):
+def test_put_of_only_bad_files_fails_and_changes_no_entry(store, rng):
     bad = Path("bad")
     bad.mkdir()
-    _bad_files(bad, rng)
-    result = run("put", store, bad)
-    assert result.exit_code == ExitCode.PARTIAL
+    reasons = _bad_files(bad, rng)
+    result = run("put", store, bad, "-q")
+    assert result.exit_code == ExitCode.FAILURE  # nothing went in: not "partial"
+    assert sum(line.startswith("error: skipped ") for line in result.stderr.splitlines()) == len(reasons)
     assert library_stats(store)["entries"] == 0
 
 
@@ -372,11 +376,11 @@ def test_put_dry_run_stores_nothing(store, kv_files, rng, snapshot_dir):
     assert doc["dry_run"] is True
     assert (doc["entries_found"], doc["entries_added"], doc["bytes_written"], doc["shards_created"]) == \
         (len(expected), 0, 0, 0)
-    # a dry run checks as a real put would: bad files are reported, exit 3
+    # a dry run checks as a real put would: bad files are reported, exit 1 when all are bad
     bad = Path("bad")
     bad.mkdir()
     save_file({"keys": rows(rng, dim=D + 1), "values": rows(rng, dim=D + 1)}, bad / "dim.safetensors")
-    doc = run_json("put", store, bad, "--dry-run", code=ExitCode.PARTIAL)
+    doc = run_json("put", store, bad, "--dry-run", code=ExitCode.FAILURE)
     assert "embed_dim" in doc["skipped"][0]["reason"]
     assert snapshot_dir(store) == before
     assert library_stats(store)["entries"] == 0
@@ -751,7 +755,7 @@ def test_lock_wait_succeeds_when_the_writer_leaves(filled, kv_files):
     timer = threading.Timer(0.2, writer.close)
     timer.start()
     try:
-        result = run("put", filled, kv_files[0], "--lock-wait", 10, "-q")
+        result = run("put", filled, kv_files[0], "--lock-wait", 10, "--again", "-q")  # the same files once more
     finally:
         timer.join()
     assert result.exit_code == 0, result.stderr
@@ -874,9 +878,10 @@ def test_no_escape_codes_on_a_terminal_with_no_color(filled):
 @pytest.mark.parametrize(
     "args, code",
     [
-        (["stats", "nowhere", "--json"], ExitCode.NOT_A_STORE),
-        (["init", "s", "--embed-dim", "-1", "--json"], ExitCode.USAGE),
-        (["query", "nowhere", "--query", "q.npy", "-l", "0", "--json"], ExitCode.USAGE),
+        # with --json, stdout holds the error's JSON document: tests/test_cli_messages.py
+        (["stats", "nowhere"], ExitCode.NOT_A_STORE),
+        (["init", "s", "--embed-dim", "-1"], ExitCode.USAGE),
+        (["query", "nowhere", "--query", "q.npy", "-l", "0"], ExitCode.USAGE),
         (["compact", "nowhere", "--threshold", "101"], ExitCode.USAGE),
         (["put", "nowhere", "x.safetensors"], ExitCode.NOT_A_STORE),
         (["evict", "nowhere", "--target", "1", "--yes"], ExitCode.NOT_A_STORE),

@@ -260,7 +260,8 @@ def test_simultaneous_cli_puts_store_exactly_what_they_report(tmp_path, procs):
                 stored.add(seed)
             else:
                 assert code == 6, err
-                assert out == "" and len(err.strip().splitlines()) == 1 and "is locked for writing by" in err
+                assert len(err.strip().splitlines()) == 1 and "is locked for writing by" in err
+                assert json.loads(out)["error"]["code"] == "locked"  # --json: the error as a document
             outcomes.setdefault(wait, []).append(code)
         after = live_seeds(path)
         assert set(after.values()) == set(before.values()) | stored

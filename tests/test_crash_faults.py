@@ -95,8 +95,10 @@ def describe(store) -> dict:
         except hmem.CorruptStoreError as exc:
             kvs[eid] = own = f"corrupt: {exc.message}"
         rows.append((eid, info.layer_idx, info.n_tokens, info.importance, info.access_count, info.shard_idx, own))
+    sources = [(s.sha256, s.bytes, s.name, s.first_id, s.entries) for s in store.imported_sources()]
     return {"entries": st.entries, "evicted": st.evicted, "layers": st.layers,
-            "shards": [(s.file, s.entries, s.dead_entries) for s in st.shards], "records": rows, "kv": kvs}
+            "shards": [(s.file, s.entries, s.dead_entries) for s in st.shards], "records": rows, "kv": kvs,
+            "sources": sources}
 
 
 def still_open(store) -> bool:
@@ -129,7 +131,7 @@ def assert_committed_files_untouched(path, before: dict[str, bytes], what: str =
     now = files_of(path)
     for name, data in before.items():
         assert name in now, f"{what}: {name} is gone"
-        got = now[name][: len(data)] if name == "entries.bin" else now[name]
+        got = now[name][: len(data)] if name in ("entries.bin", "sources.jsonl") else now[name]
         assert got == data, f"{what}: {name} changed"
 
 
@@ -241,6 +243,38 @@ def scenario(path, ack, handed):
 """, points={"evict.marked", "flush.shards_written", "flush.records_written", "flush.committed",
              "flush.updates_written", "compact.shards_written", "compact.records_written",
              "compact.committed", "compact.finished"}),
+    # deletes by id, one with an id that names nothing, then a put
+    "delete": dict(setup=_base_store, code="""
+def scenario(path, ack, handed):
+    s = hmem.Store.open(path)
+    plan = s.delete([2, 5, 7]); ack("delete1", plan.entry_ids)
+    plan = s.delete([1, 999], missing_ok=True); ack("delete2", plan.entry_ids)
+    ids = s.put_many([entry(seed) for seed in range(601, 603)]); handed(ids)
+    s.close(); ack("close", ids)
+""", points={"delete.marked", "flush.shards_written", "flush.records_written", "flush.committed",
+             "flush.updates_written"}),
+    # imports of K/V files: each file's entries and its record in the import
+    # registry (sources.jsonl) are committed together; the second import
+    # finds two of its files already imported
+    "import": dict(setup=_base_store, code="""
+def scenario(path, ack, handed):
+    from safetensors.numpy import save_file
+    src = path + "-files"
+    os.makedirs(src, exist_ok=True)
+    for seed in (701, 702, 703):
+        k, v = kv(seed)
+        save_file({"keys": k, "values": v}, f"{src}/f{seed}.safetensors")
+    s = hmem.Store.open(path)
+    def put(seeds):
+        ids = []
+        for seed in seeds:  # one file at a time: importance and layer from the seed, as entry(seed) has them
+            report = hmem.import_files(s, [f"{src}/f{seed}.safetensors"], importance=seed, layer=seed % 3)
+            ids += [i for f in report.files for i in f.entries]
+        handed(ids)
+        return ids
+    ids = put([701, 702]); s.flush(); ack("import1", ids)
+    ids = put([701, 702, 703]); s.close(); ack("import2", ids)
+""", points={"flush.shards_written", "flush.records_written", "flush.committed", "flush.updates_written"}),
     # puts past max_disk_bytes: each batch evicts the lowest-scored entries
     # and compacts before it is stored
     "put_limits": dict(setup=_limited_store, code="""

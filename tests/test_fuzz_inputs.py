@@ -136,7 +136,8 @@ def put_bad_and_good(fx: Fixture, bad: Path) -> tuple[str, Path]:
     path = fx.copy()
     result = cli("put", path, bad, fx.good, "--json")
     assert result.exit_code == 3, (result.exit_code, result.stdout, result.stderr)
-    assert "Traceback" not in result.output + result.stderr and result.stderr == ""
+    assert "Traceback" not in result.output + result.stderr
+    assert result.stderr.startswith(f"error: skipped {bad}: ") and result.stderr.count("\n") == 1
     report = json.loads(result.stdout)
     assert report["files"] == 2 and report["files_skipped"] == 1 and report["entries_added"] == 2, report
     (skip,) = report["skipped"]
@@ -149,16 +150,18 @@ def put_bad_and_good(fx: Fixture, bad: Path) -> tuple[str, Path]:
 
 
 def put_bad_alone(fx: Fixture, bad: Path) -> str:
-    """`hmem put STORE BAD` (people's output): exit 3, the file and its reason
-    listed, the store's files byte for byte as before."""
+    """`hmem put STORE BAD` (people's output): exit 1 (every file skipped),
+    the file and its reason on stderr, the store's files byte for byte as
+    before."""
     path = fx.copy()
     result = cli("put", path, bad)
-    assert result.exit_code == 3, (result.exit_code, result.stdout, result.stderr)
-    assert "Traceback" not in result.output + result.stderr and result.stderr == ""
-    assert "added 0 entries from 0 of 1 files" in result.stdout and bad.name in result.stdout
+    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr)
+    assert "Traceback" not in result.output + result.stderr
+    assert "added 0 entries from 0 of 1 files" in result.stdout
+    assert result.stderr.startswith(f"error: skipped {bad}: ") and result.stderr.count("\n") == 1
     assert snapshot(path) == fx.template_files
     shutil.rmtree(path)
-    return result.stdout
+    return result.stderr
 
 
 # ---- malformed safetensors files -------------------------------------------------------------
@@ -364,8 +367,8 @@ def test_a_bad_file_in_a_real_process_prints_no_traceback(fx, tmp_path):
                           cwd=tmp_path, env={**env, "NO_COLOR": "1", "COLUMNS": "200"}, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 3
-    assert "Traceback" not in done.stdout + done.stderr and done.stderr == ""
-    assert "bad.safetensors" in done.stdout and "the header is not valid JSON" in done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
+    assert done.stderr == f"error: skipped {bad}: the header is not valid JSON\n"
     fx.assert_only_the_good_file_went_in(path)
 
 
@@ -458,8 +461,10 @@ def test_random_mutations_of_a_valid_file_are_skipped_or_stored_exactly(fx, tmp_
     bad.write_bytes(data)
     path = fx.copy()
     result = cli("put", path, bad, fx.good, "--json")
-    assert "Traceback" not in result.output + result.stderr and result.stderr == "", result.stderr
+    assert "Traceback" not in result.output + result.stderr
     assert result.exit_code in (0, 3), (result.exit_code, result.stdout, result.stderr)
+    # a skip is one line on stderr, nothing else is
+    assert result.stderr == ("" if result.exit_code == 0 else result.stderr.splitlines()[0] + "\n"), result.stderr
     report = json.loads(result.stdout)
     if result.exit_code == 3:
         (skip,) = report["skipped"]

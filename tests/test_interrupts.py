@@ -418,8 +418,9 @@ def test_cli_stops_cleanly_on_sigint_and_sigterm(fast_dir):
         with Store.open(store, read_only=True) as reader:
             ids, after = reader.entry_ids(), reader.stats()
         document = _document(out, cut_short_ok=len(sent) > 1)
-        if document is None:  # stopped at once (outside a stoppable section, or a second signal)
+        if document is None or "error" in document:  # stopped at once (outside a stoppable section, or a second signal)
             assert proc.returncode, what
+            assert document is None or document["error"]["exit"] == proc.returncode, what
             assert {"put": set(before_ids) <= set(ids), "evict": set(ids) <= set(before_ids),
                     "compact": ids == before_ids}[command[0]], what
             continue

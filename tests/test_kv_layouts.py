@@ -236,10 +236,10 @@ def test_an_ambiguous_shape_on_the_command_line_says_which_layout_to_give(rng):
     _square(rng)
     new_store().close()
     result = run("put", "store", "square.safetensors")
-    assert result.exit_code == ExitCode.PARTIAL
-    assert "give --layout thd or --layout htd" in result.stdout
-    assert "thd [tokens, kv_heads, head_dim]" in result.stdout  # a reason's brackets are no markup
-    doc = run_json("put", "store", "square.safetensors", code=ExitCode.PARTIAL)
+    assert result.exit_code == ExitCode.FAILURE  # the only file was skipped
+    assert "give --layout thd or --layout htd" in result.stderr
+    assert "thd [tokens, kv_heads, head_dim]" in result.stderr  # a reason's brackets are no markup
+    doc = run_json("put", "store", "square.safetensors", code=ExitCode.FAILURE)
     assert doc["skipped"][0]["reason"].endswith("(give --layout thd or --layout htd)")
     assert doc["entries_added"] == 0
 
@@ -276,7 +276,7 @@ def test_a_wrong_layout_is_refused_and_stores_nothing(layout, fragment, rng):
     new_store().close()
     result = run("put", "store", "f.safetensors", "--layout", layout)
     assert fragment in result.stdout + result.stderr
-    assert result.exit_code == (ExitCode.USAGE if layout == "tdh" else ExitCode.PARTIAL)
+    assert result.exit_code == (ExitCode.USAGE if layout == "tdh" else ExitCode.FAILURE)
     with hmem.Store.open("store", read_only=True) as s:
         assert s.entry_ids() == []
 

@@ -3,6 +3,7 @@ registration of one module per command."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -17,30 +18,58 @@ from hmem.cli import (
     cmd_compact,
     cmd_demo,
     cmd_evict,
+    cmd_export,
     cmd_init,
+    cmd_ls,
     cmd_prefix_hit,
     cmd_put,
     cmd_query,
+    cmd_rm,
+    cmd_show,
     cmd_stats,
     cmd_verify,
     signals,
 )
-from hmem.cli.exit_codes import ExitCode, cli_hint, exit_code_for
-from hmem.cli.output import (StdoutClosed, closed_stdout_guard, error_line, flush_stdout, silence_stdout,
-                             whole_writes_to_stdout)
+from hmem.cli.exit_codes import (ABORTED, INTERNAL_ERROR, STOPPED, USAGE_ERROR, ExitCode, cli_hint, error_name,
+                                  exit_code_for)
+from hmem.cli.options import plain_flags
+from hmem.cli.output import (StdoutClosed, closed_stdout_guard, error_document, error_line, flush_stdout,
+                             json_emitted, reset_emitted, silence_stdout, whole_writes_to_stdout)
 
 DEBUG_ENV = "HMEM_DEBUG"
+JSON_FLAGS = ("--jsonl", "--json")
 
 
 class _Session:
     """Per-invocation settings the error handler needs after parsing ends."""
 
     debug = False
+    json_flag: str | None = None  # "--json" or "--jsonl" when the command line asks for JSON
 
 
-def _print_error(message: str, hint: str | None = None) -> None:
+def _print_error(message: str, hint: str | None = None, *, name: str = "failure", code: int = ExitCode.FAILURE) -> None:
+    """The error line on stderr and, when the command line asked for JSON,
+    the error document on stdout: alone under --json (unless the command
+    already printed its document), as the last line of a --jsonl stream."""
     sys.stderr.write(error_line(message, hint) + "\n")
     sys.stderr.flush()
+    if _Session.json_flag == "--jsonl":
+        sys.stdout.write(json.dumps(error_document(name, code, message, hint), separators=(",", ":")) + "\n")
+    elif _Session.json_flag == "--json" and not json_emitted():
+        sys.stdout.write(json.dumps(error_document(name, code, message, hint), indent=2) + "\n")
+
+
+def _json_flag(group: TyperGroup, args: Sequence[str]) -> str | None:
+    """--json or --jsonl when the command line holds it for a command that
+    has it (or for an unknown command); read before parsing, so that a
+    usage error is reported as JSON too."""
+    tokens = list(args)
+    if "--" in tokens:
+        tokens = tokens[:tokens.index("--")]
+    name = next((t for t in tokens if not t.startswith("-")), None)
+    command = group.commands.get(name) if name is not None else None
+    known = {opt for param in command.params for opt in param.opts} if command is not None else set(JSON_FLAGS)
+    return next((flag for flag in JSON_FLAGS if flag in tokens and flag in known), None)
 
 
 class HmemGroup(TyperGroup):
@@ -48,6 +77,7 @@ class HmemGroup(TyperGroup):
 
     Library errors print one line (what happened, what to do) and exit with
     the code of docs/cli.md; a traceback only with --debug or HMEM_DEBUG=1.
+    With --json (or --jsonl) an error is also one JSON document on stdout.
     This lives in ``main`` so that the console script, ``python -m hmem`` and
     the test runner all take the same path.
     """
@@ -55,6 +85,8 @@ class HmemGroup(TyperGroup):
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
              complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
         _Session.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+        _Session.json_flag = _json_flag(self, sys.argv[1:] if args is None else args)
+        reset_emitted()
         whole_writes_to_stdout()  # so that a closed stdout is always noticed (exit code 141)
         handlers = signals.install()  # SIGINT and SIGTERM stop at a consistent point (hmem/cli/signals.py)
         try:
@@ -66,19 +98,19 @@ class HmemGroup(TyperGroup):
             code = rv if isinstance(rv, int) else ExitCode.OK
             code, stop_line = signals.final(code)  # Typer turns Ctrl-C into Exit(130)
             if stop_line:
-                _print_error(stop_line)
+                _print_error(stop_line, name=STOPPED[ExitCode(code)], code=code)
         except HmemError as exc:
             code = self._report(exc, exc.message, exc.hint)
         except (StdoutClosed, BrokenPipeError):  # the reader of stdout is gone: end quietly, as `cat` would
             silence_stdout()
             code = ExitCode.BROKEN_PIPE
         except typer.Abort:
-            _print_error("aborted")
+            _print_error("aborted", name=ABORTED, code=ExitCode.FAILURE)
             code = ExitCode.FAILURE
         except KeyboardInterrupt:
             code, stop_line = signals.final(ExitCode.INTERRUPTED)
             if stop_line:
-                _print_error(stop_line)
+                _print_error(stop_line, name=STOPPED[ExitCode(code)], code=code)
         except OSError as exc:  # the file system refused something hmem's errors do not cover
             where = f"{exc.filename}: " if exc.filename is not None else ""
             code = self._report(exc, f"storage error: {where}{exc.strerror or exc}", None)
@@ -99,12 +131,23 @@ class HmemGroup(TyperGroup):
         with closed_stdout_guard():
             return super().invoke(ctx)
 
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            plain_flags(command, ctx)  # every command's --help, including commands added later
+        return command
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        plain_flags(self, ctx)
+        super().format_help(ctx, formatter)
+
     @staticmethod
     def _report(exc: BaseException, message: str, hint: str | None) -> ExitCode:
         if _Session.debug:
             traceback.print_exception(exc)
-        _print_error(message, cli_hint(hint))
-        return exit_code_for(exc)
+        code = exit_code_for(exc)
+        _print_error(message, cli_hint(hint), name=error_name(exc), code=code)
+        return code
 
     @staticmethod
     def _report_other(exc: Exception) -> int:
@@ -117,12 +160,12 @@ class HmemGroup(TyperGroup):
             hint = f"see '{ctx.command_path} --help'" if ctx is not None else "see 'hmem --help'"
             if _Session.debug:
                 traceback.print_exception(exc)
-            _print_error(exc.format_message(), hint)
+            _print_error(exc.format_message(), hint, name=USAGE_ERROR, code=int(exc.exit_code))
             return int(exc.exit_code)
         traceback_hint = "run with --debug for the traceback and report it"
         if _Session.debug:
             traceback.print_exception(exc)
-        _print_error(f"internal error: {type(exc).__name__}: {exc}", traceback_hint)
+        _print_error(f"internal error: {type(exc).__name__}: {exc}", traceback_hint, name=INTERNAL_ERROR)
         return ExitCode.FAILURE
 
 
@@ -167,7 +210,11 @@ app.command("init")(cmd_init.init)
 app.command("put")(cmd_put.put)
 app.command("query")(cmd_query.query)
 app.command("stats")(cmd_stats.stats)
+app.command("ls")(cmd_ls.ls)
+app.command("show")(cmd_show.show)
+app.command("export")(cmd_export.export)
 app.command("evict")(cmd_evict.evict)
+app.command("rm")(cmd_rm.rm)
 app.command("compact")(cmd_compact.compact)
 app.command("verify")(cmd_verify.verify_command)
 app.command("prefix-hit")(cmd_prefix_hit.prefix_hit)

@@ -11,12 +11,13 @@ from typing import Annotated
 
 import numpy as np
 import typer
+from rich.text import Text
 
 from hmem import (InvalidArgumentError, PathError, Store, StoreConfig, explain_prefix_hit, import_files,
                   read_kv_file)
 from hmem.cli.demo_data import EMBED_DIM, PREFIX_CHUNKS, PREFIX_WINDOWS, prefix_presence, write_inputs
 from hmem.cli.options import JsonOption, QuietOption
-from hmem.cli.output import Output, human_bytes
+from hmem.cli.output import Output, human_bytes, styled
 
 
 def demo(
@@ -41,8 +42,8 @@ def demo(
         report: dict = {"store": str(store_dir)}
         files = write_inputs(workdir, rng)
         config = StoreConfig(embed_dim=EMBED_DIM, shard_max_bytes=512 * 1024)
-        out.print(f"[bold]hmem demo[/]: a store at {store_dir}, K/V rows of {EMBED_DIM} floats, "
-                  f"{config.hdc_dim}-bit signatures")
+        out.print(Text.assemble(styled("hmem demo", "bold"), f": a store at {store_dir}, K/V rows of {EMBED_DIM} "
+                                f"floats, {config.hdc_dim}-bit signatures"))
         with Store.create(store_dir, config) as store:
             started = time.perf_counter()
             with out.progress("importing", len(files)) as bar:

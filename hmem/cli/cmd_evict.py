@@ -10,7 +10,7 @@ from hmem import InvalidArgumentError, Store
 from hmem.cli import signals
 from hmem.cli.options import DryRunOption, JsonOption, LockWaitOption, QuietOption, StoreArgument, YesOption
 from hmem.cli.output import Output, human_bytes
-from hmem.cli.prompts import confirm
+from hmem.cli.prompts import confirm_change
 
 
 def evict(
@@ -50,7 +50,7 @@ def evict(
                           f"compaction would then free about {human_bytes(plan.bytes_reclaimable)}")
                 shown = ", ".join(map(str, plan.entry_ids[:20])) + (" ..." if plan.count > 20 else "")
                 out.print(f"entry ids, first to go first: {shown}")
-            elif _confirmed(f"evict {plan.count} of {live} entries from {store}?", yes):
+            elif confirm_change(f"evict {plan.count} of {live} entries from {store}?", yes):
                 document["evicted"] = s.evict(goal)
                 out.print(f"evicted {document['evicted']} entries; {live - document['evicted']} remain; "
                           f"run 'hmem compact' to free about {human_bytes(plan.bytes_reclaimable)}")
@@ -59,18 +59,9 @@ def evict(
             entries_after = s.stats().entries
         code = 0
         if signals.requested():
-            code = signals.report_stop(document, f"evicted {document['evicted']} entries (committed); "
-                                       f"the store holds {entries_after} entries",
-                                       evicted=document["evicted"], store_entries=entries_after)
+            code = signals.report_removed(document, "evicted", document["evicted"], entries_after)
         if json_output:
             out.emit_json(document)
     if code:
         raise typer.Exit(code)
 
-
-def _confirmed(question: str, yes: bool) -> bool:
-    """Asked at once (a signal while the question waits stops at once); a
-    signal that came before it stops the command before anything is evicted."""
-    with signals.at_once():
-        agreed = confirm(question, yes)
-    return agreed and not signals.requested()

@@ -7,10 +7,10 @@ from typing import Annotated
 
 import typer
 
-from hmem import InvalidArgumentError, Layout, explain_prefix_hit, presence_bits
+from hmem import InvalidArgumentError, Layout, explain_prefix_hit
 from hmem.cli.options import JsonOption
 from hmem.cli.output import Output
-from hmem.cli.prefix_hit_input import parse_windows, presence_from_groups, raw_presence
+from hmem.cli.prefix_hit_input import check_size, parse_windows, presence_from_groups, raw_presence
 from hmem.cli.prefix_hit_view import PICTURE_MAX_CHUNKS, json_document, show
 
 
@@ -66,11 +66,11 @@ def prefix_hit(
         raise InvalidArgumentError(
             "give the presence exactly one way: --group per window, --hex, or --bitmap-file"
         )
-    nbits = presence_bits(chunks, ranks, window_list)
+    nbits = check_size(chunks, ranks, window_list)  # before anything of that size is allocated
     if group:
         found = presence_from_groups(group, chunks, ranks, window_list, layout)
     else:
-        what = f"{len(window_list)} groups x {chunks} chunks x {ranks} ranks"
+        what = f"{len(window_list)} groups x {chunks} chunks x {ranks} ranks = {nbits} bits"
         found = raw_presence(hex_bitmap, bitmap_file, nbits, what)
     report = explain_prefix_hit(found, chunks, ranks, window_list, layout)
     if json_output:

@@ -5,21 +5,26 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from hmem import LAYOUTS, InvalidArgumentError, Store, find_kv_files, import_files, is_store
 from hmem.cli import signals
-from hmem.cli.exit_codes import ExitCode
 from hmem.cli.put_report import report as _report
 from hmem.cli.options import STORE_ENV, DryRunOption, JsonOption, LockWaitOption, QuietOption
-from hmem.cli.output import Output, human_bytes
+from hmem.cli.output import Output
 
 
 def _store_and_inputs(paths: list[Path]) -> tuple[Path, list[Path]]:
-    """STORE FILES...: the store may be left out when HMEM_STORE names it."""
+    """STORE FILES...: the store may be left out when HMEM_STORE names it.
+    A first path that is neither a store nor an existing file or directory
+    is a store name (mistyped, or not made yet), never a file to import."""
     env = os.environ.get(STORE_ENV)
+    if env and paths and not is_store(paths[0]) and not paths[0].exists() and len(paths) > 1:
+        raise InvalidArgumentError(f"{paths[0]} is not a store, nor a file or directory to import",
+                                   hint=f"give an existing store, or only the files to import into {env} "
+                                   f"({STORE_ENV})")
     if env and (not paths or not is_store(paths[0])):
         return Path(env), paths
     if len(paths) < 2:
@@ -44,6 +49,9 @@ def put(
     chunk_tokens: Annotated[int | None, typer.Option(
         "--chunk-tokens", min=1, metavar="N", help="Store each sequence as entries of N consecutive tokens "
         "(the last may be shorter).", show_default=False)] = None,
+    again: Annotated[bool, typer.Option(
+        "--again", help="Import files the store already imported (same content), storing their entries "
+        "a second time.")] = False,
     dry_run: DryRunOption = False,
     lock_wait: LockWaitOption = 0.0,
     json_output: JsonOption = False,
@@ -58,8 +66,11 @@ def put(
     bhtd, bthd) become rows of kv_heads*head_dim, the store's embed_dim; each
     batch row is its own entry. The layer comes from the names, else --layer,
     else __metadata__ 'layer', else 0; importance from --importance, else
-    __metadata__ 'importance', else 1. Exits with code 3 when any file was
-    skipped. See docs/cli.md, "Naming conventions and layouts".
+    __metadata__ 'importance', else 1. A file whose content the store already
+    imported is not imported again (unless --again), so re-running an import
+    stores exactly what is missing. Skipped files are named on stderr
+    with the reason; the exit code is then 3 (partial), or 1 when every
+    file was skipped. See docs/cli.md, "Naming conventions and layouts".
     """
     out = Output(json_mode=json_output, quiet=quiet)
     if layout is not None and layout not in LAYOUTS:
@@ -78,7 +89,7 @@ def put(
                 report = import_files(s, files, layer=layer, importance=importance, layout=layout,
                                       chunk_tokens=chunk_tokens, dry_run=dry_run,
                                       progress=lambda result: bar.advance(result.bytes),
-                                      should_stop=signals.requested)
+                                      should_stop=signals.requested, again=again)
             if not dry_run:
                 s.flush()
             after = s.stats()

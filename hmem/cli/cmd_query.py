@@ -13,32 +13,57 @@ import typer
 from hmem import BadFileError, InvalidArgumentError, Store, check_export_path, export_results, read_tensor_file
 from hmem.cli.health_view import report_skipped, skipped_json
 from hmem.cli.options import JsonOption, LockWaitOption, QuietOption, StoreArgument
-from hmem.cli.query_export import ExportLayoutOption, KvHeadsOption, check_heads, check_options
+from hmem.cli.query_export import ExportLayoutOption, KvHeadsOption, check_heads, check_options, export_note
 from hmem.cli.output import Output, human_bytes, human_duration
 
 QUERY_TENSOR_NAMES = ("query", "q", "keys", "k")
 
 
+NPY_MAGIC = b"\x93NUMPY"
+ZIP_MAGIC = b"PK\x03\x04"  # an .npz archive
+NUMPY_SUFFIXES = (".npy", ".npz")
+
+
+def _magic(path: Path) -> bytes:
+    try:
+        with path.open("rb") as f:
+            return f.read(len(NPY_MAGIC))
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"--query {path}: no such file") from None
+    except IsADirectoryError:
+        raise InvalidArgumentError(f"--query {path}: a directory, not a query file") from None
+    except OSError as exc:
+        raise InvalidArgumentError(f"--query {path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    try:
+        # mapped, not loaded: a header claiming a huge shape fails
+        # against the file's real size instead of allocating it
+        tokens = np.load(path, allow_pickle=False, mmap_mode="r")
+    except (OSError, ValueError, EOFError, TypeError, MemoryError, zipfile.BadZipFile) as exc:
+        raise InvalidArgumentError(f"--query {path}: not a readable .npy file ({exc or type(exc).__name__})") \
+            from None
+    if not isinstance(tokens, np.ndarray):
+        raise InvalidArgumentError(f"--query {path}: an .npz archive, not one .npy array")
+    return tokens
+
+
 def load_query(path: Path) -> np.ndarray:
     """Query tokens from a .npy file or a safetensors file (tensor 'query',
-    'q', 'keys' or 'k', or its only tensor)."""
-    if path.suffix == ".npy":
-        try:
-            # mapped, not loaded: a header claiming a huge shape fails
-            # against the file's real size instead of allocating it
-            tokens = np.load(path, allow_pickle=False, mmap_mode="r")
-        except FileNotFoundError:
-            raise InvalidArgumentError(f"--query {path}: no such file") from None
-        except (OSError, ValueError, EOFError, TypeError, MemoryError, zipfile.BadZipFile) as exc:
-            raise InvalidArgumentError(f"--query {path}: not a readable .npy file ({exc or type(exc).__name__})") \
-                from None
-        if not isinstance(tokens, np.ndarray):
-            raise InvalidArgumentError(f"--query {path}: an .npz archive, not one .npy array")
-        return tokens
+    'q', 'keys' or 'k', or its only tensor).  What the file holds decides,
+    then its suffix in any case (q.NPY is a .npy file)."""
+    magic = _magic(path)
+    suffix = path.suffix.lower()
+    if magic == NPY_MAGIC or magic.startswith(ZIP_MAGIC) or suffix in NUMPY_SUFFIXES:
+        return _load_npy(path)
     try:
         return read_tensor_file(path, QUERY_TENSOR_NAMES)
     except BadFileError as exc:
-        raise InvalidArgumentError(f"--query {path}: {exc.message}") from None
+        if suffix == ".safetensors":
+            raise InvalidArgumentError(f"--query {path}: {exc.message}") from None
+        raise InvalidArgumentError(f"--query {path}: neither a .npy file nor a safetensors file "
+                                   f"(read as safetensors: {exc.message})") from None
 
 
 def query(
@@ -73,10 +98,11 @@ def query(
         results = s.query(tokens, layer, top_k, rerank=rerank, on_damage="skip" if skip_damaged else "raise")
         skipped_note = report_skipped(out, results, layer)
         seconds = time.perf_counter() - started
-        exported = None
+        exported, note = None, None
         if export is not None:
             exported = export_results(results, export, {"layer": str(layer), "store": str(store)},
-                                      layout=export_layout, kv_heads=kv_heads)
+                                      layout=export_layout, kv_heads=kv_heads, storage_dtype=s.config.storage_dtype)
+            note = export_note(s.config.storage_dtype)
     now = time.time_ns()
     rows: list[dict[str, Any]] = [
         {
@@ -113,3 +139,5 @@ def query(
               + skipped_note, soft_wrap=True)
     if exported is not None:
         out.print(f"exported K/V of {len(results)} entries to {export} ({human_bytes(exported)})")
+        if note is not None:
+            out.print(note)

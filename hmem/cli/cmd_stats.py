@@ -48,7 +48,7 @@ def stats(
     summary.add_row("limits", ", ".join(x for x in limits if x) or "none")
     summary.add_row("kernels", st.kernels)
     out.print(summary)
-    out.print(health_line(st.health, st.entries), markup=False, soft_wrap=True)
+    out.print(health_line(st.health, st.entries), soft_wrap=True)
     if st.layers:
         layers = out.table(">layer", ">entries", title="entries per layer")
         for layer, count in st.layers.items():

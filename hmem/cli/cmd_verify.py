@@ -9,7 +9,7 @@ import typer
 from hmem import InvalidArgumentError, repair, verify
 from hmem.cli.exit_codes import ExitCode
 from hmem.cli.options import JsonOption, LockWaitOption, QuietOption, StoreArgument, YesOption
-from hmem.cli.output import Output, human_bytes, human_duration
+from hmem.cli.output import Output, human_bytes, human_duration, styled
 from hmem.cli.prompts import confirm
 
 STYLE = {"error": "red", "warning": "yellow", "info": "dim"}
@@ -72,7 +72,7 @@ def verify_command(
     if shown and not json_output:
         table = out.table("severity", "code", "file", "problem", "expected")
         for f in shown:
-            table.add_row(f"[{STYLE[f.severity]}]{f.severity}[/]", f.code, f.file, f.message, f.expected or "")
+            table.add_row(styled(f.severity, STYLE[f.severity]), f.code, f.file, f.message, f.expected or "")
         out.print(table)
         if len(report.findings) > len(shown):
             out.print(f"... and {len(report.findings) - len(shown)} more findings (--max-findings, --json)")

@@ -10,15 +10,27 @@ from __future__ import annotations
 import enum
 
 from hmem import (
+    AmbiguousLayoutError,
+    BadFileError,
+    CorruptStoreError,
+    EntryNotFoundError,
+    EntryTooLargeError,
     Hint,
     HmemError,
     InvalidArgumentError,
+    InvalidTensorError,
     KernelUnavailableError,
     NoSpaceError,
     NotAStoreError,
     PathError,
     PermissionDeniedError,
+    ReadOnlyStoreError,
+    StorageError,
+    StoreChangedError,
+    StoreClosedError,
+    StoreExistsError,
     StoreLockedError,
+    UnsafeFileError,
     UnsupportedFormatError,
 )
 
@@ -59,6 +71,48 @@ def exit_code_for(exc: BaseException) -> ExitCode:
         if isinstance(exc, cls):
             return code
     return ExitCode.FAILURE
+
+
+# The "code" of the JSON error document (docs/cli.md, "Errors as JSON"):
+# one stable name per kind of error, finer than the exit code, which the
+# document also carries.  Most specific class first: the first match wins.
+ERROR_NAMES: tuple[tuple[type[BaseException], str], ...] = (
+    (AmbiguousLayoutError, "ambiguous_layout"),
+    (BadFileError, "bad_file"),
+    (InvalidTensorError, "invalid_tensor"),
+    (EntryTooLargeError, "entry_too_large"),
+    (InvalidArgumentError, "invalid_argument"),
+    (NotAStoreError, "not_a_store"),
+    (StoreExistsError, "store_exists"),
+    (UnsupportedFormatError, "unsupported_format"),
+    (UnsafeFileError, "unsafe_file"),
+    (CorruptStoreError, "corrupt_store"),
+    (StoreLockedError, "locked"),
+    (StoreChangedError, "store_changed"),
+    (StoreClosedError, "store_closed"),
+    (ReadOnlyStoreError, "read_only_store"),
+    (EntryNotFoundError, "entry_not_found"),
+    (KernelUnavailableError, "kernel_unavailable"),
+    (PermissionDeniedError, "permission_denied"),
+    (NoSpaceError, "no_space"),
+    (PathError, "bad_path"),
+    (StorageError, "storage_error"),
+    (OSError, "storage_error"),
+    (HmemError, "failure"),
+)
+# Errors the command line itself names (no library class)
+USAGE_ERROR = "usage"  # an option or argument Typer refused: unknown, missing, or a bad value
+ABORTED = "aborted"
+INTERNAL_ERROR = "internal_error"  # a bug in hmem: the traceback is wanted (--debug)
+STOPPED = {ExitCode.INTERRUPTED: "interrupted", ExitCode.TERMINATED: "terminated"}
+
+
+def error_name(exc: BaseException) -> str:
+    """The stable name of `exc`'s kind, for the JSON error document."""
+    for cls, name in ERROR_NAMES:
+        if isinstance(exc, cls):
+            return name
+    return INTERNAL_ERROR
 
 
 # hmem's errors say what to do in library terms (functions and arguments);

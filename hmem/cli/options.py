@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -30,3 +30,18 @@ LockWaitOption = Annotated[
 ]
 YesOption = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 DryRunOption = Annotated[bool, typer.Option("--dry-run", help="Show what would be done; change nothing.")]
+
+
+def plain_flags(command: Any, ctx: Any) -> None:
+    """Show flags in --help without a value type: Typer (its own copy of
+    click, hence the duck typing) labels every flag
+    (--json, --dry-run, --help itself) '<bool>', as if it took a value.  An
+    empty metavar is what Typer then shows; applied to each command as it is
+    looked up (hmem/cli/app.py), so commands added later are covered too."""
+    params = list(command.params)
+    help_option = command.get_help_option(ctx)
+    if help_option is not None:
+        params.append(help_option)
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""

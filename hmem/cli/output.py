@@ -6,6 +6,15 @@
   is a terminal and neither ``--json`` nor ``--quiet`` is set.
 - Colour follows Rich's detection: none when the stream is not a terminal,
   none when NO_COLOR is set.
+- Text is printed as it is: a ``str`` given to ``Output.print``, ``warn``,
+  a table cell or a title is never read as Rich markup or an emoji code, so
+  user text (a file ``run[bold]1.safetensors``, a message quoting
+  ``[n_tokens, embed_dim]``) shows literally.  Style is asked for
+  explicitly, with ``styled()`` or a ``rich.text.Text``.
+- Sizes and rates are binary (KiB, MiB, GiB; MiB/s), in summaries and in
+  progress bars alike (docs/cli.md, "Conventions").
+- An error under ``--json`` (or ``--jsonl``) is also one JSON document on
+  stdout, ``error_document()`` (hmem/cli/app.py prints it).
 - A closed stdout (``hmem stats S | head -1``) ends the command quietly
   with exit code 141 (docs/cli.md, "Exit codes").
 """
@@ -26,11 +35,13 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TextColumn,
     TimeRemainingColumn,
-    TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -88,7 +99,18 @@ def flush_stdout() -> bool:
     return True
 
 
+def styled(text: str, style: str) -> Text:
+    """`text` shown literally in `style` ("bold", "yellow"): the way to
+    colour a line or a table cell (a plain ``str`` is never markup)."""
+    return Text(text, style=style)
+
+
 class _Console(Console):
+    def __init__(self, **kwargs: Any) -> None:
+        # markup and emoji codes off: every str printed is shown as it is;
+        # style comes only from Text objects (styled())
+        super().__init__(markup=False, emoji=False, highlight=False, **kwargs)
+
     def on_broken_pipe(self) -> None:
         # Rich would exit with code 1; hmem ends with 141 (hmem/cli/app.py)
         self.quiet = True
@@ -127,17 +149,25 @@ class Output:
         self.quiet = quiet
         # NO_COLOR: no escape codes at all (Rich alone would still embolden).
         plain: Any = {"color_system": None} if os.environ.get("NO_COLOR") else {}
-        self.out = _Console(highlight=False, **plain)
-        self.err = _Console(stderr=True, highlight=False, **plain)
+        self.out = _Console(**plain)
+        self.err = _Console(stderr=True, **plain)
 
     # ---- results ---------------------------------------------------------
 
     def emit_json(self, document: Any) -> None:
+        """The command's one JSON document on stdout."""
         sys.stdout.write(json.dumps(document, indent=2, sort_keys=False) + "\n")
         sys.stdout.flush()
+        _Emitted.document = True
+
+    def emit_jsonl(self, record: Any) -> None:
+        """One line of a --jsonl stream on stdout (compact JSON)."""
+        sys.stdout.write(json.dumps(record, separators=(",", ":")) + "\n")
+        _Emitted.document = True
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
-        """Human output; silent under --json and --quiet."""
+        """Human output; silent under --json and --quiet.  A str is printed
+        literally (never markup); style with styled() or a Text."""
         if not (self.json_mode or self.quiet):
             self.out.print(*objects, **kwargs)
 
@@ -150,8 +180,9 @@ class Output:
     # ---- stderr --------------------------------------------------------------
 
     def warn(self, message: str) -> None:
+        """'warning: message' on stderr; the message is shown literally."""
         if not self.quiet:
-            self.err.print(f"[yellow]warning:[/] {message}", markup=True, highlight=False)
+            self.err.print(Text.assemble(("warning:", "yellow"), " ", message), soft_wrap=True)
 
     @contextlib.contextmanager
     def progress(self, description: str, total: float | None, *, bytes_mode: bool = False) -> Iterator[Any]:
@@ -162,12 +193,21 @@ class Output:
         if self.json_mode or self.quiet or not self.err.is_terminal:
             yield _NoProgress()
             return
-        columns: list[Any] = [TextColumn("{task.description}"), BarColumn()]
-        columns.append(TransferSpeedColumn() if bytes_mode else MofNCompleteColumn())
+        columns: list[Any] = [TextColumn("{task.description}", markup=False), BarColumn()]
+        columns.append(BinaryTransferSpeedColumn() if bytes_mode else MofNCompleteColumn())
         columns.append(TimeRemainingColumn())
         with Progress(*columns, console=self.err, transient=True) as bar:
             task = bar.add_task(description, total=total)
             yield _Progress(bar, task)
+
+
+class BinaryTransferSpeedColumn(ProgressColumn):
+    """The transfer speed in the units of every other size hmem prints
+    (MiB/s; Rich's own column says MB/s)."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("?" if speed is None else f"{human_bytes(speed)}/s", style="progress.data.speed")
 
 
 class _NoProgress:
@@ -186,6 +226,27 @@ class _Progress:
         self._bar.advance(self._task, amount)
 
 
+class _Emitted:
+    """Whether this run already printed its JSON document (or a --jsonl
+    line): an error then adds no second document (hmem/cli/app.py)."""
+
+    document = False
+
+
+def reset_emitted() -> None:
+    _Emitted.document = False
+
+
+def json_emitted() -> bool:
+    return _Emitted.document
+
+
 def error_line(message: str, hint: str | None) -> str:
-    """The one line an error prints: what happened, then what to do."""
+    """The one line an error prints: what happened, then what to do.  Plain
+    text, written to stderr as it is (no Rich), so user text stays literal."""
     return f"error: {message}" + (f" ({hint})" if hint else "")
+
+
+def error_document(code: str, exit_code: int, message: str, hint: str | None) -> dict[str, Any]:
+    """The JSON document of an error under --json (docs/cli.md, "Errors as JSON")."""
+    return {"error": {"code": code, "exit": int(exit_code), "message": message, "hint": hint}}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from hmem import Bitmap, PrefixHitReport, group_rows
-from hmem.cli.output import Output
+from hmem.cli.output import Output, styled
 from hmem.cli.ranges import format_chunks
 
 PICTURE_MAX_CHUNKS = 64
@@ -84,9 +84,9 @@ def show(out: Output, report: PrefixHitReport, found: Bitmap, chunk_size: int | 
          picture: bool | None) -> None:
     C = report.num_chunks
     tokens = _tokens(report.hit, chunk_size)
-    headline = f"[bold]hit: {report.hit}[/] of {C} chunks"
+    headline = Text.assemble(styled(f"hit: {report.hit}", "bold"), f" of {C} chunks")
     if tokens is not None:
-        headline += f" ({tokens} of {_tokens(C, chunk_size)} tokens)"
+        headline.append(f" ({tokens} of {_tokens(C, chunk_size)} tokens)")
     out.print(headline)
     out.print(f"servable prefix lengths: {_lengths(report.servable)}")
     G = len(report.windows)

@@ -7,6 +7,7 @@ import sys
 import typer
 
 from hmem import InvalidArgumentError
+from hmem.cli import signals
 
 
 def confirm(question: str, yes: bool) -> bool:
@@ -16,3 +17,12 @@ def confirm(question: str, yes: bool) -> bool:
     if not sys.stdin.isatty():
         raise InvalidArgumentError("not a terminal, so nobody can confirm", hint="pass --yes to go ahead")
     return typer.confirm(question, default=False, err=True)  # stdout stays for results
+
+
+def confirm_change(question: str, yes: bool) -> bool:
+    """``confirm`` for a command about to change a store: asked at once (a
+    signal while the question waits stops at once), and a signal that came
+    before it stops the command before anything changes."""
+    with signals.at_once():
+        agreed = confirm(question, yes)
+    return agreed and not signals.requested()

@@ -11,27 +11,50 @@ from rich.text import Text
 from hmem import FileResult, ImportReport, StoreStats
 from hmem.cli import signals
 from hmem.cli.exit_codes import ExitCode, cli_hint
+from hmem.cli.ids import id_ranges
+from hmem.cli.notes import problem
 from hmem.cli.output import Output, human_bytes
+
+FILES_SHOWN = 20  # files listed with their ids in the human summary
 
 
 def report(out: Output, store: Path, dry_run: bool, result: ImportReport, before: StoreStats, after: StoreStats,
            seconds: float) -> int:
-    """Print the summary of an import; returns the exit code (0 when all went in)."""
+    """Print the summary of an import; returns the exit code: 0 when every
+    file went in (or was in already), 3 (partial) when some were skipped,
+    1 when all were."""
+    evicted = after.limits.evicted - before.limits.evicted
+    rewritten = after.limits.bytes_rewritten - before.limits.bytes_rewritten
+    imported = [f for f in result.files if f.skipped is None and f.imported_before is None]
+    already = result.already_imported
     summary: dict[str, Any] = {
         "store": str(store),
         "dry_run": dry_run,
         "files": len(result.files) + len(result.not_started),
-        "files_imported": len(result.files) - len(result.skipped),
+        "files_imported": len(imported),
         "files_skipped": len(result.skipped),
+        "files_already_imported": len(already),
         "entries_added": result.entries_added,
         "entries_found": result.entries_found,
+        "entries_evicted": evicted,
+        "compactions": after.limits.compactions - before.limits.compactions,
+        "bytes_rewritten": rewritten,
         "bytes_read": result.bytes_read,
         "bytes_written": after.bytes_on_disk - before.bytes_on_disk,
         "shards_created": len(after.shards) - len(before.shards),
         "seconds": seconds,
+        "imported": [{"file": f.path, "entries": f.planned, "entry_ids": list(f.entries)} for f in imported],
         "skipped": [{"file": f.path, "reason": skip_reason(f)} for f in result.skipped],
+        "already_imported": [{"file": f.path, "sha256": f.sha256, "imported_as": f.imported_before.name,
+                              "imported": f.imported_before.imported,
+                              "entry_ids": list(f.imported_before.entry_ids)}
+                             for f in already if f.imported_before is not None],
     }
-    code: int = ExitCode.PARTIAL if result.skipped else ExitCode.OK
+    for f in result.skipped:  # on stderr, also under --quiet and --json: a script must learn why
+        problem(f"skipped {f.path}: {skip_reason(f)}")
+    code: int = ExitCode.OK
+    if result.skipped:
+        code = ExitCode.FAILURE if len(result.skipped) == len(result.files) else ExitCode.PARTIAL
     if signals.requested():
         code = _stopped(summary, result, after)
     if out.json_mode:
@@ -39,17 +62,28 @@ def report(out: Output, store: Path, dry_run: bool, result: ImportReport, before
         return code
     verb = "would add" if dry_run else "added"
     found = result.entries_found if dry_run else result.entries_added
-    out.print(f"{verb} {found} entries from {summary['files_imported']} of {summary['files']} files "
-              f"({human_bytes(result.bytes_read)} read in {seconds:.1f} s"
-              + (f", {human_bytes(result.bytes_read / seconds)}/s)" if seconds > 0 else ")"))
+    rate = f", {human_bytes(result.bytes_read / seconds)}/s" if seconds > 0 else ""
+    out.print(Text(f"{verb} {found} entries from {len(imported)} of {summary['files']} files "
+                   f"{'to' if dry_run else 'into'} {store} ({human_bytes(result.bytes_read)} read in {seconds:.1f} s"
+                   f"{rate})"))
+    for f in imported[:FILES_SHOWN]:
+        ids = id_ranges(f.entries) if not dry_run else f"{f.planned} entries"
+        out.print(Text(f"  {f.path}: {'ids ' if not dry_run else ''}{ids}"))
+    if len(imported) > FILES_SHOWN:
+        out.print(Text(f"  and {len(imported) - FILES_SHOWN} more files (--json lists every id)"))
+    if already:
+        names = ", ".join(f.path for f in already[:3]) + (f" and {len(already) - 3} more" if len(already) > 3 else "")
+        out.print(Text(f"already imported, not imported again: {names} (--again imports them anyway)"))
+    if evicted:
+        limit = ", ".join(name for name, value in (("max_entries", after.config.max_entries),
+                                                  ("max_disk_bytes", after.config.max_disk_bytes)) if value)
+        compacted = (f"; compacted, rewriting {human_bytes(rewritten)}" if summary["compactions"] else
+                     "; run 'hmem compact' to free their bytes")
+        out.print(Text(f"evicted {evicted} lower-scored entries to keep {limit}{compacted}"))
     if not dry_run:
-        out.print(f"wrote {human_bytes(max(0, summary['bytes_written']))}, "
-                  f"{summary['shards_created']} new shard(s); the store holds {after.entries} entries")
-    if result.skipped:
-        table = out.table("skipped file", "reason")
-        for f in result.skipped:
-            table.add_row(Text(f.path), Text(skip_reason(f)))  # as text: a reason's [shape] is no markup
-        out.print(table)
+        change = summary["bytes_written"]
+        out.print(Text(f"{'grew' if change >= 0 else 'shrank'} by {human_bytes(abs(change))} on disk "
+                       f"({summary['shards_created']} new shard(s)); the store holds {after.entries} entries"))
     return code
 
 

@@ -37,3 +37,13 @@ def check_heads(embed_dim: int, kv_heads: int | None) -> None:
     if kv_heads is not None and embed_dim % kv_heads:
         raise InvalidArgumentError(f"--kv-heads {kv_heads} does not divide the store's embed_dim {embed_dim} "
                                    "into heads of equal size")
+
+
+def export_note(storage_dtype: str) -> str | None:
+    """What to say after an --export from a store of this storage_dtype:
+    the file holds F32 rows as the store reads them back, which for an INT8
+    store are not what it holds (docs/cli.md, "hmem query")."""
+    if storage_dtype != "int8":
+        return None
+    return ("note: the store is INT8: the export holds its rows dequantized to F32 (int8 x row scale); "
+            "'hmem export' writes them as stored")

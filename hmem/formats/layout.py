@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from hmem._io import TEMP_PREFIX
 from hmem.formats.records import ENTRIES_FILE, HEADER_BYTES
+from hmem.formats.sources import SOURCES_FILE
 
 if TYPE_CHECKING:
     from hmem.formats.manifest import Pending, ShardInfo
@@ -37,15 +38,16 @@ LOCK_FILE = "lock"
 # ENTRIES_FILE ("entries.bin") is defined beside the record format, which
 # this module builds on (record_bytes); it is imported from here like the rest.
 STAMP_FILE = "commit.stamp"  # hmem/formats/stamp.py
-FIXED_FILES = (INDEX_FILE, ENTRIES_FILE, LOCK_FILE, STAMP_FILE)
+# SOURCES_FILE ("sources.jsonl", the import registry) likewise lives in hmem/formats/sources.py.
+FIXED_FILES = (INDEX_FILE, ENTRIES_FILE, LOCK_FILE, STAMP_FILE, SOURCES_FILE)
 SHARD_NAME = re.compile(r"^shard_(\d{4,9})\.safetensors$")
 # Compaction and repair write a store's new files under these names first
 # (docs/format.md, "Compaction").
 REWRITE_PREFIX = TEMP_PREFIX + "rewrite."
 TEMP_NAME = re.compile(r"^" + re.escape(TEMP_PREFIX) + r"[A-Za-z0-9_.-]{1,200}$")
 
-__all__ = ["ENTRIES_FILE", "FIXED_FILES", "INDEX_FILE", "LOCK_FILE", "STAMP_FILE", "REWRITE_PREFIX", "SHARD_NAME", "TEMP_PREFIX",
-           "DirectoryFiles", "classify", "directory_bytes", "record_bytes", "resolve", "shard_file", "shard_index",
+__all__ = ["ENTRIES_FILE", "FIXED_FILES", "INDEX_FILE", "LOCK_FILE", "SOURCES_FILE", "STAMP_FILE", "REWRITE_PREFIX", "SHARD_NAME", "TEMP_PREFIX",
+           "DirectoryFiles", "classify", "directory_bytes", "files_without_index", "record_bytes", "resolve", "shard_file", "shard_index",
            "shard_names"]
 
 
@@ -85,6 +87,17 @@ def is_store(path: str | os.PathLike) -> bool:
     index.json; whether that is sound is verify's question)."""
     root = Path(path)
     return root.is_dir() and (root / INDEX_FILE).is_file()
+
+
+def files_without_index(root: Path) -> list[str]:
+    """The store files (entries.bin, shards) in `root`, a directory without
+    an index.json: a store whose index is lost when there are any (repair
+    rebuilds it), no store at all when there are none."""
+    try:
+        files = classify(root)
+    except OSError:
+        return []
+    return [name for name in files.committed if name == ENTRIES_FILE] + files.unnamed_shards
 
 
 def record_bytes(signature_bytes: int) -> int:

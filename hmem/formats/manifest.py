@@ -28,9 +28,10 @@ from hmem import _io
 from hmem._version import __version__
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, Hint, NotAStoreError, UnsupportedFormatError, storage_error
-from hmem.formats.layout import INDEX_FILE, REWRITE_PREFIX, name_problem, record_bytes
+from hmem.formats.layout import INDEX_FILE, REWRITE_PREFIX, files_without_index, name_problem, record_bytes
 from hmem.formats.records import UPDATE_DTYPE
 from hmem.formats.shard_file import INDEX_ROW_BYTES
+from hmem.formats.sources import SourcesInfo
 from hmem.kernels import checksum as checksum_kernels
 
 FORMAT_NAME = "hmem-store"
@@ -102,9 +103,10 @@ class Manifest:
     created: str = dataclasses.field(default_factory=_now)
     committed: str = dataclasses.field(default_factory=_now)
     written_by: str = f"hmem {__version__}"
+    sources: SourcesInfo = SourcesInfo()  # the committed part of sources.jsonl (hmem/formats/sources.py)
 
     def _body(self) -> dict[str, Any]:
-        return {
+        body = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "written_by": self.written_by,
@@ -119,6 +121,9 @@ class Manifest:
             "shards": [dataclasses.asdict(s) for s in self.shards],
             "pending": self.pending.to_json(),
         }
+        if self.sources.bytes:  # absent while empty: a store that never imported a file reads as before
+            body["sources"] = self.sources.to_json()
+        return body
 
     def to_bytes(self) -> bytes:
         body = self._body()
@@ -147,6 +152,11 @@ def read_bytes(store_dir: Path) -> bytes:
     try:
         return _io.read_regular(store_dir / INDEX_FILE, MAX_INDEX_BYTES)
     except FileNotFoundError:
+        left = files_without_index(store_dir)
+        if left:  # a store that lost its index: creating one there would be the wrong advice
+            shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+            raise NotAStoreError(f"{store_dir} has no {INDEX_FILE} but holds store files ({shown}): "
+                                 f"the store's index is missing", hint=Hint.REPAIR) from None
         raise NotAStoreError(f"{store_dir} holds no hmem store (no {INDEX_FILE})",
                              hint=Hint.CREATE) from None
     except OSError as exc:  # permissions, a disk error: docs/reliability.md, "OS errors"
@@ -188,6 +198,7 @@ def parse(store_dir: Path, data: bytes) -> Manifest:
             created=str(doc["created"]),
             committed=str(doc["committed"]),
             written_by=str(doc.get("written_by", "")),
+            sources=SourcesInfo.from_json(doc.get("sources")),
         )
     except (UnsupportedFormatError, CorruptStoreError):
         raise

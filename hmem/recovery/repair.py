@@ -11,7 +11,9 @@ the store (hmem/store/rewrite.py) from what checks out:
   store is rebuilt from what its files hold, every intact entry kept with
   its id;
 - of those, the live entries whose every tensor is found (through hmem_index
-  or the JSON header of its shard) with a matching CRC-32C.
+  or the JSON header of its shard) with a matching CRC-32C;
+- the import registry (sources.jsonl) as committed, or its longest prefix
+  of whole records when it is damaged or index.json no longer counts it.
 
 Everything else is dropped and listed in the report.  The next entry id is
 set past every id any record holds or any commit reserved.  A store that
@@ -28,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from hmem import _io
+from hmem import _io, file_reads
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError, UnsafeFileError, UnsupportedFormatError
 from hmem.formats import layout, manifest, records, shard_file, stamp
+from hmem.formats import sources as source_registry
 from hmem.formats.layout import ENTRIES_FILE
 from hmem.formats.manifest import Manifest, Pending
 from hmem.formats.records import EVICTED
@@ -96,6 +99,7 @@ def repair(path: str | Path, *, lock_wait: float = 0.0) -> RepairReport:
                                   hint="replace each with a copy of the file it stands for, or remove it")
         stale = any(f.code == "index.stale" for f in errors)
         base, rebuilt = _base_manifest(root, stale)
+        base.sources = _registry(root, base, rebuilt)
         kept, dropped, sources, sizes, highest = _salvage(root, base, rebuilt)
         _io.crash_point("repair.planned")
         # past every id ever seen or reserved: an id is never given twice
@@ -139,6 +143,26 @@ def _base_manifest(root: Path, stale: bool) -> tuple[Manifest, bool]:
     infos = [manifest.ShardInfo(file=layout.shard_file(i), bytes=0, uid="", entries=0, index_crc=0)
              for i in range(count)]
     return Manifest(config=config, projection=projection, shards=infos, next_entry_id=max(floor, 1)), True
+
+
+def _registry(root: Path, base: Manifest, rebuilt: bool) -> source_registry.SourcesInfo:
+    """The import registry to keep: as committed when intact; else (damaged,
+    or index.json rebuilt and so counting none of it) its longest prefix of
+    whole source records.  A source whose entries this repair drops stays
+    listed: `hmem put --again` imports it anew."""
+    if not rebuilt:
+        try:
+            source_registry.read(root, base.sources)
+            return base.sources
+        except CorruptStoreError:
+            pass
+    try:
+        data = file_reads.read_regular(root / source_registry.SOURCES_FILE, source_registry.MAX_SOURCES_BYTES)
+    except (FileNotFoundError, HmemError):
+        return source_registry.SourcesInfo()
+    _, kept = source_registry.whole_lines(data if rebuilt else data[: base.sources.bytes])
+    # the next import appends past the kept lines, over whatever follows them
+    return source_registry.appended(source_registry.SourcesInfo(), data[:kept])
 
 
 def _salvage(root: Path, base: Manifest, rebuilt: bool):

@@ -28,6 +28,7 @@ from hmem import _io
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError, InvalidArgumentError, NotAStoreError, UnsupportedFormatError
 from hmem.formats import layout, manifest, records, shard_file, stamp
+from hmem.formats import sources as source_registry
 from hmem.formats.layout import ENTRIES_FILE
 from hmem.formats.records import EVICTED
 from hmem.kernels import checksum as checksum_kernels
@@ -117,6 +118,7 @@ def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | No
         if evidence is not None:
             out.add("index.stale", ERROR, layout.INDEX_FILE, evidence, "an index.json as new as the store's files")
         loaded = _check_records(root, mf, out, stale=evidence is not None)
+        _check_sources(root, mf, out)
         scans = _check_shards(root, mf, loaded, out)
         _check_directory(root, mf, out, stale=evidence is not None)
         if full:
@@ -146,6 +148,17 @@ def _check_index(root: Path, out: _Collector) -> manifest.Manifest | None:
     if mf.pending:
         out.add("index.pending", INFO, name, "the last commit has unfinished steps; the next writer finishes them")
     return mf
+
+
+def _check_sources(root: Path, mf: manifest.Manifest, out: _Collector) -> None:
+    """The import registry: the committed part as index.json counts it."""
+    name = source_registry.SOURCES_FILE
+    if not mf.sources.bytes or _unsafe(root / name):
+        return
+    try:
+        source_registry.read(root, mf.sources)
+    except CorruptStoreError as exc:
+        out.add("sources.damaged", ERROR, name, exc.message, f"{mf.sources.bytes} committed bytes of source records")
 
 
 def _check_records(root: Path, mf: manifest.Manifest, out: _Collector, *, stale: bool) -> np.ndarray:

@@ -1,18 +1,21 @@
 """Eviction and the store's limits (docs/format.md, "Eviction"): which
-entries go (hmem/store/policy.py), marking them, and making room for a put
-under max_entries and max_disk_bytes."""
+entries go (hmem/store/policy.py), marking them, making room for a put
+under max_entries and max_disk_bytes, and deleting entries by id (the
+same mark, chosen by the user rather than by score)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from hmem import _io
-from hmem.errors import EntryTooLargeError
+from hmem.errors import EntryNotFoundError, EntryTooLargeError
 from hmem.formats import layout
 from hmem.formats.records import EVICTED
 from hmem.store.compaction import Compaction
 from hmem.store.policy import eviction_order, scores
-from hmem.store.results import EvictionPlan
+from hmem.store.results import DeletePlan, EvictionPlan
 from hmem.store.state import StoreState
 from hmem.store.prepare import PreparedEntry
 from hmem.store.writer import Writer
@@ -56,6 +59,34 @@ class Eviction:
         self.writer.flush(exact_ids=False)
         return len(victims)
 
+    def plan_delete(self, entry_ids: np.ndarray) -> tuple[DeletePlan, np.ndarray]:
+        """The live entries among `entry_ids` (unique, ascending) and their
+        record positions; the others are missing."""
+        state = self.state
+        ids = state.records["entry_id"][: state.n]  # ascending: ids are handed out in order
+        at = np.minimum(np.searchsorted(ids, entry_ids), max(state.n - 1, 0))
+        found = np.zeros(len(entry_ids), dtype=bool)
+        if state.n:
+            found = (ids[at] == entry_ids) & (state.records["shard_idx"][at] != EVICTED)
+        positions = at[found]
+        nbytes = state.entry_file_bytes(state.records["n_tokens"][positions].astype(np.int64))
+        plan = DeletePlan(entry_ids=tuple(entry_ids[found].tolist()), missing=tuple(entry_ids[~found].tolist()),
+                          bytes_reclaimable=int(np.sum(nbytes)))
+        return plan, positions
+
+    def delete(self, entry_ids: np.ndarray, *, missing_ok: bool) -> DeletePlan:
+        """Delete the live entries of `entry_ids`, durably.  Unless
+        `missing_ok`, an id naming no live entry deletes nothing and raises."""
+        plan, positions = self.plan_delete(entry_ids)
+        if plan.missing and not missing_ok:
+            shown = ", ".join(map(str, plan.missing[:10])) + (", ..." if len(plan.missing) > 10 else "")
+            raise EntryNotFoundError(f"the store at {self.state.path} holds no entry {shown}; nothing was deleted",
+                                     hint="list the live ids with Store.entry_ids(), or pass missing_ok=True")
+        self.mark(positions)
+        _io.crash_point("delete.marked")
+        self.writer.flush(exact_ids=False)
+        return plan
+
     def mark(self, victims: np.ndarray) -> None:
         """Mark records evicted (in memory) and account their bytes as dead."""
         state = self.state
@@ -98,7 +129,7 @@ class Eviction:
         live = state.live_positions()
         if cfg.max_entries and len(live) + len(batch) > cfg.max_entries:
             over = len(live) + len(batch) - cfg.max_entries
-            self.mark(eviction_order(state.records, live)[:over])
+            self._evict_for_room(eviction_order(state.records, live)[:over])
         if cfg.max_disk_bytes and self._usage_bytes() + sum(sizes) > cfg.max_disk_bytes:
             # Evicted bytes stay on disk until compaction, so make room down
             # to 90% of the limit and compact once, not at every put.
@@ -109,8 +140,16 @@ class Eviction:
                                     dtype=np.int64) + state.record_size
             # evict the shortest prefix of `order` whose removal leaves at most `budget`
             remaining = kept_bytes.sum() - np.concatenate([[0], np.cumsum(kept_bytes)])
-            self.mark(order[: int(np.argmax(remaining <= budget))])
-            self.compaction.run(min_reclaim_share=0.0)
+            self._evict_for_room(order[: int(np.argmax(remaining <= budget))])
+            report = self.compaction.run(min_reclaim_share=0.0)
+            if report.performed and report.shards_after:
+                written = sum(info.bytes for info in state.shards[: report.shards_after])
+                state.limits = dataclasses.replace(state.limits, compactions=state.limits.compactions + 1,
+                                                   bytes_rewritten=state.limits.bytes_rewritten + written)
+
+    def _evict_for_room(self, victims: np.ndarray) -> None:
+        self.mark(victims)
+        self.state.limits = dataclasses.replace(self.state.limits, evicted=self.state.limits.evicted + len(victims))
 
     def _usage_bytes(self) -> int:
         """Bytes on disk now plus what the next flush will add: shards,

@@ -14,8 +14,14 @@ def scores(importance: np.ndarray, access_count: np.ndarray) -> np.ndarray:
     return importance.astype(np.float64) * (1.0 + np.log1p(access_count.astype(np.float64)))
 
 
+def order(importance: np.ndarray, access_count: np.ndarray, timestamp: np.ndarray,
+          entry_id: np.ndarray) -> np.ndarray:
+    """The permutation that puts entries (given as columns) in eviction
+    order, first to evict first."""
+    return np.lexsort((entry_id, timestamp, scores(importance, access_count)))
+
+
 def eviction_order(records: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """`positions` (of live records) sorted from first to evict to last."""
     rows = records[positions]
-    order = np.lexsort((rows["entry_id"], rows["timestamp"], scores(rows["importance"], rows["access_count"])))
-    return positions[order]
+    return positions[order(rows["importance"], rows["access_count"], rows["timestamp"], rows["entry_id"])]

@@ -31,11 +31,16 @@ class EntryReader:
         """Keys and values of the record at `pos`, as float32 rows (each
         tensor's CRC checked on first read with verify_reads, or when `check`)."""
         storage = self.state.config.storage_dtype
-        rows = []
-        for kind in ("k", "v"):
-            scales = self.tensor(pos, kind + "s", check=check) if storage == "int8" else None
-            rows.append(storage_codec.decode(self.tensor(pos, kind, check=check), scales, storage))
+        stored = self.stored(pos, check=check)
+        rows = [storage_codec.decode(stored[kind], stored.get(kind + "s"), storage) for kind in ("k", "v")]
         return rows[0], rows[1]
+
+    def stored(self, pos: int, *, check: bool | None = None) -> dict[str, np.ndarray]:
+        """The K/V tensors of the record at `pos` as the shard holds them, not
+        decoded: "k" and "v" in the storage dtype (bf16 as its uint16 words)
+        and, in an int8 store, their float32 row scales "ks" and "vs"."""
+        kinds = ("k", "v", "ks", "vs") if self.state.config.storage_dtype == "int8" else ("k", "v")
+        return {kind: self.tensor(pos, kind, check=check) for kind in kinds}
 
     def meta(self, pos: int) -> dict[str, Any] | None:
         """The metadata of the record at `pos` (put with the entry), or None."""

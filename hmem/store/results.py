@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hmem.config import StoreConfig
+from hmem.store import policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +71,15 @@ class EntryInfo:
     created: int  # nanoseconds since the Unix epoch
     shard_idx: int
     bytes: int  # what the entry takes in its shard, index row and header entries included
+    score: float  # the eviction score, importance x (1 + ln(1 + access_count)) (hmem/store/policy.py)
 
     @classmethod
     def from_record(cls, row: Any, size: int) -> EntryInfo:
         """The info of a record of entries.bin (hmem/formats/records.py)."""
         return cls(entry_id=int(row["entry_id"]), layer_idx=int(row["layer_idx"]), n_tokens=int(row["n_tokens"]),
                    importance=float(row["importance"]), access_count=int(row["access_count"]),
-                   created=int(row["timestamp"]), shard_idx=int(row["shard_idx"]), bytes=size)
+                   created=int(row["timestamp"]), shard_idx=int(row["shard_idx"]), bytes=size,
+                   score=float(policy.scores(np.asarray(row["importance"]), np.asarray(row["access_count"]))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +92,31 @@ class StoredEntry:
     keys: np.ndarray
     values: np.ndarray
     meta: dict[str, Any] | None = None  # what was put with it (e.g. source file, chunk, token range)
+
+    @property
+    def entry_id(self) -> int:
+        return self.info.entry_id
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredKV:
+    """One entry's keys and values exactly as its shard holds them, not
+    decoded (``Store.stored_kv``; docs/format.md, "Storage dtypes").
+
+    ``dtype`` is their safetensors dtype: "F32" (float32), "F16" (float16),
+    "BF16" (the raw bfloat16 words, as uint16: numpy has no bfloat16) or
+    "I8" (int8, with float32 ``key_scales`` and ``value_scales``, one per
+    row: row t reads back as ``keys[t] * key_scales[t]``).  The arrays are
+    read-only, [n_tokens, embed_dim] (scales [n_tokens])."""
+
+    info: EntryInfo
+    storage_dtype: str  # the store's StoreConfig.storage_dtype: f32, f16, bf16 or int8
+    dtype: str
+    keys: np.ndarray
+    values: np.ndarray
+    key_scales: np.ndarray | None  # int8 stores only
+    value_scales: np.ndarray | None
+    meta: dict[str, Any] | None = None
 
     @property
     def entry_id(self) -> int:
@@ -126,13 +154,24 @@ class StoreHealth:
 
 
 @dataclasses.dataclass(frozen=True)
+class LimitActivity:
+    """What keeping max_entries and max_disk_bytes did since the store was
+    opened: puts evict the lowest-scored entries, and compact past
+    max_disk_bytes (docs/format.md, "Eviction")."""
+
+    evicted: int = 0  # entries evicted to make room
+    compactions: int = 0  # compactions run to free their bytes
+    bytes_rewritten: int = 0  # shard bytes those compactions wrote
+
+
+@dataclasses.dataclass(frozen=True)
 class StoreStats:
     path: str
     format_version: int
     generation: int
     config: StoreConfig
     entries: int  # live entries
-    evicted: int  # records of evicted entries still in entries.bin (dropped by compact)
+    evicted: int  # records of evicted or deleted entries still in entries.bin (dropped by compact)
     unflushed: int  # entries put since the last flush
     layers: dict[int, int]  # live entries per layer
     shards: list[ShardStats]
@@ -145,6 +184,7 @@ class StoreStats:
     next_entry_id: int
     kernels: str
     health: StoreHealth  # the cheap file check (no tensor read)
+    limits: LimitActivity = LimitActivity()  # evictions and compactions of puts, since the store was opened
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -159,6 +199,19 @@ def as_framework(array: np.ndarray, framework: str) -> Any:
     import torch  # framework="torch" was asked for explicitly
 
     return torch.from_numpy(np.array(array, copy=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeletePlan:
+    """What delete(entry_ids) removes (or removed)."""
+
+    entry_ids: tuple[int, ...]  # the live entries among those asked for, ascending
+    missing: tuple[int, ...]  # ids asked for that name no live entry, ascending
+    bytes_reclaimable: int  # freed by the next compaction
+
+    @property
+    def count(self) -> int:
+        return len(self.entry_ids)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,9 @@ from hmem.formats import layout, manifest, records, shard_file
 from hmem.formats.manifest import Manifest, ShardInfo
 from hmem.formats.records import EVICTED
 from hmem.store import lock
+from hmem.store.imported import ImportRegistry
 from hmem.store.projection import Projector
+from hmem.store.results import LimitActivity
 from hmem.store.search import SearchIndex
 from hmem.store.shard_builder import Arena, ShardBuilder
 from hmem.store.shard_reader import ShardCache
@@ -72,6 +74,8 @@ class StoreState:
         self.id_limit = committed.next_entry_id  # ids below this are reserved in index.json
         self.builder: ShardBuilder | None = None
         self.builder_dead = DeadBytes()
+        self.limits = LimitActivity()  # what the limits made puts do (StoreStats.limits)
+        self.imports = ImportRegistry(path)  # sources.jsonl (hmem/store/imported.py)
         self.adopt(committed, manifest_bytes, loaded)
 
     def adopt(self, committed: Manifest, manifest_bytes: bytes | None, loaded: np.ndarray) -> None:

@@ -16,7 +16,7 @@ import dataclasses
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,11 @@ from hmem.errors import (
     StoreExistsError,
 )
 from hmem.formats import layout, manifest, records, shard_file, stamp
+from hmem.formats.sources import ImportedSource
 from hmem.formats.layout import is_store
 from hmem.formats.manifest import Manifest
 from hmem.formats.records import EVICTED
-from hmem.store import caches, lock, prepare, rewrite
+from hmem.store import caches, listing, lock, prepare, rewrite
 from hmem.store.bridge import AugmentedKV, augmented_kv
 from hmem.store.compaction import Compaction
 from hmem.store.eviction import Eviction
@@ -46,13 +47,16 @@ from hmem.store.reading import EntryReader
 from hmem.store.results import (
     CompactionPlan,
     CompactionReport,
+    DeletePlan,
     EntryInfo,
     EvictionPlan,
     QueryResults,
     ShardStats,
     StoredEntry,
+    StoredKV,
     StoreStats,
 )
+from hmem.store.listing import ENTRY_SORTS, EntryListing
 from hmem.store.state import StoreState, load_records
 from hmem.store.prepare import Entry
 from hmem.store.writer import Writer
@@ -254,15 +258,43 @@ class Store:
             self._state.check_open()
             return [int(i) for i in self._state.records["entry_id"][self._live_in(layer_idx)]]
 
-    def entries(self, layer_idx: int | None = None) -> Iterator[EntryInfo]:
-        """The metadata of the live entries (of one layer, if given), by
-        ascending id: a snapshot taken when iteration starts."""
+    def entries(self, layer_idx: int | None = None, *, sort: str = "id", limit: int | None = None) -> EntryListing:
+        """The metadata of the live entries (of one layer, if given): a
+        snapshot taken now, iterated as EntryInfo made a batch at a time.
+
+        `sort` (ENTRY_SORTS): "id" ascending; "score" in eviction order,
+        next to be evicted first (lowest score, then older, then lower id);
+        "accesses" most accessed first; "age" oldest first; "size" largest
+        first; ties in the last three go to the lower id.  `limit` keeps the
+        first `limit` entries of that order (None: all); the listing's
+        ``total`` counts the live entries before it."""
+        sort = validation.choice(sort, "sort", ENTRY_SORTS)
+        keep = None if limit is None else validation.count(limit, "limit")
         state = self._state
         with state.mutex:
             state.check_open()
-            rows = state.records[self._live_in(layer_idx)].copy()
-            sizes = np.asarray(state.entry_file_bytes(rows["n_tokens"].astype(np.int64)), dtype=np.int64)
-        return (EntryInfo.from_record(row, size) for row, size in zip(rows, sizes.tolist()))
+            live = self._live_in(layer_idx)
+            columns = {name: state.records[name][live] for name in listing.FIELDS}  # copies: a snapshot
+        chosen = listing.order(columns, sort)[:keep]
+        columns = {name: column[chosen] for name, column in columns.items()}
+        sizes = np.asarray(state.entry_file_bytes(columns["n_tokens"].astype(np.int64)), dtype=np.int64)
+        return EntryListing(columns, sizes, len(live), sort)
+
+    def stored_kv(self, entry_id: int) -> StoredKV:
+        """One live entry's keys and values exactly as its shard holds them,
+        not decoded (bit-exact; BF16 as its uint16 words, INT8 with its row
+        scales), each tensor's checksum checked as by get().  Raises
+        EntryNotFoundError for an id that is not live."""
+        state = self._state
+        with state.mutex:
+            state.check_open()
+            pos = self._position(validation.integer(entry_id, "entry_id", low=0))
+            tensors = {kind: _read_only(array) for kind, array in self._reader.stored(pos).items()}
+            row = state.records[pos]
+            info = EntryInfo.from_record(row, int(state.entry_file_bytes(int(row["n_tokens"]))))
+            storage = self.config.storage_dtype
+            return StoredKV(info, storage, shard_file.KV_DTYPES[storage], tensors["k"], tensors["v"],
+                            tensors.get("ks"), tensors.get("vs"), self._reader.meta(pos))
 
     def get(self, entry_id: int) -> StoredEntry:
         """One live entry's metadata and K/V (read-only arrays, bit-exact as
@@ -293,6 +325,30 @@ class Store:
                                      hint="list the live ids with Store.entry_ids()")
         return pos
 
+    # ---- the import registry (hmem/formats/sources.py) --------------------------------
+
+    def imported_sources(self) -> list[ImportedSource]:
+        """Every source file recorded as imported, oldest first (those
+        recorded since the last flush included)."""
+        with self._state.mutex:
+            self._state.check_open()
+            return self._state.imports.all(self._state.committed.sources)
+
+    def find_source(self, sha256: str, size: int) -> ImportedSource | None:
+        """The latest import of a file with this content (SHA-256 in hex and
+        size), if the store recorded one."""
+        with self._state.mutex:
+            self._state.check_open()
+            return self._state.imports.find(self._state.committed.sources, sha256, size)
+
+    def record_source(self, name: str, sha256: str, size: int, entry_ids: Iterable[int]) -> ImportedSource:
+        """Record that a file (its name, SHA-256 in hex and size) was imported
+        as the entries `entry_ids` (consecutive, as one put_many hands them
+        out); committed by the next flush, together with those entries."""
+        with self._state.mutex:
+            self._state.check_writable()
+            return self._state.imports.add(name, sha256, size, entry_ids, next_id=self._state.next_id)
+
     # ---- eviction and compaction -----------------------------------------------------
 
     def plan_eviction(self, target_entries: int) -> EvictionPlan:
@@ -308,6 +364,25 @@ class Store:
         with self._state.mutex:
             self._state.check_writable()
             return self._eviction.evict(validation.count(target_entries, "target_entries"))
+
+    def plan_delete(self, entry_ids: Iterable[int]) -> DeletePlan:
+        """Which of `entry_ids` delete() would remove and which name no live
+        entry, without changing anything."""
+        ids = _entry_id_array(entry_ids)
+        with self._state.mutex:
+            self._state.check_open()
+            return self._eviction.plan_delete(ids)[0]
+
+    def delete(self, entry_ids: Iterable[int], *, missing_ok: bool = False) -> DeletePlan:
+        """Delete entries by id, durably when it returns (crash-safe as
+        evict: the old or the new state).  Their bytes are freed by the
+        next compaction.  An id naming no live entry raises
+        EntryNotFoundError and deletes nothing, unless `missing_ok`, which
+        deletes the others and reports it in ``missing``."""
+        ids = _entry_id_array(entry_ids)
+        with self._state.mutex:
+            self._state.check_writable()
+            return self._eviction.delete(ids, missing_ok=validation.flag(missing_ok, "missing_ok"))
 
     def plan_compaction(self) -> CompactionPlan:
         """What compact() would do and gain, without changing anything."""
@@ -380,6 +455,7 @@ class Store:
                 next_entry_id=state.next_id,
                 kernels=kernels.describe(),
                 health=self._reader.health(),
+                limits=state.limits,
             )
 
     def size(self) -> int:
@@ -393,3 +469,16 @@ def _read_only(array: np.ndarray) -> np.ndarray:
     view = array.view()
     view.flags.writeable = False
     return view
+
+
+def _entry_id_array(entry_ids: Iterable[int]) -> np.ndarray:
+    """Entry ids as a unique ascending uint64 array; anything else than
+    non-negative integers is refused."""
+    if isinstance(entry_ids, np.ndarray) and entry_ids.dtype.kind in "iu" and entry_ids.ndim == 1:
+        if entry_ids.size and entry_ids.min() < 0:
+            raise InvalidArgumentError(f"entry ids must be >= 0, got {entry_ids.min()}")
+        return np.unique(entry_ids.astype(np.uint64))
+    if isinstance(entry_ids, (str, bytes)) or not isinstance(entry_ids, Iterable):
+        raise InvalidArgumentError(f"entry_ids must be an iterable of integers, got {type(entry_ids).__name__}")
+    ids = [validation.integer(i, "entry id", low=0, high=2**64 - 1) for i in entry_ids]
+    return np.unique(np.array(ids, dtype=np.uint64))

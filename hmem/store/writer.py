@@ -7,7 +7,8 @@ sealed into its file.  ``flush`` makes everything durable in this order,
 each step fsynced before the next:
 
   1. seal the open shard into shard_NNNN.safetensors;
-  2. append the new records to entries.bin;
+  2. append the new records to entries.bin, and the new source records to
+     sources.jsonl (hmem/formats/sources.py);
   3. commit index.json (record count, shards, next id, and the new mutable
      fields of older records as pending updates);
   4. write those mutable fields in place in entries.bin.
@@ -30,7 +31,9 @@ import numpy as np
 
 from hmem import _io
 from hmem.formats import layout, manifest, records, shard_file, stamp
+from hmem.formats import sources as source_registry
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
+from hmem.formats.sources import SourcesInfo
 from hmem.store.search import SearchIndex
 from hmem.store.shard_builder import ShardBuilder
 from hmem.store.prepare import PreparedEntry
@@ -163,7 +166,7 @@ class Writer:
         new = state.n - state.committed_n
         next_id = state.next_id if exact_ids else state.id_limit
         if not new and not state.dirty and state.builder is None and state.shards == state.committed.shards \
-                and next_id == state.committed.next_entry_id:
+                and next_id == state.committed.next_entry_id and not state.imports.pending:
             return
         self.seal_open_shard()
         _io.crash_point("flush.shards_written")
@@ -173,6 +176,7 @@ class Writer:
             records.seal(fresh)
             _io.write_at(entries_path, state.committed_n * state.record_size, [fresh.tobytes()], create=True)
         _io.crash_point("flush.records_written")
+        sources_info = self._append_sources()
         dirty = np.array(sorted(state.dirty), dtype=np.int64)
         if len(dirty):
             touched = state.records[dirty]
@@ -188,9 +192,11 @@ class Writer:
             shards=[dataclasses.replace(info) for info in state.shards],
             next_entry_id=next_id,
             pending=Pending(record_updates=updates),
+            sources=sources_info,
         )
         adds_files = bool(new) or len(state.shards) > state.shards_committed
         self.commit(mf)
+        state.imports.flushed()
         if adds_files:
             # after the commit, never before: hmem/formats/stamp.py
             stamp.write(state.path, mf)
@@ -202,6 +208,18 @@ class Writer:
         _io.write_pieces(entries_path, records.update_pieces(updates, state.record_size))
         _io.crash_point("flush.updates_written")
         state.committed.pending = Pending()  # applied; the next commit need not repeat them
+
+    def _append_sources(self) -> SourcesInfo:
+        """Append the import registry's new records past its committed
+        length (over any tail a failed flush left); returns what the commit
+        will say of the file."""
+        state = self.state
+        info = state.committed.sources
+        if not state.imports.pending:
+            return info
+        data = source_registry.encode(state.imports.pending)
+        _io.write_at(state.path / source_registry.SOURCES_FILE, info.bytes, [data], create=True)
+        return source_registry.appended(info, data)
 
     def commit(self, mf: Manifest) -> None:
         """Write index.json: `mf` becomes the committed state."""

@@ -24,7 +24,9 @@ Other tensors in a file are ignored.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import hashlib
 import mmap
 import os
 import stat
@@ -37,6 +39,7 @@ import numpy as np
 from hmem import validation
 from hmem.errors import BadFileError, InvalidArgumentError, InvalidTensorError
 from hmem.formats import safetensors
+from hmem.formats.sources import ImportedSource
 from hmem.store import layouts
 from hmem.store.store import Entry, Store
 from hmem.transfer import kv_names
@@ -58,6 +61,8 @@ class FileResult:
     skipped: str | None = None  # why the file was skipped
     hint: str | None = None  # what to do about it, in library terms
     layouts: tuple[str, ...] = ()  # the layouts that fit, when the skip is an ambiguous layout (give one)
+    imported_before: ImportedSource | None = None  # not imported: the store holds this import of its content
+    sha256: str | None = None  # of the file's bytes (imported, already imported, or checked by a dry run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +82,10 @@ class ImportReport:
     @property
     def skipped(self) -> tuple[FileResult, ...]:
         return tuple(f for f in self.files if f.skipped is not None)
+
+    @property
+    def already_imported(self) -> tuple[FileResult, ...]:
+        return tuple(f for f in self.files if f.imported_before is not None)
 
     @property
     def bytes_read(self) -> int:
@@ -155,6 +164,10 @@ class _File:
         """The tensor as a float array (a view for F32/F16/F64, a float32 copy for BF16)."""
         raw, bf16 = self.raw(name)
         return layouts.matrix(raw.reshape(-1), bf16_words=True).reshape(raw.shape) if bf16 else raw
+
+    def data(self) -> Any:
+        """The file's bytes (memory-mapped)."""
+        return self._map
 
     def raw(self, name: str) -> tuple[np.ndarray, bool]:
         """The tensor as a view of the file, and whether it holds BF16 words
@@ -261,6 +274,7 @@ def import_files(
     dry_run: bool = False,
     progress: Callable[[FileResult], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    again: bool = False,
 ) -> ImportReport:
     """Put the entries of every file (files first checked whole, then stored
     with one batch put each); skip bad files with their reason (and a hint;
@@ -275,7 +289,13 @@ def import_files(
     a path that is the store or lies inside it raises InvalidArgumentError
     before anything is put.  `should_stop` is asked before each file; when
     it returns True the import ends there, every file before it done whole,
-    and the report lists the files not started (``not_started``)."""
+    and the report lists the files not started (``not_started``).
+
+    Each file imported is recorded in the store's import registry (its
+    SHA-256, size and name, committed with its entries), and a file whose
+    content the registry holds is not imported again (``imported_before``
+    says as what) unless `again`: re-running an import stores exactly what
+    is missing."""
     if layer is not None and (isinstance(layer, bool) or not 0 <= int(layer) <= 0xFFFFFFFF):
         raise InvalidArgumentError(f"layer must be between 0 and {0xFFFFFFFF}, got {layer}")
     if importance is not None:
@@ -286,25 +306,47 @@ def import_files(
         chunk_tokens = validation.integer(chunk_tokens, "chunk_tokens", low=1)
     embed_dim = store.config.embed_dim
     files = find_files(paths, store=store.path)
+    again = validation.flag(again, "again")
+    known_sizes = {s.bytes for s in store.imported_sources()} if not again else set()
     results: list[FileResult] = []
-    for i, path in enumerate(files):
-        if should_stop is not None and should_stop():
-            return ImportReport(tuple(results), dry_run, tuple(str(p) for p in files[i:]))
-        try:
-            f = _File(path)
-            entries = _entries(f, path.name, layer, importance, layout, chunk_tokens, embed_dim)
-            if dry_run:
-                result = FileResult(str(path), (), store.check_entries(entries), f.size)
-            else:
-                # The entries are made as put_many takes them; it checks them
-                # all before storing any, so the file still goes in whole or not at all.
-                ids = store.put_many(entries)
-                result = FileResult(str(path), tuple(ids), len(ids), f.size)
-        except (BadFileError, InvalidArgumentError) as exc:
-            size = path.stat().st_size if path.is_file() else 0
-            result = FileResult(str(path), (), 0, size, skipped=exc.message, hint=exc.hint,
-                                layouts=getattr(exc, "layouts", ()))
-        results.append(result)
-        if progress is not None:
-            progress(result)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hmem-hash") as hashing:
+        for i, path in enumerate(files):
+            if should_stop is not None and should_stop():
+                return ImportReport(tuple(results), dry_run, tuple(str(p) for p in files[i:]))
+            try:
+                result = _import_one(store, path, hashing, known_sizes, dry_run, layer, importance, layout,
+                                     chunk_tokens, embed_dim)
+            except (BadFileError, InvalidArgumentError) as exc:
+                size = path.stat().st_size if path.is_file() else 0
+                result = FileResult(str(path), (), 0, size, skipped=exc.message, hint=exc.hint,
+                                    layouts=getattr(exc, "layouts", ()))
+            results.append(result)
+            if progress is not None:
+                progress(result)
     return ImportReport(tuple(results), dry_run)
+
+
+def _import_one(store: Store, path: Path, hashing: concurrent.futures.Executor, known_sizes: set[int],
+                dry_run: bool, layer: int | None, importance: float | None, layout: str | None,
+                chunk_tokens: int | None, embed_dim: int) -> FileResult:
+    """One file: skipped when the store recorded its content as imported
+    (only a file of a size recorded can be: others are hashed while they
+    are imported), else put whole and recorded."""
+    f = _File(path)
+    digest = hashing.submit(_sha256, f.data())  # hashlib lets go of the GIL: it runs beside the put
+    if f.size in known_sizes:
+        before = store.find_source(digest.result(), f.size)
+        if before is not None:
+            return FileResult(str(path), (), 0, f.size, imported_before=before, sha256=before.sha256)
+    entries = _entries(f, path.name, layer, importance, layout, chunk_tokens, embed_dim)
+    if dry_run:
+        return FileResult(str(path), (), store.check_entries(entries), f.size, sha256=digest.result())
+    # The entries are made as put_many takes them; it checks them all before
+    # storing any, so the file still goes in whole or not at all.
+    ids = store.put_many(entries)
+    store.record_source(path.name, digest.result(), f.size, ids)  # committed with the entries
+    return FileResult(str(path), tuple(ids), len(ids), f.size, sha256=digest.result())
+
+
+def _sha256(data: Any) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,83 @@
+"""``hmem show``: one entry's metadata and a summary of its tensors."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+from rich.text import Text
+
+from hmem import EntryNotFoundError, Store, StoredKV
+from hmem.cli.entry_view import age, entry_json, not_found, utc_time
+from hmem.cli.entry_args import EntryIdArgument, store_and_ids
+from hmem.cli.options import JsonOption, QuietOption
+from hmem.cli.output import Output, human_bytes
+
+
+def show(
+    args: EntryIdArgument,
+    json_output: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Show one entry: its metadata (layer, tokens, importance, accesses,
+    eviction score, time put, shard, bytes, and the meta 'hmem put' recorded,
+    such as the source file and token range) and its keys and values: shape,
+    stored dtype, mean and largest row L2 norm, largest absolute value.
+
+    Only reads: takes no lock and counts no access. An id the store does
+    not hold exits with code 1.
+    """
+    out = Output(json_mode=json_output, quiet=quiet)
+    store, (entry_id,) = store_and_ids(args, one=True)
+    with Store.open(store, read_only=True) as s:
+        try:
+            stored = s.stored_kv(entry_id)
+            decoded = s.get(entry_id)
+        except EntryNotFoundError as exc:
+            raise not_found(exc, store) from None
+        tensors = {"keys": _summary(stored, "keys", decoded.keys), "values": _summary(stored, "values", decoded.values)}
+    info = stored.info
+    if json_output:
+        out.emit_json({"store": str(store), **entry_json(info), "meta": stored.meta,
+                       "storage_dtype": stored.storage_dtype, "tensors": tensors})
+        return
+    if quiet:
+        return
+    now = time.time_ns()
+    facts = out.table("", "value", show_header=False, title=f"entry {info.entry_id}")
+    facts.add_row("layer", str(info.layer_idx))
+    facts.add_row("tokens", str(info.n_tokens))
+    facts.add_row("importance", f"{info.importance:g}")
+    facts.add_row("accesses", str(info.access_count))
+    facts.add_row("score", f"{info.score:.4g} (eviction score)")
+    facts.add_row("put", f"{utc_time(info.created)} ({age(info.created, now)} ago)")
+    facts.add_row("shard", str(info.shard_idx))
+    facts.add_row("bytes", f"{human_bytes(info.bytes)} in its shard")
+    for key, value in (stored.meta or {}).items():
+        shown = value if isinstance(value, str) else json.dumps(value)
+        facts.add_row(Text(f"meta {key}"), Text(shown))  # as text: a file name's [brackets] are no markup
+    out.print(facts)
+    table = out.table("tensor", "shape", "stored as", ">mean row L2", ">max row L2", ">max |x|")
+    for name, t in tensors.items():
+        stored_as = t["dtype"] + (" + F32 row scales" if "scales" in t else "")
+        table.add_row(name, " x ".join(map(str, t["shape"])), stored_as, f"{t['mean_row_l2']:.4g}",
+                      f"{t['max_row_l2']:.4g}", f"{t['max_abs']:.4g}")
+    out.print(table)
+    if stored.dtype == "I8":
+        out.print("norms are of the rows read back (int8 x scale)")
+
+
+def _summary(stored: StoredKV, side: str, rows: np.ndarray) -> dict[str, Any]:
+    """Shape and dtype as stored; norms of the float32 rows read back."""
+    norms = np.linalg.norm(np.asarray(rows, dtype=np.float64), axis=1)
+    summary: dict[str, Any] = {"shape": list(getattr(stored, side).shape), "dtype": stored.dtype,
+                               "mean_row_l2": float(norms.mean()) if norms.size else 0.0,
+                               "max_row_l2": float(norms.max()) if norms.size else 0.0,
+                               "max_abs": float(np.abs(rows).max()) if rows.size else 0.0}
+    scales = stored.key_scales if side == "keys" else stored.value_scales
+    if scales is not None:
+        summary["scales"] = {"shape": list(scales.shape), "dtype": "F32", "min": float(scales.min()),
+                             "max": float(scales.max())}
+    return summary
