@@ -73,12 +73,10 @@ from hmem.store.caches import cache_tensors
 from hmem.store.layouts import LAYOUTS
 from hmem.store.store import Entry, Store, is_store
 from hmem.transfer.kv_export import EXPORT_LAYOUTS, check_export_path, export_entries, export_results, write_kv_file
+from hmem.transfer.importing import FileResult, ImportReport, import_files
 from hmem.transfer.kv_import import (
     BadFileError,
-    FileResult,
-    ImportReport,
     find_files as find_kv_files,
-    import_files,
     read_entries as read_kv_file,
     read_tensor as read_tensor_file,
 )

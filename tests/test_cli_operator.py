@@ -4,6 +4,7 @@ store's limits, skipped files on stderr, the store it wrote to)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -362,3 +363,57 @@ def test_rm_takes_the_store_from_hmem_store(rng):
     assert result.exit_code == 0, result.stderr
     with hmem.Store.open("s", read_only=True) as s:
         assert ids[2] not in s.entry_ids() and len(s.entry_ids()) == len(ids) - 1
+
+
+def test_a_refused_file_among_small_ones_put_together_is_skipped_alone(rng):
+    """Small files go in with one put; a file the put refuses (NaN) sends
+    them in one by one: the others are stored, in order, each whole."""
+    filled(rng, 0)
+    kv_file("a.safetensors", rng)
+    k = rows(rng)
+    k[1, 2] = np.nan
+    save_file({"keys": k, "values": rows(rng)}, "b_nan.safetensors")
+    kv_file("c.safetensors", rng)
+    with hmem.Store.open("s") as s:
+        report = hmem.import_files(s, ["a.safetensors", "b_nan.safetensors", "c.safetensors"], chunk_tokens=1)
+        assert [Path(f.path).name for f in report.files] == ["a.safetensors", "b_nan.safetensors", "c.safetensors"]
+        assert [f.entries for f in report.files] == [(1, 2, 3), (), (4, 5, 6)]
+        assert "NaN" in report.files[1].skipped
+        assert [x.name for x in s.imported_sources()] == ["a.safetensors", "c.safetensors"]
+
+
+def test_a_copy_within_one_import_is_imported_once(rng):
+    filled(rng, 0)
+    kv_file("a.safetensors", rng)
+    Path("b.safetensors").write_bytes(Path("a.safetensors").read_bytes())
+    with hmem.Store.open("s") as s:
+        report = hmem.import_files(s, ["a.safetensors", "b.safetensors"])
+        assert [len(f.entries) for f in report.files] == [1, 0]
+        assert report.files[1].imported_before.name == "a.safetensors"
+        report = hmem.import_files(s, ["a.safetensors", "b.safetensors"], again=True)
+        assert [len(f.entries) for f in report.files] == [1, 1]
+
+
+def test_a_large_file_is_hashed_beside_its_put_and_found_again(rng):
+    filled(rng, 0)
+    tokens = (4 << 20) // (2 * D * 4) + 1  # past 4 MiB: put alone, hashed on the second thread
+    save_file({"keys": rows(rng, tokens), "values": rows(rng, tokens)}, "big.safetensors")
+    doc = run_json("put", "s", "big.safetensors", "--chunk-tokens", "4096")
+    assert doc["entries_added"] == -(-tokens // 4096)
+    again = run_json("put", "s", "big.safetensors", "--chunk-tokens", "4096")
+    assert again["entries_added"] == 0
+    assert again["already_imported"][0]["sha256"] == hashlib.sha256(Path("big.safetensors").read_bytes()).hexdigest()
+
+
+def test_a_copy_of_a_refused_file_in_the_same_batch_is_refused_too(rng):
+    filled(rng, 0)
+    k = rows(rng)
+    k[0, 0] = np.inf
+    save_file({"keys": k, "values": rows(rng)}, "a_bad.safetensors")
+    Path("b_bad.safetensors").write_bytes(Path("a_bad.safetensors").read_bytes())
+    kv_file("c.safetensors", rng)
+    with hmem.Store.open("s") as s:
+        report = hmem.import_files(s, ["a_bad.safetensors", "b_bad.safetensors", "c.safetensors"])
+        assert [f.skipped is not None for f in report.files] == [True, True, False]
+        assert [Path(f.path).name for f in report.files] == ["a_bad.safetensors", "b_bad.safetensors", "c.safetensors"]
+        assert report.entries_added == 1 and [x.name for x in s.imported_sources()] == ["c.safetensors"]

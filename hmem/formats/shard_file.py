@@ -27,6 +27,7 @@ every name.
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import re
 from pathlib import Path
@@ -221,7 +222,7 @@ def scan_shard(path: Path, *, embed_dim: int, storage: str, index_crc: int | Non
                 continue
             dtype, shape = tensor_layout(kind, n_tokens, embed_dim, storage)
             start = index_start + offset
-            end = start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            end = start + math.prod(shape) * dtype.itemsize
             from_index[(entry_id, kind)] = (dtype, shape, start, end, int(row[7 + column]))
     if from_header:
         for key in from_header.keys() | from_index.keys():

@@ -75,8 +75,9 @@ class SourcesInfo:
 
 def encode(sources: list[ImportedSource]) -> bytes:
     """Lines to append, one JSON object each."""
-    return b"".join(json.dumps(dataclasses.asdict(s), separators=(",", ":"), ensure_ascii=True).encode() + b"\n"
-                    for s in sources)
+    return "".join(json.dumps({"sha256": s.sha256, "bytes": s.bytes, "name": s.name, "first_id": s.first_id,
+                                "entries": s.entries, "imported": s.imported}, separators=(",", ":"),
+                               ensure_ascii=True) + "\n" for s in sources).encode()
 
 
 def appended(info: SourcesInfo, data: bytes) -> SourcesInfo:

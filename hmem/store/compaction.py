@@ -4,6 +4,7 @@ itself is hmem/store/rewrite.py, shared with repair."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -136,7 +137,7 @@ class Compaction:
             for kind in kinds:
                 dtype, shape = shard_file.tensor_layout(kind, int(row["n_tokens"]), state.config.embed_dim,
                                                         state.config.storage_dtype)
-                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                nbytes = math.prod(shape) * dtype.itemsize
                 crc = reader.crc(entry_id, kind)
                 where = reader.file_range(entry_id, kind, nbytes)
                 found[kind] = (dtype, shape, where._replace(check=_crc_check(crc, f"{kind}_{entry_id}", where)), crc)

@@ -52,7 +52,7 @@ class ImportRegistry:
         size = validation.integer(size, "size", low=0, high=2**63 - 1)
         record = ImportedSource(sha256, size, name, ids[0] if ids else 0, len(ids),
                                 time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        self.pending = [*self.pending, record]
+        self.pending.append(record)
         if self._by_content is not None:
             self._by_content[(sha256, size)] = record
         return record

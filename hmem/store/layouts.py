@@ -19,6 +19,7 @@ caches cut requests (the last chunk may be shorter).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -71,7 +72,7 @@ def matrix(view: np.ndarray, *, bf16_words: bool = False) -> np.ndarray:
     `bf16_words`, the view holds bfloat16 bit patterns (uint16), which
     become float32 exactly (a bfloat16 is the top half of a float32).
     Arrays of other dtypes than floats keep theirs."""
-    width = int(np.prod(view.shape[1:], dtype=np.int64))
+    width = math.prod(view.shape[1:])
     if not bf16_words and (view.dtype == np.float32 or view.dtype.kind != "f"):
         # float32 already, or not floats (kept as they are, for the put to refuse by dtype)
         return np.ascontiguousarray(view).reshape(view.shape[0], width)

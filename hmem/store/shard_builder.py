@@ -4,6 +4,7 @@ hmem/formats/shard_file.py and docs/format.md)."""
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ class Arena:
 
     def view(self, where: tuple[int, int], dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         seg, offset = where
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         return self._segments[seg][offset : offset + count * dtype.itemsize].view(dtype).reshape(shape)
 
     def data(self) -> list[memoryview]:

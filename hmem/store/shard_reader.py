@@ -5,6 +5,7 @@ hmem/formats/shard_file.py and docs/format.md)."""
 from __future__ import annotations
 
 import collections
+import math
 import mmap
 import os
 import struct
@@ -117,7 +118,7 @@ class ShardReader:
     def tensor(self, entry_id: int, kind: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """A read-only view of one tensor in the memory map (no copy)."""
         start, _ = self._locate(entry_id, kind)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         begin = self.data_start + start
         if start < 0 or begin + nbytes > self.size:
             raise self._bad(f"tensor {kind}_{entry_id} lies outside the file")

@@ -1,6 +1,7 @@
-"""K/V safetensors files into a store: the batch import that `hmem put`
-runs (docs/cli.md, "Naming conventions and layouts").  The export of query
-results is hmem/transfer/kv_export.py.
+"""Reading K/V safetensors files into entries: what `hmem put` imports
+(docs/cli.md, "Naming conventions and layouts").  The import itself (files
+put, skipped, or found already imported) is hmem/transfer/importing.py;
+the export of entries is hmem/transfer/kv_export.py.
 
 Which tensors pair up as keys and values, their layer and their layout
 come from the naming conventions (hmem/transfer/kv_names.py, names matched
@@ -16,17 +17,13 @@ else ``__metadata__["layer"]``, else 0.  Importance: the caller's, else
 ``__metadata__["importance"]``, else 1.0.  F32, F16, BF16 and F64 are read
 and stored as the store's dtype (F16 and BF16 bit-exact in f16/bf16 stores).
 
-A file that cannot be read, holds no K/V pair, holds a tensor that is not
-float, or whose entries the store refuses (shape, NaN/Inf) is skipped
-whole, with the reason: a file's entries go in together or not at all.
-Other tensors in a file are ignored.
+A file that cannot be read, holds no K/V pair or holds a tensor that is
+not float raises BadFileError naming why.  Other tensors in a file are
+ignored.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
-import hashlib
 import mmap
 import os
 import stat
@@ -36,60 +33,20 @@ from typing import Any
 
 import numpy as np
 
-from hmem import validation
 from hmem.errors import BadFileError, InvalidArgumentError, InvalidTensorError
 from hmem.formats import safetensors
-from hmem.formats.sources import ImportedSource
 from hmem.store import layouts
-from hmem.store.store import Entry, Store
+from hmem.store.store import Entry
 from hmem.transfer import kv_names
 
-__all__ = ["BadFileError", "FileResult", "ImportReport", "find_files", "import_files", "read_entries", "read_tensor"]
+__all__ = ["BadFileError", "KvFile", "entries_of", "find_files", "read_entries", "read_tensor"]
 
 SUFFIX = ".safetensors"
 
+_READ_WHOLE_BYTES = 1 << 20  # files up to this size are read, larger ones mapped
+
 # K/V tensors may be stored as these; BF16 is widened to float32 on reading.
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
-
-
-@dataclasses.dataclass(frozen=True)
-class FileResult:
-    path: str
-    entries: tuple[int, ...] = ()  # ids stored (empty on a dry run or a skip)
-    planned: int = 0  # entries found in the file
-    bytes: int = 0  # file size
-    skipped: str | None = None  # why the file was skipped
-    hint: str | None = None  # what to do about it, in library terms
-    layouts: tuple[str, ...] = ()  # the layouts that fit, when the skip is an ambiguous layout (give one)
-    imported_before: ImportedSource | None = None  # not imported: the store holds this import of its content
-    sha256: str | None = None  # of the file's bytes (imported, already imported, or checked by a dry run)
-
-
-@dataclasses.dataclass(frozen=True)
-class ImportReport:
-    files: tuple[FileResult, ...]  # the files done (imported or skipped), in order
-    dry_run: bool
-    not_started: tuple[str, ...] = ()  # the files left when `should_stop` stopped the import
-
-    @property
-    def entries_added(self) -> int:
-        return sum(len(f.entries) for f in self.files)
-
-    @property
-    def entries_found(self) -> int:
-        return sum(f.planned for f in self.files if f.skipped is None)
-
-    @property
-    def skipped(self) -> tuple[FileResult, ...]:
-        return tuple(f for f in self.files if f.skipped is not None)
-
-    @property
-    def already_imported(self) -> tuple[FileResult, ...]:
-        return tuple(f for f in self.files if f.imported_before is not None)
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(f.bytes for f in self.files)
 
 
 def find_files(paths: Iterable[str | Path], *, store: str | os.PathLike | None = None) -> list[Path]:
@@ -109,7 +66,14 @@ def find_files(paths: Iterable[str | Path], *, store: str | os.PathLike | None =
             _refuse_inside(path, root)
         if path.is_dir():
             found = sorted(p for p in path.rglob(f"*{SUFFIX}") if p.is_file())
-            out.extend(found if root is None else [p for p in found if not _inside(p.resolve(), root)])
+            if root is not None:
+                # The search enters no linked directory, so a file leads into the
+                # store only when the store lies below this directory or the file
+                # is a link: only those are resolved (each resolve costs a stat
+                # per path component, which adds up over thousands of files).
+                holds_store = _inside(root, path.resolve())
+                found = [p for p in found if not ((holds_store or p.is_symlink()) and _inside(p.resolve(), root))]
+            out.extend(found)
         else:
             out.append(path)
     return out
@@ -135,8 +99,9 @@ def _refuse_inside(path: Path, root: Path) -> None:
 # ---- reading one file ----------------------------------------------------------------
 
 
-class _File:
-    """A safetensors file, memory-mapped, with its header checked."""
+class KvFile:
+    """A safetensors file, memory-mapped (read whole when small), with its
+    header checked."""
 
     def __init__(self, path: Path) -> None:
         try:
@@ -144,7 +109,11 @@ class _File:
                 raise BadFileError("not a regular file")
             with open(path, "rb") as f:
                 size = f.seek(0, 2)
-                self._map = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
+                if size > _READ_WHOLE_BYTES:
+                    self._map: Any = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+                else:  # a small file: one read costs less than mapping it
+                    f.seek(0)
+                    self._map = f.read(size)
         except FileNotFoundError:
             raise BadFileError("no such file") from None
         except PermissionError:
@@ -183,7 +152,7 @@ class _File:
 
 def read_tensor(path: Path, names: tuple[str, ...]) -> np.ndarray:
     """The first tensor of `names` a file holds, or its only tensor."""
-    f = _File(path)
+    f = KvFile(path)
     for name in names:
         if name in f.tensors:
             return f.array(name)
@@ -209,11 +178,11 @@ def read_entries(path: Path, *, layer: int | None = None, importance: float | No
     `embed_dim` (the store's) tells per-head layouts apart when neither
     `layout` nor the naming convention says; `chunk_tokens` cuts each
     sequence into entries of that many tokens."""
-    f = _File(path)
-    return list(_entries(f, Path(path).name, layer, importance, layout, chunk_tokens, embed_dim)), f.size
+    f = KvFile(path)
+    return list(entries_of(f, Path(path).name, layer, importance, layout, chunk_tokens, embed_dim)), f.size
 
 
-def _entries(f: _File, source: str, layer: int | None, importance: float | None, layout: str | None,
+def entries_of(f: KvFile, source: str, layer: int | None, importance: float | None, layout: str | None,
              chunk_tokens: int | None, embed_dim: int | None) -> Iterator[Entry]:
     """A file's entries one by one, each chunk's rows made when it is reached
     (transposed and widened in one pass): a put of a large file never holds
@@ -258,95 +227,3 @@ def _cut(keys: np.ndarray, values: np.ndarray, bf16: bool, layer: int, importanc
             meta["batch"] = batch
         yield Entry(layouts.matrix(ck.view, bf16_words=bf16), layouts.matrix(cv.view, bf16_words=bf16),
                     layer, importance, meta)
-
-
-# ---- the import -------------------------------------------------------------------------
-
-
-def import_files(
-    store: Store,
-    paths: Iterable[str | Path],
-    *,
-    layer: int | None = None,
-    importance: float | None = None,
-    layout: str | None = None,
-    chunk_tokens: int | None = None,
-    dry_run: bool = False,
-    progress: Callable[[FileResult], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    again: bool = False,
-) -> ImportReport:
-    """Put the entries of every file (files first checked whole, then stored
-    with one batch put each); skip bad files with their reason (and a hint;
-    `layouts` when the file's layout is ambiguous).  `layout` (one of
-    hmem.LAYOUTS) says how every per-head tensor is laid out; `chunk_tokens`
-    stores each sequence as entries of that many tokens.  With
-    `dry_run`, everything is read and checked and nothing is written (the
-    store may be read-only).  `progress` is called after each file.  The
-    caller flushes (or closes) the store.
-
-    The store's own files are never imported (``find_files`` with `store`):
-    a path that is the store or lies inside it raises InvalidArgumentError
-    before anything is put.  `should_stop` is asked before each file; when
-    it returns True the import ends there, every file before it done whole,
-    and the report lists the files not started (``not_started``).
-
-    Each file imported is recorded in the store's import registry (its
-    SHA-256, size and name, committed with its entries), and a file whose
-    content the registry holds is not imported again (``imported_before``
-    says as what) unless `again`: re-running an import stores exactly what
-    is missing."""
-    if layer is not None and (isinstance(layer, bool) or not 0 <= int(layer) <= 0xFFFFFFFF):
-        raise InvalidArgumentError(f"layer must be between 0 and {0xFFFFFFFF}, got {layer}")
-    if importance is not None:
-        importance = validation.importance(importance)
-    if layout is not None:
-        layout = validation.choice(layout, "layout", layouts.LAYOUTS)
-    if chunk_tokens is not None:
-        chunk_tokens = validation.integer(chunk_tokens, "chunk_tokens", low=1)
-    embed_dim = store.config.embed_dim
-    files = find_files(paths, store=store.path)
-    again = validation.flag(again, "again")
-    known_sizes = {s.bytes for s in store.imported_sources()} if not again else set()
-    results: list[FileResult] = []
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hmem-hash") as hashing:
-        for i, path in enumerate(files):
-            if should_stop is not None and should_stop():
-                return ImportReport(tuple(results), dry_run, tuple(str(p) for p in files[i:]))
-            try:
-                result = _import_one(store, path, hashing, known_sizes, dry_run, layer, importance, layout,
-                                     chunk_tokens, embed_dim)
-            except (BadFileError, InvalidArgumentError) as exc:
-                size = path.stat().st_size if path.is_file() else 0
-                result = FileResult(str(path), (), 0, size, skipped=exc.message, hint=exc.hint,
-                                    layouts=getattr(exc, "layouts", ()))
-            results.append(result)
-            if progress is not None:
-                progress(result)
-    return ImportReport(tuple(results), dry_run)
-
-
-def _import_one(store: Store, path: Path, hashing: concurrent.futures.Executor, known_sizes: set[int],
-                dry_run: bool, layer: int | None, importance: float | None, layout: str | None,
-                chunk_tokens: int | None, embed_dim: int) -> FileResult:
-    """One file: skipped when the store recorded its content as imported
-    (only a file of a size recorded can be: others are hashed while they
-    are imported), else put whole and recorded."""
-    f = _File(path)
-    digest = hashing.submit(_sha256, f.data())  # hashlib lets go of the GIL: it runs beside the put
-    if f.size in known_sizes:
-        before = store.find_source(digest.result(), f.size)
-        if before is not None:
-            return FileResult(str(path), (), 0, f.size, imported_before=before, sha256=before.sha256)
-    entries = _entries(f, path.name, layer, importance, layout, chunk_tokens, embed_dim)
-    if dry_run:
-        return FileResult(str(path), (), store.check_entries(entries), f.size, sha256=digest.result())
-    # The entries are made as put_many takes them; it checks them all before
-    # storing any, so the file still goes in whole or not at all.
-    ids = store.put_many(entries)
-    store.record_source(path.name, digest.result(), f.size, ids)  # committed with the entries
-    return FileResult(str(path), tuple(ids), len(ids), f.size, sha256=digest.result())
-
-
-def _sha256(data: Any) -> str:
-    return hashlib.sha256(data).hexdigest()
