@@ -43,7 +43,7 @@ __all__ = ["BadFileError", "KvFile", "entries_of", "find_files", "read_entries",
 
 SUFFIX = ".safetensors"
 
-_READ_WHOLE_BYTES = 1 << 20  # files up to this size are read, larger ones mapped
+_READ_WHOLE_BYTES = 64 << 10  # files up to this size are read, larger ones mapped
 
 # K/V tensors may be stored as these; BF16 is widened to float32 on reading.
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
