@@ -12,6 +12,7 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
@@ -19,7 +20,10 @@ from safetensors.numpy import load_file, save_file
 D = 32
 
 
-def test_init_put_query_evict_compact_stats(tmp_path):
+def _runner(tmp_path) -> tuple[dict, Callable[..., subprocess.CompletedProcess]]:
+    """The environment of the runs (a test may change it between them) and
+    `hmem(*args, code=0)`: one run of `python -m hmem` in tmp_path, its exit
+    code checked, with no colour and no traceback."""
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "HMEM_STORE", "HMEM_DEBUG")}
     env.update(NO_COLOR="1", COLUMNS="120")
 
@@ -30,6 +34,12 @@ def test_init_put_query_evict_compact_stats(tmp_path):
         assert "\x1b[" not in proc.stdout + proc.stderr
         assert "Traceback" not in proc.stderr
         return proc
+
+    return env, hmem
+
+
+def test_init_put_query_evict_compact_stats(tmp_path):
+    env, hmem = _runner(tmp_path)
 
     def hmem_json(*args, code: int = 0) -> dict:
         return json.loads(hmem(*args, "--json", code=code).stdout)
@@ -120,15 +130,7 @@ def test_a_cron_import_day(tmp_path):
     everything stored), an operator lists, removes two entries, compacts,
     lists again and exports a remaining entry, which comes back bit-exact
     (bf16: the stored words themselves)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "HMEM_STORE", "HMEM_DEBUG")}
-    env.update(NO_COLOR="1", COLUMNS="120")
-
-    def hmem(*args, code: int = 0) -> subprocess.CompletedProcess:
-        proc = subprocess.run([sys.executable, "-m", "hmem", *map(str, args)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode == code, (args, proc.returncode, proc.stdout, proc.stderr)
-        assert "Traceback" not in proc.stderr
-        return proc
+    _, hmem = _runner(tmp_path)
 
     rng = np.random.default_rng(11)
     dumps = tmp_path / "dumps"
