@@ -30,6 +30,7 @@ from hmem.errors import (
     UnsupportedFormatError,
 )
 from hmem.prefix_hit.explain import GroupHit, PrefixHitReport, explain_prefix_hit
+from hmem.prefix_hit.grouped import fold_grouped, fold_unfold_grouped, unfold_grouped
 from hmem.prefix_hit.operators import (
     FULL_ATTENTION_WINDOW,
     Layout,
@@ -160,6 +161,9 @@ __all__ = [
     "fold",
     "fold_unfold",
     "fold_unfold_ranked",
+    "fold_grouped",
+    "fold_unfold_grouped",
+    "unfold_grouped",
     "group_rows",
     "highest_set_bit",
     "merge_bitmaps",

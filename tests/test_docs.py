@@ -23,6 +23,15 @@ def test_readme_python_examples_run():
         exec(compile(block, "README.md", "exec"), {})
 
 
+def test_prefix_hit_doc_examples_run():
+    # the examples build on each other, as a reader types them one after another
+    blocks = _python_blocks((ROOT / "docs" / "prefix-hit.md").read_text())
+    assert len(blocks) >= 3
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/prefix-hit.md", "exec"), namespace)
+
+
 def test_every_command_has_help_and_a_section_in_cli_md():
     cli_md = (ROOT / "docs" / "cli.md").read_text()
     command = typer.main.get_command(app)

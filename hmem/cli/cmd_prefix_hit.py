@@ -10,7 +10,15 @@ import typer
 from hmem import InvalidArgumentError, Layout, explain_prefix_hit
 from hmem.cli.options import JsonOption
 from hmem.cli.output import Output
-from hmem.cli.prefix_hit_input import check_size, parse_windows, presence_from_groups, raw_presence
+from hmem.cli.prefix_hit_input import (
+    check_size,
+    parse_windows,
+    presence_from_groups,
+    raw_presence,
+    row_windows,
+    rows_from_file,
+    rows_from_specs,
+)
 from hmem.cli.prefix_hit_view import PICTURE_MAX_CHUNKS, json_document, show
 
 
@@ -41,10 +49,30 @@ def prefix_hit(
         Path | None,
         typer.Option("--bitmap-file", help="The whole presence map as a file of raw bitmap bytes ('-' reads stdin)."),
     ] = None,
+    row: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--row",
+            help="Chunks one (group, rank) row holds, such as '0-11,14'; one --row per row, group by "
+            "group: R rows for each window with --ranks R.",
+        ),
+    ] = None,
+    rows_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--rows-file",
+            help="The rows as raw bitmap bytes, ceil(C/8) bytes per row, back to back in --row's order "
+            "('-' reads stdin).",
+        ),
+    ] = None,
     layout: Annotated[
-        Layout,
-        typer.Option("--layout", help="Bit order of --hex / --bitmap-file and of the retain mask in --json."),
-    ] = Layout.GROUP_MAJOR,
+        Layout | None,
+        typer.Option(
+            "--layout",
+            help="Bit order of --hex / --bitmap-file and of the retain mask in --json "
+            "(default: group-major). Rows have none.",
+        ),
+    ] = None,
     chunk_size: Annotated[
         int | None, typer.Option("--chunk-size", min=1, help="Tokens per chunk, to show the hit in tokens.")
     ] = None,
@@ -56,24 +84,39 @@ def prefix_hit(
 ) -> None:
     """Compute the prefix-cache hit of a hybrid model and show which group limits it.
 
-    Give the presence either per group (--group, once per window) or as raw
-    bitmap bytes (--hex or --bitmap-file) in either --layout.
+    Give the presence as a flat map, per group (--group, once per window) or
+    as raw bitmap bytes (--hex or --bitmap-file) in either --layout, or as
+    rows, one per (group, rank) (--row or --rows-file).
     """
     out = Output(json_mode=json_output)
     window_list = parse_windows(windows)
-    sources = sum(x is not None and x != [] for x in (group, hex_bitmap, bitmap_file))
+    sources = sum(x is not None and x != [] for x in (group, hex_bitmap, bitmap_file, row, rows_file))
     if sources != 1:
         raise InvalidArgumentError(
-            "give the presence exactly one way: --group per window, --hex, or --bitmap-file"
+            "give the presence exactly one way: --group per window, --hex, --bitmap-file, "
+            "--row per (group, rank), or --rows-file"
         )
     nbits = check_size(chunks, ranks, window_list)  # before anything of that size is allocated
-    if group:
-        found = presence_from_groups(group, chunks, ranks, window_list, layout)
+    if row or rows_file is not None:
+        if layout is not None:
+            raise InvalidArgumentError(
+                "--layout orders the bits of a flat map (--hex, --bitmap-file, --group); "
+                "rows (--row, --rows-file) have no layout: leave it out"
+            )
+        per_row = row_windows(window_list, ranks)
+        rows = (rows_from_specs(row, chunks, ranks, window_list) if row
+                else rows_from_file(rows_file, chunks, ranks, window_list))  # type: ignore[arg-type]
+        report = explain_prefix_hit(rows, windows=per_row)
+        found = None
     else:
-        what = f"{len(window_list)} groups x {chunks} chunks x {ranks} ranks = {nbits} bits"
-        found = raw_presence(hex_bitmap, bitmap_file, nbits, what)
-    report = explain_prefix_hit(found, chunks, ranks, window_list, layout)
+        layout = layout or Layout.GROUP_MAJOR
+        if group:
+            found = presence_from_groups(group, chunks, ranks, window_list, layout)
+        else:
+            what = f"{len(window_list)} groups x {chunks} chunks x {ranks} ranks = {nbits} bits"
+            found = raw_presence(hex_bitmap, bitmap_file, nbits, what)
+        report = explain_prefix_hit(found, chunks, ranks, window_list, layout)
     if json_output:
-        out.emit_json(json_document(report, chunk_size))
+        out.emit_json(json_document(report, chunk_size, ranks))
     else:
-        show(out, report, found, chunk_size, picture)
+        show(out, report, found, chunk_size, picture, ranks)

@@ -1,5 +1,6 @@
-"""What ``hmem prefix-hit`` reads: the windows, and the presence map given
-per group (--group) or as raw bitmap bytes (--hex, --bitmap-file)."""
+"""What ``hmem prefix-hit`` reads: the windows, and the presence given as a
+flat map, per group (--group) or as raw bitmap bytes (--hex, --bitmap-file),
+or as rows, one per (group, rank) (--row, --rows-file)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,60 @@ def _hex_bytes(hex_text: str, need: int, what: str) -> bytes:
         raise InvalidArgumentError(f"--hex holds {len(cleaned)} hex digits but {what} need exactly "
                                    f"{need} bytes ({2 * need} hex digits)")
     return bytes.fromhex(cleaned)
+
+
+# Rows are Python objects, one per (group, rank): past this many a request
+# is not a model's (models have hundreds of rows at most).
+MAX_ROWS = 2**20
+
+
+def row_windows(windows: list[int], ranks: int) -> list[int]:
+    """The window of each row: rows come group by group, `ranks` per group;
+    a usage error past MAX_ROWS rows, before any row is made."""
+    if len(windows) * ranks > MAX_ROWS:
+        raise InvalidArgumentError(
+            f"{len(windows)} windows x {ranks} ranks = {len(windows) * ranks} rows: more than prefix-hit "
+            f"takes as rows (at most 2^20 = {MAX_ROWS})", hint="check --ranks")
+    return [w for w in windows for _ in range(ranks)]
+
+
+def rows_from_specs(specs: list[str], chunks: int, ranks: int, windows: list[int]) -> list[Bitmap]:
+    """One Bitmap per --row, in the order given."""
+    need = len(windows) * ranks
+    if len(specs) != need:
+        per = "one per window" if ranks == 1 else f"{ranks} per window (one per rank), group by group"
+        raise InvalidArgumentError(
+            f"{len(specs)} --row option(s) for {len(windows)} windows x {ranks} rank(s): give {need} --row, {per}"
+        )
+    return [parse_chunks(spec, chunks) for spec in specs]
+
+
+def rows_from_file(path: Path, chunks: int, ranks: int, windows: list[int]) -> list[Bitmap]:
+    """Rows of raw bitmap bytes back to back, ceil(C / 8) bytes each."""
+    try:
+        data = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
+    except OSError as exc:
+        raise InvalidArgumentError(f"--rows-file {path}: {exc.strerror}") from None
+    source = f"--rows-file {path}"
+    width = (chunks + 7) // 8
+    count = len(windows) * ranks
+    if len(data) != count * width:
+        raise InvalidArgumentError(
+            f"{source} holds {len(data)} bytes but {len(windows)} windows x {ranks} rank(s) = {count} rows "
+            f"of {chunks} chunks ({width} bytes each) need exactly {count * width}"
+        )
+    rows = []
+    for i in range(count):
+        raw = data[i * width : (i + 1) * width]
+        spare = raw[-1] >> (chunks % 8) if chunks % 8 else 0
+        if spare:  # a row for a longer request, not padding
+            first = chunks + (spare & -spare).bit_length() - 1
+            raise InvalidArgumentError(
+                f"{source}: row {i} sets bit {first}, past its {chunks} chunks: the bits after bit "
+                f"{chunks - 1} of each row must be 0"
+            )
+        rows.append(Bitmap.from_bytes(raw, chunks))
+    return rows
 
 
 def raw_presence(hex_text: str | None, path: Path | None, nbits: int, what: str) -> Bitmap:

@@ -8,13 +8,18 @@ A presence map of G groups, C chunks and R kv-rank shards has N = G*C*R bits:
 - group-major: bit g*C*R + j*R + r
 - chunk-major: bit j*G*R + g*R + r
 
-Callers (hmem.kernels) validate every argument; these functions trust sizes.
+The grouped form takes one C-bit row per (group, rank) instead, each its own
+buffer, read and written in place (fold_rows_into, unfold_rows_into).
+
+Callers (hmem.kernels) validate every argument; these functions trust sizes,
+except that a row buffer shorter than its C bits is refused.
 Every function here has a same-named twin in hmem._reference.bitops.
 """
 
 from libc.stdint cimport uint8_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 
 cdef extern from "bitops.h" nogil:
     size_t hm_next_bit(const uint8_t *buf, size_t nbytes, size_t start, size_t end, int want)
@@ -249,3 +254,99 @@ def unfold_into(Py_ssize_t hit, Py_ssize_t C, Py_ssize_t R, windows,
     finally:
         free(w)
         free(lo)
+
+
+# ---- grouped form: one buffer per (group, rank) row -------------------------
+
+cdef size_t _fold_rows(const uint8_t **rows, size_t nbytes, size_t C,
+                       const long long *w, size_t n, uint8_t *out) noexcept nogil:
+    # The group-major fold with one rank per row and each row in its own
+    # buffer: full-attention rows bound the servable lengths by their first
+    # absent chunk K, then each window row clears what its runs of present
+    # chunks cannot serve below K (see _fold_group_major).
+    cdef size_t i, p, q, first, covered
+    cdef size_t K = C
+    for i in range(n):
+        if w[i] <= 0:
+            p = hm_next_bit(rows[i], nbytes, 0, K, 0)
+            if p < K:
+                K = p
+    hm_set_range(out, 0, K)
+    for i in range(n):
+        if w[i] > 0:
+            p = 0
+            covered = 0
+            while p < K:
+                p = hm_next_bit(rows[i], nbytes, p, K, 1)
+                if p >= K:
+                    break
+                q = hm_next_bit(rows[i], nbytes, p, K, 0)
+                first = 0 if p == 0 else p + <size_t>w[i] - 1
+                if first < q:
+                    hm_clear_range(out, covered, first)
+                    covered = q
+                p = q
+            hm_clear_range(out, covered, K)
+    return K
+
+
+cdef class _RowBuffers:
+    """The packed bytes of n row objects, held through the buffer protocol
+    (so no row can be resized or freed while a kernel reads or writes it)."""
+
+    cdef Py_buffer *views
+    cdef uint8_t **ptrs
+    cdef Py_ssize_t held
+
+    def __cinit__(self, rows, Py_ssize_t nbytes, bint writable):
+        cdef Py_ssize_t i, n = len(rows)
+        cdef int flags = PyBUF_WRITABLE if writable else PyBUF_SIMPLE
+        self.held = 0
+        self.views = <Py_buffer *>malloc(max(n, 1) * sizeof(Py_buffer))
+        self.ptrs = <uint8_t **>malloc(max(n, 1) * sizeof(uint8_t *))
+        if self.views == NULL or self.ptrs == NULL:
+            raise MemoryError()
+        for i in range(n):
+            PyObject_GetBuffer(rows[i], &self.views[i], flags)
+            self.held += 1
+            if self.views[i].len < nbytes:
+                raise ValueError(f"row {i} holds {self.views[i].len} bytes, fewer than the {nbytes} its bits need")
+            self.ptrs[i] = <uint8_t *>self.views[i].buf
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        for i in range(self.held):
+            PyBuffer_Release(&self.views[i])
+        free(self.views)
+        free(self.ptrs)
+
+
+def fold_rows_into(rows, Py_ssize_t C, windows, unsigned char[::1] out):
+    """Write the C-bit servable map of `rows` (row i: C bits under
+    windows[i]) into the zeroed `out`."""
+    cdef size_t n = len(rows)
+    cdef size_t nbytes = <size_t>((C + 7) >> 3)
+    cdef _RowBuffers held = _RowBuffers(rows, nbytes, False)
+    cdef long long *w = _windows_array(windows)
+    cdef uint8_t *dst = _wptr(out)
+    try:
+        with nogil:
+            _fold_rows(<const uint8_t **>held.ptrs, nbytes, C, w, n, dst)
+    finally:
+        free(w)
+
+
+def unfold_rows_into(Py_ssize_t hit, Py_ssize_t C, windows, outs):
+    """Set chunks [lo, hit) of each zeroed C-bit row outs[i], lo = 0 under
+    full attention and max(0, hit - w) under a window w; `hit` is already
+    clamped to C."""
+    cdef size_t i, lo, n = len(outs)
+    cdef _RowBuffers held = _RowBuffers(outs, <Py_ssize_t>((C + 7) >> 3), True)
+    cdef long long *w = _windows_array(windows)
+    try:
+        with nogil:
+            for i in range(n):
+                lo = 0 if w[i] <= 0 or w[i] >= hit else <size_t>(hit - w[i])
+                hm_set_range(held.ptrs[i], lo, <size_t>hit)
+    finally:
+        free(w)

@@ -101,3 +101,27 @@ def unfold_into(hit: int, C: int, R: int, windows: Sequence[int], chunk_major: b
         for j in range(lo, hit):
             for r in range(R):
                 _put(out, _cell_index(g, j, r, C, R, G, chunk_major), 1)
+
+
+def fold_rows_into(rows, C: int, windows: Sequence[int], out: bytearray) -> None:
+    """The grouped fold: row i holds C bits (chunk j present or not) under
+    windows[i].  Bit j of `out` = every row can serve a prefix of length
+    j + 1: the last min(w, j + 1) chunks before it are present (all j + 1
+    under full attention, w <= 0)."""
+    for j in range(C):
+        length = j + 1
+        servable = True
+        for row, w in zip(rows, windows):
+            lo = 0 if w <= 0 else max(0, length - w)
+            if not all(_get(row, k) for k in range(lo, length)):
+                servable = False
+        if servable:
+            _put(out, j, 1)
+
+
+def unfold_rows_into(hit: int, C: int, windows: Sequence[int], outs) -> None:
+    """Set chunks [lo, hit) of every row outs[i] under windows[i]."""
+    for out, w in zip(outs, windows):
+        lo = 0 if w <= 0 else max(0, hit - w)
+        for j in range(lo, hit):
+            _put(out, j, 1)
