@@ -101,7 +101,8 @@ def test_native_kernels_are_the_default():
     if os.environ.get(kernels.KERNELS_ENV, "native").strip().lower() not in ("", "native"):
         pytest.skip("HMEM_KERNELS is set to something else for this run")
     assert kernels.KERNEL_SET == "native"
-    for name in ("popcount", "highest_set_bit", "next_bit", "set_range", "clear_range", "fold_into", "unfold_into"):
+    for name in ("popcount", "highest_set_bit", "next_bit", "set_range", "clear_range", "fold_into", "unfold_into",
+                 "fold_rows_into", "unfold_rows_into"):
         assert getattr(kernels.bitops, name) is getattr(_bitops, name)
     assert "kernels: native" in kernels.describe()
 
@@ -380,3 +381,138 @@ def test_fold_into_matches_reference_on_large_shapes(case):
     assert _fold_native(found, C, R, windows, chunk_major, spare=0) == _fold_reference(
         found, C, R, windows, chunk_major
     )
+
+
+# ---- grouped fold / unfold: one buffer per row --------------------------------------------
+
+
+def _row_buffer(bits, pad_garbage: int = 0, extra: bytes = b"") -> bytearray:
+    """Packed bits, garbage in the unused bits of the last byte, then `extra` bytes."""
+    n = len(bits)
+    buf = bytearray(nbytes(n))
+    for i, b in enumerate(bits):
+        if b:
+            buf[i >> 3] |= 1 << (i & 7)
+    if n % 8:
+        buf[-1] |= pad_garbage & ~((1 << (n % 8)) - 1) & 0xFF
+    return buf + extra
+
+
+def _fold_via(call, C: int) -> bytes:
+    """call(out) with a zeroed output of C bits and 3 spare bytes; the output's bytes."""
+    out = bytearray(nbytes(C) + 3)
+    call(out)
+    return bytes(out)
+
+
+@st.composite
+def row_cases(draw, max_chunks: int = 200):
+    """(C, windows, rows): 1-6 row buffers of C bits (random, holes, long runs or
+    all present), each with garbage past its C bits that the kernels must not read."""
+    C = draw(st.one_of(st.integers(0, 70), st.integers(0, max_chunks)))
+    n = draw(st.integers(1, 6))
+    windows = draw(st.lists(WINDOWS, min_size=n, max_size=n))
+    rows = []
+    for _ in range(n):
+        mode = draw(st.sampled_from(["random", "holes", "runs", "ones"]))
+        if mode == "random":
+            bits = draw(st.lists(st.booleans(), min_size=C, max_size=C))
+        elif mode == "holes":
+            holes = set(draw(st.lists(st.integers(0, max(0, C - 1)), max_size=4))) if C else set()
+            bits = [j not in holes for j in range(C)]
+        elif mode == "runs":
+            bits, value = [], draw(st.booleans())
+            while len(bits) < C:
+                run = draw(st.integers(1, max(1, C)))
+                bits.extend([value] * min(run, C - len(bits)))
+                value = not value
+        else:
+            bits = [True] * C
+        rows.append(_row_buffer(bits, draw(st.integers(0, 255)), draw(st.binary(max_size=9))))
+    return C, windows, rows
+
+
+@given(case=row_cases(), data=st.data())
+@example(case=(5, [2], [bytearray([0b11011])]), data=None)
+@example(case=(9, [-1, 1], [bytearray(b"\xff\x01"), bytearray(b"\x00\xff\xff")]), data=None)
+def test_row_kernels_match_reference_on_every_path(case, data, on_every_cpu_path):
+    C, windows, rows = case
+    before = [bytes(r) for r in rows]
+    expected = bytearray(nbytes(C))
+    ref.fold_rows_into(rows, C, windows, expected)
+
+    def run_fold():
+        out = bytearray(nbytes(C) + 3)
+        _bitops.fold_rows_into(rows, C, windows, out)
+        return bytes(out)
+
+    for got in on_every_cpu_path(run_fold).values():
+        assert got == bytes(expected) + b"\x00" * 3  # nothing written past the C bits
+    assert [bytes(r) for r in rows] == before  # the rows are only read
+    # read-only buffers are accepted as rows
+    read_only = [bytes(r) for r in rows]
+    assert _fold_via(lambda out: _bitops.fold_rows_into(read_only, C, windows, out), C) == bytes(expected) + b"\x00" * 3
+
+    hit = C if data is None else data.draw(st.integers(0, C))
+    expected_rows = [bytearray(nbytes(C)) for _ in windows]
+    ref.unfold_rows_into(hit, C, windows, expected_rows)
+    for out, w in zip(expected_rows, windows):  # the definition: chunks [lo, hit)
+        lo = 0 if w <= 0 else max(0, hit - w)
+        assert model_bits(out, C) == [int(lo <= j < hit) for j in range(C)]
+
+    def run_unfold():
+        outs = [bytearray(nbytes(C) + 2) for _ in windows]
+        _bitops.unfold_rows_into(hit, C, windows, outs)
+        return tuple(bytes(o) for o in outs)
+
+    for got in on_every_cpu_path(run_unfold).values():
+        assert list(got) == [bytes(e) + b"\x00\x00" for e in expected_rows]
+
+
+@pytest.mark.parametrize("C", [1, 7, 8, 9, 64, 600])
+@pytest.mark.parametrize("short_row", [0, 1])
+def test_row_kernels_refuse_a_row_shorter_than_its_bits(C, short_row):
+    need = nbytes(C)
+    rows = [clear_pad(bytearray(b"\xff" * need), C) for _ in range(2)]
+    rows[short_row] = bytearray(b"\xff" * (need - 1))
+    out = bytearray(need)
+    message = f"row {short_row} holds {need - 1} bytes, fewer than the {need} its bits need"
+    with pytest.raises(ValueError, match=message):
+        _bitops.fold_rows_into(rows, C, [-1, 1], out)
+    assert out == bytearray(need)  # nothing written
+    outs = [bytearray(need), bytearray(need), bytearray(need)]
+    outs[short_row] = bytearray(need - 1)
+    with pytest.raises(ValueError, match=message):
+        _bitops.unfold_rows_into(C, C, [-1, 1, -1], outs)
+    assert not any(any(o) for o in outs)  # nothing written, not even to the rows before
+    # every buffer taken before the refusal was released: a bytearray still
+    # exported to the kernel could not be resized
+    for buf in (*rows, *outs):
+        buf.append(0)
+
+
+@pytest.mark.parametrize("C", [1, 7, 8, 13, 64, 511, 515, 1100])
+def test_row_kernels_read_only_the_first_bytes_of_a_longer_buffer(C, on_every_cpu_path):
+    rng = np.random.default_rng(C)
+    patterns = [
+        [True] * C,
+        [j >= C // 2 for j in range(C)],
+        (rng.random(C) < 0.97).tolist(),
+        [j != C - 1 for j in range(C)],
+        [False] * C,
+    ]
+    for windows in ([-1, 1, 3, 40, -1], [2, 2, 1, 7, 600]):
+        clean = [_row_buffer(p) for p in patterns]
+        dirty = [_row_buffer(p, 0xFF, b"\xff" * 70) for p in patterns]
+        want = _fold_via(lambda out: ref.fold_rows_into(clean, C, windows, out), C)
+        for rows in (clean, dirty):
+            results = on_every_cpu_path(lambda: _fold_via(lambda out: _bitops.fold_rows_into(rows, C, windows, out), C))
+            assert set(results.values()) == {want}, results
+        # unfold leaves the unused bits of each row's last byte, and the bytes past it, as they were
+        for hit in (0, C // 2, C):
+            outs = [_row_buffer([False] * C, 0xFF, b"\xa5" * 5) for _ in windows]
+            expected_rows = [bytearray(o) for o in outs]
+            ref.unfold_rows_into(hit, C, windows, expected_rows)
+            _bitops.unfold_rows_into(hit, C, windows, outs)
+            assert outs == expected_rows
+            assert all(o[nbytes(C):] == b"\xa5" * 5 for o in outs)

@@ -65,6 +65,20 @@ class Bitmap:
         return bm
 
     @classmethod
+    def _zeros_many(cls, nbits: int, count: int) -> list[Bitmap]:
+        """`count` zeroed Bitmaps of `nbits` (checked by the caller) bits,
+        made without per-object argument checks: the grouped operators make
+        one per row of every request."""
+        nbytes = _nbytes(nbits)
+        out = []
+        for _ in range(count):
+            bm = cls.__new__(cls)
+            bm._buf = bytearray(nbytes)
+            bm._nbits = nbits
+            out.append(bm)
+        return out
+
+    @classmethod
     def zeros(cls, nbits: int) -> Bitmap:
         return cls(nbits)
 

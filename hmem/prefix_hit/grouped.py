@@ -22,11 +22,20 @@ The kernels read and write each row's packed bytes in place.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from hmem.errors import InvalidArgumentError
 from hmem.kernels import bitops
 from hmem.prefix_hit.bitmap import Bitmap
 from hmem.prefix_hit.operators import _int, _kernel_windows, _windows
+
+
+# Per-row work is done by C-level map() calls: a request has tens to hundreds
+# of rows, and a Python step per row would cost more than the kernels.  The
+# slots are read directly (not through Bitmap.buffer / len()) for the same
+# reason: a property or __len__ is a Python call per row.
+_BUFFER = attrgetter("_buf")
+_NBITS = attrgetter("_nbits")
 
 
 def _checked_rows(rows: Sequence[Bitmap]) -> tuple[list[Bitmap], int]:
@@ -42,12 +51,13 @@ def _checked_rows(rows: Sequence[Bitmap]) -> tuple[list[Bitmap], int]:
         raise InvalidArgumentError(f"rows must be a sequence of Bitmaps, got {type(rows).__name__}") from None
     if not rs:
         raise InvalidArgumentError("no rows given: give one Bitmap per (group, rank) row")
-    if not all(type(r) is Bitmap for r in rs):  # one pass in C when every row is a plain Bitmap
+    if set(map(type, rs)) != {Bitmap}:
         for i, r in enumerate(rs):
             if not isinstance(r, Bitmap):
                 raise InvalidArgumentError(f"row {i} is a {type(r).__name__}, not a Bitmap")
+    lengths = set(map(_NBITS, rs))
     C = len(rs[0])
-    if any(len(r) != C for r in rs):
+    if len(lengths) > 1:
         i = next(i for i, r in enumerate(rs) if len(r) != C)
         raise InvalidArgumentError(
             f"rows of different lengths: row 0 has {C} bits, row {i} has {len(rs[i])}; "
@@ -71,7 +81,7 @@ def fold_grouped(rows: Sequence[Bitmap], windows: Sequence[int]) -> Bitmap:
     rs, C = _checked_rows(rows)
     ws = _paired_windows(windows, len(rs))
     out = Bitmap(C)
-    bitops.fold_rows_into([r.buffer for r in rs], C, _kernel_windows(ws, C), out.buffer)
+    bitops.fold_rows_into(list(map(_BUFFER, rs)), C, _kernel_windows(ws, C), out.buffer)
     return out
 
 
@@ -91,8 +101,8 @@ def unfold_grouped(hit: int, num_chunks: int, windows: Sequence[int]) -> list[Bi
 
 
 def _unfold(hit: int, C: int, kernel_windows: tuple[int, ...]) -> list[Bitmap]:
-    out = [Bitmap(C) for _ in kernel_windows]
-    bitops.unfold_rows_into(hit, C, kernel_windows, [r.buffer for r in out])
+    out = Bitmap._zeros_many(C, len(kernel_windows))
+    bitops.unfold_rows_into(hit, C, kernel_windows, list(map(_BUFFER, out)))
     return out
 
 
@@ -102,6 +112,6 @@ def fold_unfold_grouped(rows: Sequence[Bitmap], windows: Sequence[int]) -> tuple
     ws = _paired_windows(windows, len(rs))
     kernel_ws = _kernel_windows(ws, C)
     servable = Bitmap(C)
-    bitops.fold_rows_into([r.buffer for r in rs], C, kernel_ws, servable.buffer)
+    bitops.fold_rows_into(list(map(_BUFFER, rs)), C, kernel_ws, servable.buffer)
     hit = servable.highest_set_bit() + 1
     return hit, _unfold(hit, C, kernel_ws)

@@ -61,7 +61,7 @@ def _windows(windows: Sequence[int] | Iterable[int]) -> tuple[int, ...]:
         raise InvalidArgumentError(f"windows must be a sequence of integers, got {windows!r}") from None
     if not ws:
         raise InvalidArgumentError("windows is empty: give one window per object group")
-    if not all(type(w) is int for w in ws):  # exact ints pass without a per-item call
+    if not set(map(type, ws)) <= {int}:  # exact ints pass without a Python step per window
         ws = tuple(_int(w, "every window") for w in ws)
     return ws
 
