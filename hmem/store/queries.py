@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hmem import validation
-from hmem.errors import CorruptStoreError
+from hmem.errors import CorruptStoreError, InvalidArgumentError
 from hmem.formats import layout
 from hmem.store.projection import similarity
 from hmem.store.reading import EntryReader
@@ -41,25 +41,67 @@ class Queries:
     def query(self, query: Any, layer_idx: int, top_k: int, *, rerank: bool, shortlist_factor: int,
               framework: str, count_access: bool, on_damage: str = "raise") -> QueryResults:
         """See Store.query."""
+        rows = [as_rows(query, "query", self.state.config.embed_dim, allow_vector=True)]
+        return self._run(rows, layer_idx, top_k, rerank=rerank, shortlist_factor=shortlist_factor,
+                         framework=framework, count_access=count_access, on_damage=on_damage)[0]
+
+    def query_many(self, queries: Any, layer_idx: int, top_k: int, *, rerank: bool, shortlist_factor: int,
+                   framework: str, count_access: bool, on_damage: str = "raise") -> list[QueryResults]:
+        """See Store.query_many."""
+        ndim = getattr(queries, "ndim", None)
+        if ndim is not None and ndim != 3:
+            # a 2-d array would be taken row by row as one-token queries
+            raise InvalidArgumentError(
+                f"queries must be a list of token matrices or a 3-d array, got {ndim}-d "
+                f"{list(queries.shape)}: give one query in a list, or use Store.query")
+        if isinstance(queries, (str, bytes)) or not hasattr(queries, "__iter__"):
+            raise InvalidArgumentError(f"queries must be a list of token matrices, got {type(queries).__name__}")
+        embed_dim = self.state.config.embed_dim
+        rows = [as_rows(q, f"queries[{i}]", embed_dim, allow_vector=True) for i, q in enumerate(queries)]
+        return self._run(rows, layer_idx, top_k, rerank=rerank, shortlist_factor=shortlist_factor,
+                         framework=framework, count_access=count_access, on_damage=on_damage)
+
+    def _run(self, rows: list[np.ndarray], layer_idx: int, top_k: int, *, rerank: bool, shortlist_factor: int,
+             framework: str, count_access: bool, on_damage: str) -> list[QueryResults]:
+        """Answer checked queries in order.  The shortlists of all of them
+        come from one scan of the layer; each is then answered exactly as a
+        query of its own would be."""
         state = self.state
-        q = as_rows(query, "query", state.config.embed_dim, allow_vector=True)
         layer = validation.layer_index(layer_idx)
         k = validation.top_k(top_k)
         validation.choice(framework, "framework", FRAMEWORKS)
+        skip = validation.choice(on_damage, "on_damage", ON_DAMAGE) == "skip"
+        factor = validation.integer(shortlist_factor, "shortlist_factor", low=1) if rerank else 1
+        if not rows:
+            return []
+        prepared = [state.projector.signature_and_mean(q) for q in rows]
+        if len(prepared) == 1:
+            shortlists = [state.index.search(layer, prepared[0][0], k * factor)]
+        else:
+            shortlists = state.index.search_many(layer, np.stack([sig for sig, _ in prepared]), k * factor)
+        return [self._answer(layer, sig, mean, shortlist, k, factor, rerank=rerank, framework=framework,
+                             count_access=count_access, skip=skip)
+                for (sig, mean), shortlist in zip(prepared, shortlists)]
+
+    def _answer(self, layer: int, signature: np.ndarray, q_mean: np.ndarray,
+                shortlist: tuple[np.ndarray, np.ndarray], k: int, factor: int, *, rerank: bool,
+                framework: str, count_access: bool, skip: bool) -> QueryResults:
+        """One query's results from its signature shortlist (record
+        positions, Hamming distances): re-rank, read, count the accesses."""
+        state = self.state
         # "skip" checks every tensor it hands out, verify_reads or not: a
         # skipped entry is one whose damage was seen, so one never seen must
         # have been checked (docs/reliability.md, "Degraded reads").
-        skipped: dict[int, SkippedEntry] | None = \
-            {} if validation.choice(on_damage, "on_damage", ON_DAMAGE) == "skip" else None
-        check = True if skipped is not None else None
-        factor = validation.integer(shortlist_factor, "shortlist_factor", low=1) if rerank else 1
-        signature, q_mean = state.projector.signature_and_mean(q)
+        skipped: dict[int, SkippedEntry] | None = {} if skip else None
+        check = True if skip else None
+        positions, dists = shortlist
+        sims = np.asarray(similarity(dists, state.config.hdc_dim))
         while True:  # each pass that finds damage leaves more out, so this ends
-            positions, sims = self._shortlist(layer, signature, k * factor, skipped)
             cosines: np.ndarray | None = None
             if rerank and len(positions):
                 pooled = self._read_all(positions, lambda pos: self.reader.tensor(pos, "p", check=check), skipped)
                 if pooled is None:
+                    positions, sims = self._shortlist(layer, signature, k * factor, skipped)
                     continue
                 cosines = _cosines(pooled, q_mean)
                 order = np.lexsort((state.records["entry_id"][positions], -cosines))[:k]
@@ -67,6 +109,7 @@ class Queries:
             kv = self._read_all(positions, lambda pos: self.reader.kv(pos, check=check), skipped)
             if kv is not None:
                 break
+            positions, sims = self._shortlist(layer, signature, k * factor, skipped)
         results = [self._result(int(pos), float(sims[i]), None if cosines is None else float(cosines[i]),
                                 kv[i], framework) for i, pos in enumerate(positions)]
         if count_access and not state.read_only and len(positions):

@@ -5,15 +5,61 @@ Rows are kept in record order, which is ascending entry id, so the kernel's
 tie rule (equal Hamming distance: lower row first) means lower entry id
 first.  Evicted rows are masked out at once and dropped from the matrix
 when they reach a quarter of it.
+
+A batch of queries (topk_many) reads the matrix once for the whole batch,
+split into contiguous row ranges scanned by one thread per core; the
+kernel runs without the GIL, and the ranges' results are merged in the
+same (distance, row) order.
 """
 
 from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from hmem.kernels import hamming as hamming_kernels
 
 _MIN_CAPACITY = 64
+# Below this many rows a second thread costs more than it saves.
+_ROWS_PER_THREAD = 65536
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def scan_threads() -> int:
+    """Threads a batch scan uses: the cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=scan_threads(), thread_name_prefix="hmem-scan")
+        return _pool
+
+
+def _merge(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The k best of each query over parts scanned from ascending row ranges."""
+    if len(parts) == 1:
+        return parts[0]
+    rows = np.concatenate([p[0] for p in parts], axis=1)
+    dists = np.concatenate([p[1] for p in parts], axis=1)
+    filled = np.concatenate([np.arange(p[0].shape[1]) < p[2][:, None] for p in parts], axis=1)
+    # Each part is in (distance, row) order and the parts' rows ascend, so a
+    # stable sort by distance alone keeps the lower row first on ties; empty
+    # slots sort last.
+    key = np.where(filled, dists.astype(np.int64), np.iinfo(np.int64).max)
+    order = np.argsort(key, axis=1, kind="stable")[:, :k]
+    counts = np.minimum(filled.sum(axis=1), k)
+    return np.take_along_axis(rows, order, axis=1), np.take_along_axis(dists, order, axis=1), counts
 
 
 class LayerIndex:
@@ -79,6 +125,23 @@ class LayerIndex:
         rows, dists = hamming_kernels.topk(query, self.sigs[: self.n], alive, k)
         return self.positions[rows], dists
 
+    def topk_many(self, queries: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """topk of each row of `queries`, the matrix read once for all."""
+        if self.live == 0:
+            return [(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)) for _ in queries]
+        alive = self.alive[: self.n] if self.dead else None
+        sigs = self.sigs[: self.n]
+        threads = min(scan_threads(), max(1, self.n // _ROWS_PER_THREAD))
+        bounds = [self.n * t // threads for t in range(threads + 1)]
+        if threads == 1:
+            parts = [hamming_kernels.topk_many(queries, sigs, alive, k)]
+        else:
+            futures = [_executor().submit(hamming_kernels.topk_many, queries, sigs, alive, k, lo, hi)
+                       for lo, hi in zip(bounds, bounds[1:])]
+            parts = [f.result() for f in futures]
+        rows, dists, counts = _merge(parts, k)
+        return [(self.positions[rows[j, : counts[j]]], dists[j, : counts[j]]) for j in range(len(queries))]
+
 
 class SearchIndex:
     """Per-layer LayerIndex plus the row of every record position."""
@@ -130,6 +193,13 @@ class SearchIndex:
         if layer is None:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
         return layer.topk(query, k)
+
+    def search_many(self, layer_idx: int, queries: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """search() of each row of `queries`, in one pass over the layer."""
+        layer = self.layers.get(layer_idx)
+        if layer is None:
+            return [(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)) for _ in queries]
+        return layer.topk_many(queries, k)
 
     def layer_counts(self) -> dict[int, int]:
         return {idx: layer.live for idx, layer in sorted(self.layers.items()) if layer.live}

@@ -252,6 +252,24 @@ class Store:
             return self._queries.query(query, layer_idx, top_k, rerank=rerank, shortlist_factor=shortlist_factor,
                                        framework=framework, count_access=count_access, on_damage=on_damage)
 
+    def query_many(self, queries: Any, layer_idx: int, top_k: int = 5, *, rerank: bool = True,
+                   shortlist_factor: int = 4, framework: str = "numpy",
+                   count_access: bool = True, on_damage: str = "raise") -> list[QueryResults]:
+        """query() of each item of `queries` (a list of [n_tokens, embed_dim]
+        or [embed_dim] arrays, or one [n_queries, n_tokens, embed_dim]
+        array), as a serving engine batches requests: the same results, in
+        the same order, as one query per item made one after another.
+
+        The layer's signatures are scanned once for the whole batch, by one
+        thread per core.  Every query is checked before any is answered, so
+        a bad one changes nothing (no access is counted).
+        """
+        with self._state.mutex:
+            self._state.check_open()
+            return self._queries.query_many(queries, layer_idx, top_k, rerank=rerank,
+                                            shortlist_factor=shortlist_factor, framework=framework,
+                                            count_access=count_access, on_damage=on_damage)
+
     def entry_ids(self, layer_idx: int | None = None) -> list[int]:
         """Ids of the live entries (of one layer, if given), ascending."""
         with self._state.mutex:

@@ -15,12 +15,16 @@ import operator
 import numpy as np
 
 from libc.stdint cimport uint8_t, int32_t, int64_t
+from libc.stdlib cimport free, malloc
 
 cdef extern from "hamming.h" nogil:
     void hm_distances(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nbytes,
                       int32_t *out)
     size_t hm_topk(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nbytes,
                    const uint8_t *alive, size_t cap, int32_t *dists, int64_t *rows)
+    void hm_topk_many(const uint8_t *qs, size_t nq, const uint8_t *sigs, size_t lo,
+                      size_t hi, size_t nbytes, const uint8_t *alive, size_t cap,
+                      int32_t *dists, int64_t *rows, size_t *sizes)
 
 include "cpu_paths.pxi"
 
@@ -59,6 +63,61 @@ def distances(const unsigned char[::1] query, const unsigned char[:, ::1] sigs):
     return out
 
 
+def _alive_bytes(alive, Py_ssize_t n):
+    """`alive` as one byte per row (bool arrays are viewed as uint8), or None."""
+    if alive is None:
+        return None
+    if getattr(alive, "dtype", None) == np.bool_:
+        alive = alive.view(np.uint8)
+    cdef const unsigned char[::1] live = alive
+    if live.shape[0] != n:
+        raise ValueError(f"alive has {live.shape[0]} entries for {n} signatures")
+    return alive
+
+
+def topk_many(const unsigned char[:, ::1] queries, const unsigned char[:, ::1] sigs, alive, k,
+              Py_ssize_t lo=0, hi=None):
+    """For every query (row of `queries`), the min(k, live rows in [lo, hi))
+    rows of `sigs` nearest to it, by (distance, row).
+
+    Returns (rows: int64 [nq, cap], dists: int32 [nq, cap], counts: int64
+    [nq]) with cap = min(k, hi - lo); query j's results are the first
+    counts[j] of its row (fewer than cap only when rows are dead).  The
+    matrix is read once for the whole batch; the GIL is released while it
+    is scanned, so threads may each scan their own [lo, hi).
+    """
+    cdef Py_ssize_t nbytes = sigs.shape[1]
+    cdef Py_ssize_t n = sigs.shape[0]
+    cdef Py_ssize_t nq = queries.shape[0]
+    if queries.shape[1] != nbytes:
+        raise ValueError(f"the queries have {queries.shape[1]} bytes but the signatures have {nbytes}")
+    if nbytes <= 0 or nbytes % 8 or nbytes > (1 << 28):
+        raise ValueError(f"a signature must be a positive multiple of 8 bytes (at most 2**28), got {nbytes}")
+    k = _check_k(k)
+    cdef Py_ssize_t end = n if hi is None else hi
+    if not 0 <= lo <= end <= n:
+        raise ValueError(f"rows [{lo}, {end}) are outside a matrix of {n} rows")
+    alive = _alive_bytes(alive, n)
+    cdef const unsigned char[::1] live
+    cdef const uint8_t *live_ptr = NULL
+    if alive is not None and n > 0:
+        live = alive
+        live_ptr = &live[0]
+    cdef Py_ssize_t cap = min(k, end - lo)
+    rows = np.zeros((nq, cap), dtype=np.int64)
+    dists = np.zeros((nq, cap), dtype=np.int32)
+    counts = np.zeros(nq, dtype=np.int64)
+    cdef int64_t[:, ::1] r = rows
+    cdef int32_t[:, ::1] d = dists
+    cdef int64_t[::1] c = counts
+    if cap > 0 and nq > 0:
+        with nogil:
+            hm_topk_many(&queries[0, 0], <size_t>nq, &sigs[0, 0], <size_t>lo, <size_t>end,
+                         <size_t>nbytes, live_ptr, <size_t>cap, &d[0, 0], &r[0, 0],
+                         <size_t *>&c[0])  # int64 and size_t: both 64-bit where hmem builds
+    return rows, dists, counts
+
+
 def topk(const unsigned char[::1] query, const unsigned char[:, ::1] sigs, alive, k):
     """The min(k, live rows) rows nearest to `query`, by (distance, row).
 
@@ -68,16 +127,12 @@ def topk(const unsigned char[::1] query, const unsigned char[:, ::1] sigs, alive
     cdef Py_ssize_t nbytes = _check_shapes(query, sigs)
     cdef Py_ssize_t n = sigs.shape[0]
     k = _check_k(k)
+    alive = _alive_bytes(alive, n)
     cdef const unsigned char[::1] live
     cdef const uint8_t *live_ptr = NULL
-    if alive is not None:
-        if getattr(alive, "dtype", None) == np.bool_:
-            alive = alive.view(np.uint8)
+    if alive is not None and n > 0:
         live = alive
-        if live.shape[0] != n:
-            raise ValueError(f"alive has {live.shape[0]} entries for {n} signatures")
-        if n > 0:
-            live_ptr = &live[0]
+        live_ptr = &live[0]
     cdef Py_ssize_t cap = min(k, n)
     rows = np.empty(cap, dtype=np.int64)
     dists = np.empty(cap, dtype=np.int32)

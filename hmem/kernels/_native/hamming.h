@@ -248,4 +248,243 @@ static size_t hm_topk(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nb
     return size;
 }
 
+/* ---- top-k of many queries ------------------------------------------ */
+
+/* Four distances at once: queries q, q + nbytes, q + 2 nbytes, q + 3 nbytes
+   against one row s.  Each word of the row is loaded once for the four, so
+   a scan that is bound by loads does a quarter of them for the row. */
+HM_INLINE void hm_dist4_portable(const uint8_t *q, const uint8_t *s, size_t nbytes, int32_t *out)
+{
+    uint64_t t0 = 0, t1 = 0, t2 = 0, t3 = 0;
+    for (size_t i = 0; i < nbytes; i += 8) {
+        uint64_t w = hm_word(s + i);
+        t0 += hm_popcount64_swar(w ^ hm_word(q + i));
+        t1 += hm_popcount64_swar(w ^ hm_word(q + nbytes + i));
+        t2 += hm_popcount64_swar(w ^ hm_word(q + 2 * nbytes + i));
+        t3 += hm_popcount64_swar(w ^ hm_word(q + 3 * nbytes + i));
+    }
+    out[0] = (int32_t)t0; out[1] = (int32_t)t1; out[2] = (int32_t)t2; out[3] = (int32_t)t3;
+}
+
+#if HM_X86
+__attribute__((target("popcnt"))) HM_INLINE
+void hm_dist4_popcnt(const uint8_t *q, const uint8_t *s, size_t nbytes, int32_t *out)
+{
+    uint64_t t0 = 0, t1 = 0, t2 = 0, t3 = 0;
+    for (size_t i = 0; i < nbytes; i += 8) {
+        uint64_t w = hm_word(s + i);
+        t0 += (uint64_t)__builtin_popcountll(w ^ hm_word(q + i));
+        t1 += (uint64_t)__builtin_popcountll(w ^ hm_word(q + nbytes + i));
+        t2 += (uint64_t)__builtin_popcountll(w ^ hm_word(q + 2 * nbytes + i));
+        t3 += (uint64_t)__builtin_popcountll(w ^ hm_word(q + 3 * nbytes + i));
+    }
+    out[0] = (int32_t)t0; out[1] = (int32_t)t1; out[2] = (int32_t)t2; out[3] = (int32_t)t3;
+}
+
+__attribute__((target("avx512f,avx512vpopcntdq"))) HM_INLINE
+void hm_dist4_avx512(const uint8_t *q, const uint8_t *s, size_t nbytes, int32_t *out)
+{
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 64 <= nbytes; i += 64) {
+        __m512i w = _mm512_loadu_si512(s + i);
+        a0 = _mm512_add_epi64(a0, _mm512_popcnt_epi64(_mm512_xor_si512(w, _mm512_loadu_si512(q + i))));
+        a1 = _mm512_add_epi64(a1, _mm512_popcnt_epi64(_mm512_xor_si512(w, _mm512_loadu_si512(q + nbytes + i))));
+        a2 = _mm512_add_epi64(a2, _mm512_popcnt_epi64(_mm512_xor_si512(w, _mm512_loadu_si512(q + 2 * nbytes + i))));
+        a3 = _mm512_add_epi64(a3, _mm512_popcnt_epi64(_mm512_xor_si512(w, _mm512_loadu_si512(q + 3 * nbytes + i))));
+    }
+    if (i < nbytes) { /* 1 to 7 words left: masked-off lanes read nothing */
+        __mmask8 m = (__mmask8)((1u << ((nbytes - i) / 8)) - 1);
+        __m512i w = _mm512_maskz_loadu_epi64(m, s + i);
+        a0 = _mm512_add_epi64(a0, _mm512_popcnt_epi64(_mm512_xor_si512(w, _mm512_maskz_loadu_epi64(m, q + i))));
+        a1 = _mm512_add_epi64(a1, _mm512_popcnt_epi64(_mm512_xor_si512(w, _mm512_maskz_loadu_epi64(m, q + nbytes + i))));
+        a2 = _mm512_add_epi64(a2, _mm512_popcnt_epi64(_mm512_xor_si512(w, _mm512_maskz_loadu_epi64(m, q + 2 * nbytes + i))));
+        a3 = _mm512_add_epi64(a3, _mm512_popcnt_epi64(_mm512_xor_si512(w, _mm512_maskz_loadu_epi64(m, q + 3 * nbytes + i))));
+    }
+    out[0] = (int32_t)_mm512_reduce_add_epi64(a0);
+    out[1] = (int32_t)_mm512_reduce_add_epi64(a1);
+    out[2] = (int32_t)_mm512_reduce_add_epi64(a2);
+    out[3] = (int32_t)_mm512_reduce_add_epi64(a3);
+}
+#endif
+
+#if HM_X86
+/* AVX2 has no popcount instruction: each byte's count is looked up per
+   nibble in a 16-entry table (vpshufb) and summed in byte lanes, which hold
+   31 vectors' counts (at most 8 each) before they are widened to 64 bits. */
+__attribute__((target("avx2"))) HM_INLINE
+__m256i hm_popcount8_avx2(__m256i x, __m256i table, __m256i low)
+{
+    __m256i lo = _mm256_and_si256(x, low);
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+    return _mm256_add_epi8(_mm256_shuffle_epi8(table, lo), _mm256_shuffle_epi8(table, hi));
+}
+
+__attribute__((target("avx2"))) HM_INLINE
+uint64_t hm_sum64_avx2(__m256i v)
+{
+    __m128i s = _mm_add_epi64(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    return (uint64_t)_mm_cvtsi128_si64(s) + (uint64_t)_mm_extract_epi64(s, 1);
+}
+
+__attribute__((target("avx2,popcnt"))) HM_INLINE
+void hm_dist4_avx2(const uint8_t *q, const uint8_t *s, size_t nbytes, int32_t *out)
+{
+    const __m256i table = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4,
+                                           0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4);
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i a0 = zero, a1 = zero, a2 = zero, a3 = zero;
+    size_t i = 0;
+    while (i + 32 <= nbytes) {
+        size_t stop = nbytes - i > 31 * 32 ? i + 31 * 32 : nbytes;
+        __m256i b0 = zero, b1 = zero, b2 = zero, b3 = zero;
+        for (; i + 32 <= stop; i += 32) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(s + i));
+#define HM_BYTES(Q) _mm256_xor_si256(w, _mm256_loadu_si256((const __m256i *)(Q)))
+            b0 = _mm256_add_epi8(b0, hm_popcount8_avx2(HM_BYTES(q + i), table, low));
+            b1 = _mm256_add_epi8(b1, hm_popcount8_avx2(HM_BYTES(q + nbytes + i), table, low));
+            b2 = _mm256_add_epi8(b2, hm_popcount8_avx2(HM_BYTES(q + 2 * nbytes + i), table, low));
+            b3 = _mm256_add_epi8(b3, hm_popcount8_avx2(HM_BYTES(q + 3 * nbytes + i), table, low));
+#undef HM_BYTES
+        }
+        a0 = _mm256_add_epi64(a0, _mm256_sad_epu8(b0, zero));
+        a1 = _mm256_add_epi64(a1, _mm256_sad_epu8(b1, zero));
+        a2 = _mm256_add_epi64(a2, _mm256_sad_epu8(b2, zero));
+        a3 = _mm256_add_epi64(a3, _mm256_sad_epu8(b3, zero));
+    }
+    uint64_t t0 = hm_sum64_avx2(a0), t1 = hm_sum64_avx2(a1), t2 = hm_sum64_avx2(a2), t3 = hm_sum64_avx2(a3);
+    for (; i < nbytes; i += 8) { /* 1 to 3 words left */
+        uint64_t w = hm_word(s + i);
+        t0 += (uint64_t)__builtin_popcountll(w ^ hm_word(q + i));
+        t1 += (uint64_t)__builtin_popcountll(w ^ hm_word(q + nbytes + i));
+        t2 += (uint64_t)__builtin_popcountll(w ^ hm_word(q + 2 * nbytes + i));
+        t3 += (uint64_t)__builtin_popcountll(w ^ hm_word(q + 3 * nbytes + i));
+    }
+    out[0] = (int32_t)t0; out[1] = (int32_t)t1; out[2] = (int32_t)t2; out[3] = (int32_t)t3;
+}
+#endif
+
+/* Offer (d, row) to a bounded max-heap of `cap` entries holding *size. */
+HM_INLINE void hm_heap_offer(int32_t *dists, int64_t *rows, size_t *size, size_t cap,
+                             int32_t d, int64_t row)
+{
+    if (*size < cap) {
+        dists[*size] = d;
+        rows[*size] = row;
+        hm_heap_up(dists, rows, (*size)++);
+    } else if (d < dists[0]) {
+        dists[0] = d;
+        rows[0] = row;
+        hm_heap_down(dists, rows, 0, *size);
+    }
+}
+
+/*
+ * Many queries over rows [lo, hi) of one matrix, each with its own bounded
+ * max-heap (dists/rows + j * cap, sizes[j] entries).  The rows are taken in
+ * blocks small enough to stay in the core's cache while every query scans
+ * them, four queries per pass over a row: the matrix is read from memory
+ * once for the whole batch instead of once per query.  Within a query rows
+ * are still visited in ascending order, so the tie rule of hm_topk holds.
+ */
+#define HM_TOPK_MANY_BODY(DIST, DIST4)                                          \
+    size_t block = nbytes >= 32768 ? 1 : 32768 / nbytes; /* ~32 KiB of rows */  \
+    for (size_t b0 = lo; b0 < hi; b0 += block) {                                \
+        size_t b1 = hi - b0 > block ? b0 + block : hi;                          \
+        size_t j = 0;                                                           \
+        for (; j + 4 <= nq; j += 4) {                                           \
+            for (size_t r = b0; r < b1; r++) {                                  \
+                if (alive && !alive[r])                                         \
+                    continue;                                                   \
+                int32_t d4[4];                                                  \
+                DIST4(qs + j * nbytes, sigs + r * nbytes, nbytes, d4);          \
+                for (size_t u = 0; u < 4; u++)                                  \
+                    hm_heap_offer(dists + (j + u) * cap, rows + (j + u) * cap,  \
+                                  sizes + j + u, cap, d4[u], (int64_t)r);       \
+            }                                                                   \
+        }                                                                       \
+        for (; j < nq; j++) {                                                   \
+            for (size_t r = b0; r < b1; r++) {                                  \
+                if (alive && !alive[r])                                         \
+                    continue;                                                   \
+                int32_t d = (int32_t)DIST(qs + j * nbytes, sigs + r * nbytes, nbytes); \
+                hm_heap_offer(dists + j * cap, rows + j * cap, sizes + j, cap, d, (int64_t)r); \
+            }                                                                   \
+        }                                                                       \
+    }
+
+static void hm_topk_many_portable(const uint8_t *qs, size_t nq, const uint8_t *sigs,
+                                  size_t lo, size_t hi, size_t nbytes, const uint8_t *alive,
+                                  size_t cap, int32_t *dists, int64_t *rows, size_t *sizes)
+{
+    HM_TOPK_MANY_BODY(hm_dist_portable, hm_dist4_portable)
+}
+
+#if HM_X86
+__attribute__((target("popcnt")))
+static void hm_topk_many_popcnt(const uint8_t *qs, size_t nq, const uint8_t *sigs,
+                                size_t lo, size_t hi, size_t nbytes, const uint8_t *alive,
+                                size_t cap, int32_t *dists, int64_t *rows, size_t *sizes)
+{
+    HM_TOPK_MANY_BODY(hm_dist_popcnt, hm_dist4_popcnt)
+}
+
+/* The popcnt path's batch scan on a CPU with AVX2 (as the projection's). */
+__attribute__((target("avx2,popcnt")))
+static void hm_topk_many_avx2(const uint8_t *qs, size_t nq, const uint8_t *sigs,
+                              size_t lo, size_t hi, size_t nbytes, const uint8_t *alive,
+                              size_t cap, int32_t *dists, int64_t *rows, size_t *sizes)
+{
+    HM_TOPK_MANY_BODY(hm_dist_popcnt, hm_dist4_avx2)
+}
+
+__attribute__((target("avx512f,avx512vpopcntdq")))
+static void hm_topk_many_avx512(const uint8_t *qs, size_t nq, const uint8_t *sigs,
+                                size_t lo, size_t hi, size_t nbytes, const uint8_t *alive,
+                                size_t cap, int32_t *dists, int64_t *rows, size_t *sizes)
+{
+    HM_TOPK_MANY_BODY(hm_dist_avx512, hm_dist4_avx512)
+}
+#endif
+
+/* Sort a max-heap of `size` entries into (distance, row) order. */
+static void hm_heap_sort(int32_t *dists, int64_t *rows, size_t size)
+{
+    for (size_t end = size; end > 1; end--) {
+        int32_t d = dists[0];
+        int64_t r = rows[0];
+        dists[0] = dists[end - 1];
+        rows[0] = rows[end - 1];
+        dists[end - 1] = d;
+        rows[end - 1] = r;
+        hm_heap_down(dists, rows, 0, end - 1);
+    }
+}
+
+/*
+ * For each of the nq queries (row j of qs), the best min(cap, live rows in
+ * [lo, hi)) rows of the matrix, sorted by (distance, row) into dists/rows
+ * + j * cap; sizes[j] says how many.
+ */
+static void hm_topk_many(const uint8_t *qs, size_t nq, const uint8_t *sigs, size_t lo,
+                         size_t hi, size_t nbytes, const uint8_t *alive, size_t cap,
+                         int32_t *dists, int64_t *rows, size_t *sizes)
+{
+    for (size_t j = 0; j < nq; j++)
+        sizes[j] = 0;
+#if HM_X86
+    if (hm_path == HM_PATH_AVX512)
+        hm_topk_many_avx512(qs, nq, sigs, lo, hi, nbytes, alive, cap, dists, rows, sizes);
+    else if (hm_path == HM_PATH_POPCNT && __builtin_cpu_supports("avx2"))
+        hm_topk_many_avx2(qs, nq, sigs, lo, hi, nbytes, alive, cap, dists, rows, sizes);
+    else if (hm_path == HM_PATH_POPCNT)
+        hm_topk_many_popcnt(qs, nq, sigs, lo, hi, nbytes, alive, cap, dists, rows, sizes);
+    else
+#endif
+        hm_topk_many_portable(qs, nq, sigs, lo, hi, nbytes, alive, cap, dists, rows, sizes);
+    for (size_t j = 0; j < nq; j++)
+        hm_heap_sort(dists + j * cap, rows + j * cap, sizes[j]);
+}
+
 #endif /* HMEM_HAMMING_H */

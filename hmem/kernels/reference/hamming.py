@@ -44,6 +44,16 @@ def _check_shapes(query, sigs) -> tuple[np.ndarray, np.ndarray]:
     return q, s
 
 
+def _check_k(k) -> int:
+    try:
+        k = operator.index(k)
+    except TypeError:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}") from None
+    if k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k}")
+    return k
+
+
 def distances(query, sigs) -> np.ndarray:
     """Hamming distance of each row of `sigs` to `query`: int32 array [n]."""
     q, s = _check_shapes(query, sigs)
@@ -54,12 +64,7 @@ def topk(query, sigs, alive, k) -> tuple[np.ndarray, np.ndarray]:
     """The min(k, live rows) rows nearest to `query`, by (distance, row):
     (rows int64 [m], dists int32 [m])."""
     q, s = _check_shapes(query, sigs)
-    try:
-        k = operator.index(k)
-    except TypeError:
-        raise ValueError(f"k must be an integer >= 1, got {k!r}") from None
-    if k < 1:
-        raise ValueError(f"k must be an integer >= 1, got {k}")
+    k = _check_k(k)
     n = s.shape[0]
     rows = np.arange(n, dtype=np.int64)
     if alive is not None:
@@ -70,3 +75,32 @@ def topk(query, sigs, alive, k) -> tuple[np.ndarray, np.ndarray]:
     dists = distances(q, s)[rows]
     order = np.lexsort((rows, dists))[:k]  # last key sorts first: distance, then row
     return rows[order], dists[order]
+
+
+def topk_many(queries, sigs, alive, k, lo: int = 0, hi: int | None = None):
+    """topk of every query (row of `queries`) over rows [lo, hi): (rows int64
+    [nq, cap], dists int32 [nq, cap], counts int64 [nq]), cap = min(k, hi - lo),
+    query j's results the first counts[j] of its row."""
+    qs = np.asarray(queries)
+    s = np.asarray(sigs)
+    if qs.ndim != 2 or qs.dtype != np.uint8:
+        raise ValueError("the queries must be a 2-d uint8 matrix")
+    if qs.shape[1] != s.shape[1]:
+        raise ValueError(f"the queries have {qs.shape[1]} bytes but the signatures have {s.shape[1]}")
+    n = s.shape[0]
+    end = n if hi is None else hi
+    if not 0 <= lo <= end <= n:
+        raise ValueError(f"rows [{lo}, {end}) are outside a matrix of {n} rows")
+    live = None if alive is None else np.asarray(alive)
+    if live is not None and (live.ndim != 1 or live.shape[0] != n):
+        raise ValueError(f"alive has {live.size} entries for {n} signatures")
+    cap = min(_check_k(k), end - lo)
+    rows = np.zeros((len(qs), cap), dtype=np.int64)
+    dists = np.zeros((len(qs), cap), dtype=np.int32)
+    counts = np.zeros(len(qs), dtype=np.int64)
+    for j, q in enumerate(qs):
+        r, d = topk(q, s[lo:end], None if live is None else live[lo:end], max(cap, 1))
+        counts[j] = len(r)
+        rows[j, : len(r)] = r + lo
+        dists[j, : len(r)] = d
+    return rows, dists, counts
