@@ -204,6 +204,31 @@ def test_the_next_best_takes_a_skipped_entrys_place(name, top_k, factor, rerank,
             assert len(found) >= min(top_k, len(healthy))
 
 
+@pytest.mark.parametrize("verify_reads", [True, False], ids=["verify", "trust"])
+@pytest.mark.parametrize("rerank", [True, False], ids=["rerank", "signature-only"])
+@pytest.mark.parametrize("name", sorted(DAMAGE))
+def test_a_batch_skips_as_its_queries_would_alone(name, rerank, verify_reads, reliability_template, clone_store):
+    # query_many reads a batch's tensors ahead, shard by shard; damage met
+    # there must end exactly as it does for a query of its own (and "skip"
+    # checks what it returns whatever verify_reads says)
+    tpl = reliability_template(False)
+    root = clone_store(tpl)
+    damaged = DAMAGE[name](root)
+    with Store.open(root, read_only=True, verify_reads=verify_reads) as store:
+        for layer in sorted({layer for _, layer in tpl.queries}):
+            items = [(q, clean) for (q, lay), clean in zip(tpl.queries, tpl.results) if lay == layer]
+            batch = store.query_many([q for q, _ in items] * 2, layer, top_k=2, rerank=rerank,
+                                     on_damage="skip", count_access=False)
+            for found, (q, clean) in zip(batch, items * 2):
+                expected, skipped = expected_answer(clean, damaged, 2, 4 if rerank else 1, rerank)
+                assert_served_exactly(found, expected, tpl)
+                assert {s.entry_id for s in found.skipped} == skipped
+            hit = {i for i in damaged if tpl.puts[i][2] == layer}
+            if hit and len(items) > 1 and verify_reads:
+                with pytest.raises(hmem.CorruptStoreError):  # without "skip", damage met raises
+                    store.query_many([q for q, _ in items], layer, top_k=len(tpl.live), count_access=False)
+
+
 def test_signature_only_ranking_reads_no_pooled_key(reliability_template, clone_store):
     """A damaged pooled key does not matter without re-ranking: the entry's K/V are sound."""
     tpl = reliability_template(False)

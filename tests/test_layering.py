@@ -51,6 +51,7 @@ LAYERS: dict[str, int] = {
     "hmem.validation": 0,
     "hmem._version": 0,
     "hmem.file_reads": 0,
+    "hmem.threads": 0,
     "hmem.config": 1,
     "hmem._io": 1,
     "hmem.kernels": 1,

@@ -13,6 +13,7 @@ import hmem
 from hmem import InvalidArgumentError
 from hmem.kernels._native import _hamming as native
 from hmem.kernels.reference import hamming as ref
+from hmem import threads
 from hmem.store import search
 
 
@@ -68,7 +69,7 @@ def test_batch_split_over_threads_equals_one_query_after_another(store_factory, 
     # Private knob: the scan splits across threads only past 65,536 rows a
     # thread; lowered here so that a small layer takes the split and merge.
     monkeypatch.setattr(search, "_ROWS_PER_THREAD", 16)
-    monkeypatch.setattr(search, "scan_threads", lambda: 3)
+    monkeypatch.setattr(threads, "cores", lambda: 3)
     batch_store, single_store = twin_stores(store_factory, hdc_dim=64)
     # dead rows inside the ranges: the kernel's alive mask and the merge
     for s in (batch_store, single_store):

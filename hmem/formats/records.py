@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hmem import _io
+from hmem import _io, threads
 from hmem.errors import CorruptStoreError, Hint, storage_error
 from hmem.kernels import checksum as checksum_kernels
 
@@ -67,9 +67,18 @@ def _rows(records: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(records).view(np.uint8).reshape(len(records), records.dtype.itemsize)
 
 
+# Records a thread checksums at least: opening a large store checks every
+# record, on every core.
+_RECORDS_PER_THREAD = 65536
+
+
 def checksums(records: np.ndarray) -> np.ndarray:
     """The checksum each record should carry (uint32 per record)."""
-    return checksum_kernels.crc32c_rows(_rows(records), CHECKSUM_OFFSET, HEADER_BYTES)
+    rows = _rows(records)
+    parts = threads.run_ranges(
+        lambda lo, hi: checksum_kernels.crc32c_rows(rows[lo:hi], CHECKSUM_OFFSET, HEADER_BYTES),
+        threads.split(len(rows), _RECORDS_PER_THREAD))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def seal(records: np.ndarray) -> None:

@@ -75,19 +75,61 @@ class Queries:
         if not rows:
             return []
         prepared = [state.projector.signature_and_mean(q) for q in rows]
+        check = True if skip else None
         if len(prepared) == 1:
             shortlists = [state.index.search(layer, prepared[0][0], k * factor)]
+            pooled: dict[int, np.ndarray] = {}
+            kvs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         else:
             shortlists = state.index.search_many(layer, np.stack([sig for sig, _ in prepared]), k * factor)
+            pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check)
         return [self._answer(layer, sig, mean, shortlist, k, factor, rerank=rerank, framework=framework,
-                             count_access=count_access, skip=skip)
+                             count_access=count_access, skip=skip, pooled=pooled, kvs=kvs)
                 for (sig, mean), shortlist in zip(prepared, shortlists)]
+
+    def _read_ahead(self, shortlists: list[tuple[np.ndarray, np.ndarray]], means: list[np.ndarray], k: int,
+                    rerank: bool, check: bool | None) -> tuple[dict[int, np.ndarray], dict[int, tuple]]:
+        """The pooled keys of every shortlisted entry of a batch and the K/V
+        of every entry its queries will return, read shard by shard: each
+        query alone would map the same shards again and again (a store keeps
+        only max_open_shards mapped).  A read that finds damage is left out;
+        the query that needs the entry reads it again and meets the damage
+        as a query of its own would."""
+        records = self.state.records
+        pooled: dict[int, np.ndarray] = {}
+        if rerank:
+            pooled = self._read_by_shard(np.concatenate([pos for pos, _ in shortlists]),
+                                         lambda pos: self.reader.tensor(pos, "p", check=check))
+        finals = []
+        for (positions, _), mean in zip(shortlists, means):
+            if rerank and len(positions):
+                if not all(int(pos) in pooled for pos in positions):
+                    continue  # damaged: this query reads on its own
+                cosines = _cosines([pooled[int(pos)] for pos in positions], mean)
+                positions = positions[np.lexsort((records["entry_id"][positions], -cosines))[:k]]
+            finals.append(positions)
+        kvs = self._read_by_shard(np.concatenate(finals) if finals else np.zeros(0, dtype=np.int64),
+                                  lambda pos: self.reader.kv(pos, check=check))
+        return pooled, kvs
+
+    def _read_by_shard(self, positions: np.ndarray, read: Callable[[int], T]) -> dict[int, T]:
+        """read(pos) of each distinct position, in shard order; damaged ones left out."""
+        unique = np.unique(positions)
+        out: dict[int, T] = {}
+        for pos in unique[np.argsort(self.state.records["shard_idx"][unique], kind="stable")].tolist():
+            try:
+                out[pos] = read(pos)
+            except CorruptStoreError:
+                pass
+        return out
 
     def _answer(self, layer: int, signature: np.ndarray, q_mean: np.ndarray,
                 shortlist: tuple[np.ndarray, np.ndarray], k: int, factor: int, *, rerank: bool,
-                framework: str, count_access: bool, skip: bool) -> QueryResults:
+                framework: str, count_access: bool, skip: bool, pooled: dict[int, np.ndarray],
+                kvs: dict[int, tuple[np.ndarray, np.ndarray]]) -> QueryResults:
         """One query's results from its signature shortlist (record
-        positions, Hamming distances): re-rank, read, count the accesses."""
+        positions, Hamming distances): re-rank, read, count the accesses.
+        `pooled` and `kvs` hold tensors already read, by record position."""
         state = self.state
         # "skip" checks every tensor it hands out, verify_reads or not: a
         # skipped entry is one whose damage was seen, so one never seen must
@@ -99,14 +141,16 @@ class Queries:
         while True:  # each pass that finds damage leaves more out, so this ends
             cosines: np.ndarray | None = None
             if rerank and len(positions):
-                pooled = self._read_all(positions, lambda pos: self.reader.tensor(pos, "p", check=check), skipped)
-                if pooled is None:
+                keys = self._read_all(positions, lambda pos: pooled[pos] if pos in pooled
+                                      else self.reader.tensor(pos, "p", check=check), skipped)
+                if keys is None:
                     positions, sims = self._shortlist(layer, signature, k * factor, skipped)
                     continue
-                cosines = _cosines(pooled, q_mean)
+                cosines = _cosines(keys, q_mean)
                 order = np.lexsort((state.records["entry_id"][positions], -cosines))[:k]
                 positions, sims, cosines = positions[order], sims[order], cosines[order]
-            kv = self._read_all(positions, lambda pos: self.reader.kv(pos, check=check), skipped)
+            kv = self._read_all(positions, lambda pos: kvs[pos] if pos in kvs
+                                else self.reader.kv(pos, check=check), skipped)
             if kv is not None:
                 break
             positions, sims = self._shortlist(layer, signature, k * factor, skipped)

@@ -14,36 +14,14 @@ same (distance, row) order.
 
 from __future__ import annotations
 
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
+from hmem import threads
 from hmem.kernels import hamming as hamming_kernels
 
 _MIN_CAPACITY = 64
 # Below this many rows a second thread costs more than it saves.
 _ROWS_PER_THREAD = 65536
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def scan_threads() -> int:
-    """Threads a batch scan uses: the cores this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=scan_threads(), thread_name_prefix="hmem-scan")
-        return _pool
 
 
 def _merge(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -90,8 +68,16 @@ class LayerIndex:
         self.sigs, self.positions, self.alive = sigs, positions, alive
 
     def append(self, sigs: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Add rows; returns their row numbers."""
+        """Add rows; returns their row numbers.  An empty layer adopts a
+        C-contiguous `sigs` of its own as its matrix (the caller gives it
+        up): opening a large store then copies each signature once."""
         k = len(positions)
+        if self.n == 0 and k > len(self.positions) and sigs.flags.c_contiguous and sigs.flags.owndata:
+            self.sigs = sigs
+            self.positions = np.array(positions, dtype=np.int64)
+            self.alive = np.ones(k, dtype=np.uint8)
+            self.n = k
+            return np.arange(k, dtype=np.int64)
         self._reserve(k)
         rows = np.arange(self.n, self.n + k, dtype=np.int64)
         self.sigs[self.n : self.n + k] = sigs
@@ -131,14 +117,8 @@ class LayerIndex:
             return [(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)) for _ in queries]
         alive = self.alive[: self.n] if self.dead else None
         sigs = self.sigs[: self.n]
-        threads = min(scan_threads(), max(1, self.n // _ROWS_PER_THREAD))
-        bounds = [self.n * t // threads for t in range(threads + 1)]
-        if threads == 1:
-            parts = [hamming_kernels.topk_many(queries, sigs, alive, k)]
-        else:
-            futures = [_executor().submit(hamming_kernels.topk_many, queries, sigs, alive, k, lo, hi)
-                       for lo, hi in zip(bounds, bounds[1:])]
-            parts = [f.result() for f in futures]
+        parts = threads.run_ranges(lambda lo, hi: hamming_kernels.topk_many(queries, sigs, alive, k, lo, hi),
+                                   threads.split(self.n, _ROWS_PER_THREAD))
         rows, dists, counts = _merge(parts, k)
         return [(self.positions[rows[j, : counts[j]]], dists[j, : counts[j]]) for j in range(len(queries))]
 
@@ -169,6 +149,8 @@ class SearchIndex:
         """Index the live records among records[positions] (vectorised per layer)."""
         live = positions[records["shard_idx"][positions] != 0xFFFFFFFF]
         layers = records["layer_idx"][live]
+        if len(layers) and int(layers.max()) < 1 << 16:
+            layers = layers.astype(np.uint16)  # a stable sort of 16-bit keys is a radix sort
         order = np.argsort(layers, kind="stable")  # keeps position order within a layer
         live, layers = live[order], layers[order]
         bounds = np.flatnonzero(np.diff(layers)) + 1
