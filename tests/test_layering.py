@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {
     "hmem._version": 0,
     "hmem.file_reads": 0,
     "hmem.threads": 0,
+    "hmem.memory": 0,
     "hmem.config": 1,
     "hmem._io": 1,
     "hmem.kernels": 1,
@@ -382,7 +383,8 @@ def check_no_cycles(imports: Iterable[Import]) -> list[str]:
 #   writing flag (O_WRONLY, O_RDWR, O_CREAT, O_TRUNC, O_APPEND) or flags it
 #   cannot read, shutil.rmtree/move/copy*, tempfile's file and directory
 #   makers, numpy.save/savez/savetxt, numpy.memmap unless mode is "r" or
-#   "c", mmap.mmap unless access is ACCESS_READ or ACCESS_COPY, torch.save,
+#   "c", mmap.mmap of a file unless access is ACCESS_READ or ACCESS_COPY
+#   (mmap.mmap(-1, ...) maps memory, no file), torch.save,
 #   and any ``save_file(...)`` (safetensors);
 # - openers (builtin open, io.open, os.fdopen, gzip/bz2/lzma/codecs.open,
 #   tarfile.open, zipfile.ZipFile, io.FileIO) whose mode is not a constant
@@ -503,7 +505,10 @@ def _write_reason(call: ast.Call, bindings: dict[str, str]) -> str | None:
                 return "numpy.memmap() that may write"
         if name == "mmap.mmap":
             access = _argument(call, 3, "access")
-            if not (isinstance(access, ast.Attribute) and access.attr in ("ACCESS_READ", "ACCESS_COPY")):
+            fileno = _argument(call, 0, "fileno")
+            anonymous = (isinstance(fileno, ast.UnaryOp) and isinstance(fileno.op, ast.USub)
+                         and isinstance(fileno.operand, ast.Constant) and fileno.operand.value == 1)
+            if not anonymous and not (isinstance(access, ast.Attribute) and access.attr in ("ACCESS_READ", "ACCESS_COPY")):
                 return "mmap.mmap() that may write"
         if name == "torch.save" or attr == "save_file" or name == "save_file":
             return f"{name}()"
@@ -810,6 +815,7 @@ def test_self_write_checker_flags(line):
     "os.path.exists(p)",
     "os.fspath(p)",
     "mmap.mmap(fd, n, access=mmap.ACCESS_READ)",
+    "mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)",
     "np.memmap(p, dtype='u1', mode='r')",
     "np.frombuffer(b, np.uint8)",
     "series.rename(columns={})",

@@ -201,3 +201,49 @@ def test_topk_many_counts_every_bit_of_long_signatures(nbytes, on_every_cpu_path
         assert counts.tolist() == [2] * 5, path
         assert rows.tolist() == [[3, 0]] * 5, path
         assert dists.tolist() == [[8 * nbytes - 8, 8 * nbytes]] * 5, path
+
+
+# ---- opening: signature matrices gathered into memory mapped at once -----------------
+
+
+def test_gather_rows_matches_the_reference():
+    rng = np.random.default_rng(3)
+    recs = rng.integers(0, 256, (50, 72), dtype=np.uint8)
+    src = recs[:, 8:]  # rows further apart than their width, as signatures in records
+    rows = np.array([0, 3, 3, 49, 10], dtype=np.int64)
+    got, want = np.empty((5, 64), np.uint8), np.empty((5, 64), np.uint8)
+    native.gather_rows(src, rows, got)
+    ref.gather_rows(src, rows, want)
+    assert got.tobytes() == want.tobytes() == src[rows].tobytes()
+    for kernels in (native, ref):
+        with pytest.raises(ValueError, match="outside"):
+            kernels.gather_rows(src, np.array([50], dtype=np.int64), np.empty((1, 64), np.uint8))
+        with pytest.raises(ValueError, match="shape"):
+            kernels.gather_rows(src, rows, np.empty((4, 64), np.uint8))
+
+
+def test_large_arrays_are_mapped_writable():
+    from hmem import memory
+    big = memory.filled_soon((memory.POPULATE_MIN_BYTES // 512 + 1, 512), np.uint8)
+    assert big.flags.c_contiguous and big.flags.writeable
+    big[:] = 7
+    assert int(big[-1, -1]) == 7 and big.shape[1] == 512
+    small = memory.filled_soon((3, 4), np.float32)
+    assert small.shape == (3, 4) and small.dtype == np.float32
+
+
+def test_a_store_opened_with_mapped_matrices_answers_the_same(store_factory, tmp_path, monkeypatch):
+    from hmem import memory
+    store = store_factory("s")
+    fill(store, seed=9)
+    store.delete(store.entry_ids(1)[::4])
+    qs = queries(9, 5)
+    store.close()
+    with hmem.Store.open(tmp_path / "s", read_only=True) as plain:
+        want = [facts(r) for r in plain.query_many(qs, 1, top_k=6)]
+    # Private knob: only matrices of 16 MiB and more are mapped at once;
+    # lowered so that this small store's layers take that path at open.
+    monkeypatch.setattr(memory, "POPULATE_MIN_BYTES", 0)
+    with hmem.Store.open(tmp_path / "s", read_only=True) as mapped:
+        assert [facts(r) for r in mapped.query_many(qs, 1, top_k=6)] == want
+        assert [facts(mapped.query(q, 1, top_k=6)) for q in qs] == want

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hmem import threads
+from hmem import memory, threads
 from hmem.kernels import hamming as hamming_kernels
 
 _MIN_CAPACITY = 64
@@ -67,17 +67,24 @@ class LayerIndex:
         alive[: self.n] = self.alive[: self.n]
         self.sigs, self.positions, self.alive = sigs, positions, alive
 
-    def append(self, sigs: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Add rows; returns their row numbers.  An empty layer adopts a
-        C-contiguous `sigs` of its own as its matrix (the caller gives it
-        up): opening a large store then copies each signature once."""
+    def fill(self, signatures: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Make an empty layer hold signatures[positions] (a row per
+        record); returns their row numbers.  At open, when a large store's
+        layers are built, each signature is copied once, by a kernel, into
+        memory mapped at once (hmem/memory.py)."""
+        assert self.n == 0
         k = len(positions)
-        if self.n == 0 and k > len(self.positions) and sigs.flags.c_contiguous and sigs.flags.owndata:
-            self.sigs = sigs
-            self.positions = np.array(positions, dtype=np.int64)
-            self.alive = np.ones(k, dtype=np.uint8)
-            self.n = k
-            return np.arange(k, dtype=np.int64)
+        self.sigs = memory.filled_soon((max(k, _MIN_CAPACITY), self.sigs.shape[1]), np.uint8)
+        hamming_kernels.gather_rows(signatures, positions, self.sigs[:k])
+        self.positions = np.zeros(len(self.sigs), dtype=np.int64)
+        self.positions[:k] = positions
+        self.alive = np.ones(len(self.sigs), dtype=np.uint8)
+        self.n = k
+        return np.arange(k, dtype=np.int64)
+
+    def append(self, sigs: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Add rows; returns their row numbers."""
+        k = len(positions)
         self._reserve(k)
         rows = np.arange(self.n, self.n + k, dtype=np.int64)
         self.sigs[self.n : self.n + k] = sigs
@@ -157,7 +164,11 @@ class SearchIndex:
         for group in np.split(live, bounds):
             if len(group):
                 layer = self._layer(int(records["layer_idx"][group[0]]))
-                self._track(group, layer.append(records["signature"][group], group))
+                if layer.n == 0:
+                    rows = layer.fill(records["signature"], group)
+                else:
+                    rows = layer.append(records["signature"][group], group)
+                self._track(group, rows)
 
     def remove(self, records: np.ndarray, positions: np.ndarray) -> None:
         """Take records out of the search (eviction)."""

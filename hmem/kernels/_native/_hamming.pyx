@@ -16,6 +16,7 @@ import numpy as np
 
 from libc.stdint cimport uint8_t, int32_t, int64_t
 from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
 
 cdef extern from "hamming.h" nogil:
     void hm_distances(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nbytes,
@@ -146,3 +147,23 @@ def topk(const unsigned char[::1] query, const unsigned char[:, ::1] sigs, alive
     if m < <size_t>cap:  # dead rows: fewer results than room
         return rows[:m].copy(), dists[:m].copy()
     return rows, dists
+
+
+def gather_rows(const unsigned char[:, :] src, const int64_t[::1] rows, unsigned char[:, ::1] out):
+    """out[i] = src[rows[i]]: signatures gathered out of the records (whose
+    rows are further apart than their width) into a contiguous matrix.
+    numpy's fancy indexing copies such rows an element at a time."""
+    cdef Py_ssize_t n = rows.shape[0], width = src.shape[1], i, r
+    if width > 1 and src.strides[1] != 1:
+        raise ValueError("each row of src must be contiguous bytes")
+    if out.shape[0] != n or out.shape[1] != width:
+        raise ValueError(f"out has shape {(out.shape[0], out.shape[1])}, need {(n, width)}")
+    for i in range(n):
+        r = rows[i]
+        if not 0 <= r < src.shape[0]:
+            raise ValueError(f"row {r} is outside a matrix of {src.shape[0]} rows")
+    if n == 0 or width == 0:
+        return
+    with nogil:
+        for i in range(n):
+            memcpy(&out[i, 0], &src[rows[i], 0], <size_t>width)

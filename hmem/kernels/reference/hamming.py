@@ -104,3 +104,13 @@ def topk_many(queries, sigs, alive, k, lo: int = 0, hi: int | None = None):
         rows[j, : len(r)] = r + lo
         dists[j, : len(r)] = d
     return rows, dists, counts
+
+
+def gather_rows(src, rows, out) -> None:
+    """out[i] = src[rows[i]]."""
+    idx = np.asarray(rows)
+    if out.shape != (len(idx), src.shape[1]):
+        raise ValueError(f"out has shape {out.shape}, need {(len(idx), src.shape[1])}")
+    if len(idx) and (idx.min() < 0 or idx.max() >= src.shape[0]):
+        raise ValueError(f"a row is outside a matrix of {src.shape[0]} rows")
+    out[:] = src[idx]
