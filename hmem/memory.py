@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-POPULATE_MIN_BYTES = 16 << 20
+POPULATE_MIN_BYTES = 1 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", None)  # Linux only
 
 

@@ -241,7 +241,7 @@ def test_a_store_opened_with_mapped_matrices_answers_the_same(store_factory, tmp
     store.close()
     with hmem.Store.open(tmp_path / "s", read_only=True) as plain:
         want = [facts(r) for r in plain.query_many(qs, 1, top_k=6)]
-    # Private knob: only matrices of 16 MiB and more are mapped at once;
+    # Private knob: only matrices of 1 MiB and more are mapped at once;
     # lowered so that this small store's layers take that path at open.
     monkeypatch.setattr(memory, "POPULATE_MIN_BYTES", 0)
     with hmem.Store.open(tmp_path / "s", read_only=True) as mapped:

@@ -161,14 +161,21 @@ class SearchIndex:
         order = np.argsort(layers, kind="stable")  # keeps position order within a layer
         live, layers = live[order], layers[order]
         bounds = np.flatnonzero(np.diff(layers)) + 1
-        for group in np.split(live, bounds):
-            if len(group):
-                layer = self._layer(int(records["layer_idx"][group[0]]))
-                if layer.n == 0:
-                    rows = layer.fill(records["signature"], group)
-                else:
-                    rows = layer.append(records["signature"][group], group)
-                self._track(group, rows)
+        groups = [g for g in np.split(live, bounds) if len(g)]
+        targets = [self._layer(int(records["layer_idx"][g[0]])) for g in groups]
+        signatures = records["signature"]
+        # Empty layers (all of them, at open) are filled on every core: the
+        # mapping of their memory (mmap) and the gather both run without the GIL.
+        empty = [i for i, layer in enumerate(targets) if layer.n == 0]
+
+        def fill(lo: int, hi: int) -> list[np.ndarray]:
+            return [targets[i].fill(signatures, groups[i]) for i in empty[lo:hi]]
+
+        filled = [rows for part in threads.run_ranges(fill, threads.split(len(empty), 1)) for rows in part]
+        rows_of = dict(zip(empty, filled))
+        for i, (group, layer) in enumerate(zip(groups, targets)):
+            rows = rows_of[i] if i in rows_of else layer.append(signatures[group], group)
+            self._track(group, rows)
 
     def remove(self, records: np.ndarray, positions: np.ndarray) -> None:
         """Take records out of the search (eviction)."""
