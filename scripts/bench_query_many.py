@@ -255,7 +255,7 @@ def run(store, args, log) -> dict:
             queries = store._queries
             pooled, kvs = queries._read_ahead(ready[rerank], [mean for _, mean in prepared], TOP_K, rerank, None)
             return [queries._answer(LAYER, sig, mean, sl, TOP_K, factor, rerank=rerank, framework="numpy",
-                                    count_access=False, skip=False, pooled=pooled, kvs=kvs)
+                                    skip=False, pooled=pooled, kvs=kvs)[0]
                     for (sig, mean), sl in zip(prepared, ready[rerank])]
         return run
 

@@ -229,6 +229,23 @@ def test_a_batch_skips_as_its_queries_would_alone(name, rerank, verify_reads, re
                     store.query_many([q for q, _ in items], layer, top_k=len(tpl.live), count_access=False)
 
 
+def test_a_batch_that_meets_damage_counts_no_access(reliability_template, clone_store):
+    tpl = reliability_template(False)
+    root = clone_store(tpl)
+    flip_tensor(13, "v")(root)
+    layer = tpl.puts[13][2]
+    others = [i for i in tpl.live if tpl.puts[i][2] == layer and i != 13][:3]
+    qs = [tpl.puts[i][0] for i in others] + [tpl.puts[13][0]]  # each finds its own entry first
+    with Store.open(root) as store:
+        before = [e.access_count for e in store.entries()]
+        # alone, the first queries are answered (and counted) ...
+        assert [r.entry_id for q in qs[:-1] for r in store.query(q, layer, top_k=1, count_access=False)] == others
+        # ... but in a batch with one that meets the damage, nothing is counted
+        with pytest.raises(hmem.CorruptStoreError):
+            store.query_many(qs, layer, top_k=1)
+        assert [e.access_count for e in store.entries()] == before
+
+
 def test_signature_only_ranking_reads_no_pooled_key(reliability_template, clone_store):
     """A damaged pooled key does not matter without re-ranking: the entry's K/V are sound."""
     tpl = reliability_template(False)

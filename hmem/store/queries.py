@@ -83,9 +83,22 @@ class Queries:
         else:
             shortlists = state.index.search_many(layer, np.stack([sig for sig, _ in prepared]), k * factor)
             pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check)
-        return [self._answer(layer, sig, mean, shortlist, k, factor, rerank=rerank, framework=framework,
-                             count_access=count_access, skip=skip, pooled=pooled, kvs=kvs)
-                for (sig, mean), shortlist in zip(prepared, shortlists)]
+        answers = [self._answer(layer, sig, mean, shortlist, k, factor, rerank=rerank, framework=framework,
+                                skip=skip, pooled=pooled, kvs=kvs)
+                   for (sig, mean), shortlist in zip(prepared, shortlists)]
+        # Accesses are counted once every query is answered (a damaged entry
+        # that raises leaves no count behind), in order: each query's results
+        # show the counts of the queries before it, as one after another.
+        if not count_access or state.read_only:
+            return [answer for answer, _ in answers]
+        counted = []
+        for answer, positions in answers:
+            if len(positions):
+                self.count_access(positions)
+            counted.append(QueryResults(
+                [dataclasses.replace(r, access_count=int(state.records["access_count"][pos]))
+                 for r, pos in zip(answer, positions)], answer.skipped))
+        return counted
 
     def _read_ahead(self, shortlists: list[tuple[np.ndarray, np.ndarray]], means: list[np.ndarray], k: int,
                     rerank: bool, check: bool | None) -> tuple[dict[int, np.ndarray], dict[int, tuple]]:
@@ -125,11 +138,12 @@ class Queries:
 
     def _answer(self, layer: int, signature: np.ndarray, q_mean: np.ndarray,
                 shortlist: tuple[np.ndarray, np.ndarray], k: int, factor: int, *, rerank: bool,
-                framework: str, count_access: bool, skip: bool, pooled: dict[int, np.ndarray],
-                kvs: dict[int, tuple[np.ndarray, np.ndarray]]) -> QueryResults:
+                framework: str, skip: bool, pooled: dict[int, np.ndarray],
+                kvs: dict[int, tuple[np.ndarray, np.ndarray]]) -> tuple[QueryResults, np.ndarray]:
         """One query's results from its signature shortlist (record
-        positions, Hamming distances): re-rank, read, count the accesses.
-        `pooled` and `kvs` hold tensors already read, by record position."""
+        positions, Hamming distances), re-ranked and read, and their record
+        positions.  `pooled` and `kvs` hold tensors already read, by record
+        position."""
         state = self.state
         # "skip" checks every tensor it hands out, verify_reads or not: a
         # skipped entry is one whose damage was seen, so one never seen must
@@ -156,11 +170,7 @@ class Queries:
             positions, sims = self._shortlist(layer, signature, k * factor, skipped)
         results = [self._result(int(pos), float(sims[i]), None if cosines is None else float(cosines[i]),
                                 kv[i], framework) for i, pos in enumerate(positions)]
-        if count_access and not state.read_only and len(positions):
-            self.count_access(positions)
-            results = [dataclasses.replace(r, access_count=int(state.records["access_count"][pos]))
-                       for r, pos in zip(results, positions)]
-        return QueryResults(results, () if skipped is None else skipped.values())
+        return QueryResults(results, () if skipped is None else skipped.values()), positions
 
     def _shortlist(self, layer: int, signature: np.ndarray, n: int,
                    skipped: dict[int, SkippedEntry] | None) -> tuple[np.ndarray, np.ndarray]:

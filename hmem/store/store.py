@@ -261,8 +261,10 @@ class Store:
         the same order, as one query per item made one after another.
 
         The layer's signatures are scanned once for the whole batch, by one
-        thread per core.  Every query is checked before any is answered, so
-        a bad one changes nothing (no access is counted).
+        thread per core, and the tensors the batch needs are read shard by
+        shard.  Every query is checked before any is answered, and accesses
+        are counted only once all are answered: a bad query, or a damaged
+        entry met without on_damage="skip", raises and counts nothing.
         """
         with self._state.mutex:
             self._state.check_open()
