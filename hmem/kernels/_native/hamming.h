@@ -168,6 +168,21 @@ static void hm_heap_up(int32_t *dists, int64_t *rows, size_t i)
     rows[i] = r;
 }
 
+/* Sort a max-heap of `size` entries into (distance, row) order: move the
+   worst to the end, shrink, repeat. */
+static void hm_heap_sort(int32_t *dists, int64_t *rows, size_t size)
+{
+    for (size_t end = size; end > 1; end--) {
+        int32_t d = dists[0];
+        int64_t r = rows[0];
+        dists[0] = dists[end - 1];
+        rows[0] = rows[end - 1];
+        dists[end - 1] = d;
+        rows[end - 1] = r;
+        hm_heap_down(dists, rows, 0, end - 1);
+    }
+}
+
 /*
  * Scan rows [0, n) and leave the best `cap` live rows in dists/rows as a
  * max-heap; returns how many were kept (min(cap, live rows)).
@@ -235,16 +250,7 @@ static size_t hm_topk(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nb
     else
 #endif
         size = hm_topk_scan_portable(q, sigs, n, nbytes, alive, cap, dists, rows);
-    /* Heap sort: move the worst to the end, shrink, repeat. */
-    for (size_t end = size; end > 1; end--) {
-        int32_t d = dists[0];
-        int64_t r = rows[0];
-        dists[0] = dists[end - 1];
-        rows[0] = rows[end - 1];
-        dists[end - 1] = d;
-        rows[end - 1] = r;
-        hm_heap_down(dists, rows, 0, end - 1);
-    }
+    hm_heap_sort(dists, rows, size);
     return size;
 }
 
@@ -447,20 +453,6 @@ static void hm_topk_many_avx512(const uint8_t *qs, size_t nq, const uint8_t *sig
     HM_TOPK_MANY_BODY(hm_dist_avx512, hm_dist4_avx512)
 }
 #endif
-
-/* Sort a max-heap of `size` entries into (distance, row) order. */
-static void hm_heap_sort(int32_t *dists, int64_t *rows, size_t size)
-{
-    for (size_t end = size; end > 1; end--) {
-        int32_t d = dists[0];
-        int64_t r = rows[0];
-        dists[0] = dists[end - 1];
-        rows[0] = rows[end - 1];
-        dists[end - 1] = d;
-        rows[end - 1] = r;
-        hm_heap_down(dists, rows, 0, end - 1);
-    }
-}
 
 /*
  * For each of the nq queries (row j of qs), the best min(cap, live rows in
