@@ -228,6 +228,27 @@ def _copy_range(fd: int, path: Path, part: FileRange) -> int:
     return part.length
 
 
+def read_ranges(ranges: Sequence[FileRange]) -> bytes:
+    """The bytes of the ranges, one after another (each file opened once)."""
+    fds: dict[Path, int] = {}
+    out = bytearray()
+    try:
+        for part in ranges:
+            fd = fds.get(part.path)
+            if fd is None:
+                with _errors("read", part.path):
+                    fd = fds[part.path] = open_regular(part.path)
+            with _errors("read", part.path):
+                data = os.pread(fd, part.length, part.offset)
+            if len(data) != part.length:
+                raise OSError(f"{part.path} ended {part.length - len(data)} bytes early")
+            out += data
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return bytes(out)
+
+
 def _discard(path: Path) -> None:
     with contextlib.suppress(OSError):  # best effort: the next writer removes leftovers anyway
         os.unlink(path)

@@ -76,6 +76,10 @@ TOP_K = 10
 SHORTLIST_FACTOR = 4  # Store.query's default
 BUILD_BATCH = 10_000
 QUERY_TOKENS = 8
+# Every signature compared whole, as faiss's IndexBinaryFlat does: the
+# batching is measured here; the two-stage search ("auto" picks it on a
+# layer this large) has its own benchmark, scripts/bench_two_stage.py.
+SEARCH = "full"
 
 GOAL_SPEEDUP = 4.0  # query_many vs 64 single queries
 GOAL_FAISS = 1.5  # faiss batch time / query_many time (rerank=False)
@@ -162,8 +166,8 @@ def described(results) -> list[tuple]:
 
 
 def check_same(store, qs, rerank: bool, log) -> None:
-    singles = [described(store.query(q, LAYER, top_k=TOP_K, rerank=rerank, count_access=False)) for q in qs]
-    many = [described(r) for r in store.query_many(qs, LAYER, top_k=TOP_K, rerank=rerank, count_access=False)]
+    singles = [described(store.query(q, LAYER, top_k=TOP_K, rerank=rerank, count_access=False, search=SEARCH)) for q in qs]
+    many = [described(r) for r in store.query_many(qs, LAYER, top_k=TOP_K, rerank=rerank, count_access=False, search=SEARCH)]
     if len(many) != len(singles):
         log(f"MISMATCH: query_many returned {len(many)} results for {len(singles)} queries")
         raise SystemExit(1)
@@ -180,7 +184,7 @@ def check_same(store, qs, rerank: bool, log) -> None:
 
 def check_faiss(store, qs, index, qsigs, log) -> None:
     dists, _ = index.search(qsigs, TOP_K)
-    many = store.query_many(qs, LAYER, top_k=TOP_K, rerank=False, count_access=False)
+    many = store.query_many(qs, LAYER, top_k=TOP_K, rerank=False, count_access=False, search=SEARCH)
     for i, res in enumerate(many):
         hmem_dists = [round((1.0 - r.similarity) * HDC_DIM) for r in res]
         if hmem_dists != dists[i].tolist():
@@ -222,10 +226,11 @@ def run(store, args, log) -> dict:
         check_faiss(store, qs, index, qsigs, log)
 
     def singles(rerank: bool) -> Callable[[], object]:
-        return lambda: [store.query(q, LAYER, top_k=TOP_K, rerank=rerank, count_access=False) for q in qs]
+        return lambda: [store.query(q, LAYER, top_k=TOP_K, rerank=rerank, count_access=False, search=SEARCH) for q in qs]
 
     def many(rerank: bool, batch=qs) -> Callable[[], object]:
-        return lambda: store.query_many(batch, LAYER, top_k=TOP_K, rerank=rerank, count_access=False)
+        return lambda: store.query_many(batch, LAYER, top_k=TOP_K, rerank=rerank, count_access=False,
+                                          search=SEARCH)
 
     cases: dict[str, Callable[[], object]] = {
         "singles, rerank": singles(True),
@@ -255,7 +260,7 @@ def run(store, args, log) -> dict:
             queries = store._queries
             pooled, kvs = queries._read_ahead(ready[rerank], [mean for _, mean in prepared], TOP_K, rerank, None)
             return [queries._answer(LAYER, sig, mean, sl, TOP_K, factor, rerank=rerank, framework="numpy",
-                                    skip=False, pooled=pooled, kvs=kvs)[0]
+                                    skip=False, search=SEARCH, pooled=pooled, kvs=kvs)[0]
                     for (sig, mean), sl in zip(prepared, ready[rerank])]
         return run
 

@@ -428,7 +428,13 @@ def test_query_json_matches_library(filled, kv_files):
     for row, r in zip(doc["results"], lib):
         assert (row["score"], row["similarity"], row["n_tokens"], row["layer"], row["importance"]) == \
             (r.score, r.similarity, r.n_tokens, r.layer_idx, r.importance)
-    assert (doc["layer"], doc["top_k"], doc["rerank"], doc["export"]) == (0, 5, True, None)
+    assert (doc["layer"], doc["top_k"], doc["rerank"], doc["search"], doc["export"]) == (0, 5, True, "auto", None)
+    for mode in ("full", "two-stage"):
+        doc = run_json("query", filled, "--query", "q.npy", "-l", 0, "-k", 5, "--search", mode)
+        with hmem.Store.open(filled, read_only=True) as s:
+            lib = s.query(keys, 0, top_k=5, search=mode)
+        assert [r["entry_id"] for r in doc["results"]] == [r.entry_id for r in lib], mode
+        assert doc["search"] == mode
 
 
 def test_query_input_file_forms(filled, kv_files):
@@ -473,7 +479,8 @@ def test_query_rejects_ambiguous_or_wrong_shape_query(filled, rng):
     assert_one_error_line(run("query", filled, "--query", "ints.npy", "-l", 0), ExitCode.USAGE, "must hold floats")
 
 
-@pytest.mark.parametrize("args", [["--top-k", "0"], ["--top-k", "-1"], ["--layer", "-1"], ["--layer", "x"]])
+@pytest.mark.parametrize("args", [["--top-k", "0"], ["--top-k", "-1"], ["--layer", "-1"], ["--layer", "x"],
+                                  ["--search", "fast"]])
 def test_query_bad_options_are_usage_errors(filled, kv_files, args):
     np.save("q.npy", kv_files[1][0][0])
     base = ["query", filled, "--query", "q.npy"] + ([] if "--layer" in args else ["--layer", "0"])

@@ -187,7 +187,7 @@ def test_names_and_record_size():
     assert layout.shard_file(3) == "shard_0003.safetensors"
     assert layout.shard_index("shard_0003.safetensors") == 3 and layout.shard_index("shard_3.safetensors") is None
     assert layout.record_bytes(16) == 56
-    assert layout.FIXED_FILES == ("index.json", "entries.bin", "lock", "commit.stamp", "sources.jsonl")
+    assert layout.FIXED_FILES == ("index.json", "entries.bin", "lock", "commit.stamp", "sources.jsonl", "pooled.bin")
 
 
 def _directory(root: Path) -> None:

@@ -30,6 +30,7 @@ from hmem.formats.records import EVICTED
 F = np.float32
 EMBED, HDC = 16, 256
 RECORD = 40 + HDC // 8
+POOLED_ROW = 12 + 4 * EMBED  # an entry's row of pooled.bin (docs/format.md)
 SHARD_RE = re.compile(r"^shard_(\d{4,})\.safetensors$")
 
 
@@ -321,7 +322,7 @@ def test_plan_eviction_changes_nothing_and_counts_the_bytes(store_factory, snaps
     reclaimable = store.stats().reclaimable_bytes
     assert store.evict(7) == 5
     # what the plan promised is what the store now counts as reclaimable
-    assert store.stats().reclaimable_bytes == reclaimable + plan.bytes_reclaimable + 5 * RECORD
+    assert store.stats().reclaimable_bytes == reclaimable + plan.bytes_reclaimable + 5 * (RECORD + POOLED_ROW)
     assert live_ids(store) == set(data) - set(plan.entry_ids)
 
 
@@ -700,8 +701,9 @@ def test_compaction_of_a_store_with_nothing_live(tmp_path):
     try:
         report = store.compact()
         assert report.performed and report.entries == 0 and report.shards_after == 0
-        assert sorted(p.name for p in path.iterdir()) == ["commit.stamp", "entries.bin", "index.json", "lock"]
-        assert (path / "entries.bin").stat().st_size == 0
+        assert sorted(p.name for p in path.iterdir()) == ["commit.stamp", "entries.bin", "index.json", "lock",
+                                                          "pooled.bin"]
+        assert (path / "entries.bin").stat().st_size == 0 and (path / "pooled.bin").stat().st_size == 0
         k = gauss(rng, 2)
         eid = store.put(k, k, layer_idx=0)
         assert eid > max(data)

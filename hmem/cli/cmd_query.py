@@ -75,6 +75,10 @@ def query(
     top_k: Annotated[int, typer.Option("--top-k", "-k", min=1, help="Number of results.")] = 5,
     rerank: Annotated[bool, typer.Option("--rerank/--no-rerank",
                                          help="Re-rank a 4x shortlist by the exact cosine of pooled keys.")] = True,
+    search: Annotated[str, typer.Option(
+        "--search", metavar="MODE",
+        help="How signatures are scanned: full (every signature whole), two-stage (the first 1024 bits of each, "
+        "then the best 50x shortlist whole) or auto (two-stage on layers of 100,000 entries and more).")] = "auto",
     export: Annotated[Path | None, typer.Option("--export", help="Write the retrieved K/V to this safetensors file.")] = None,
     export_layout: ExportLayoutOption = "entries",
     kv_heads: KvHeadsOption = None,
@@ -95,7 +99,8 @@ def query(
     started = time.perf_counter()
     with Store.open(store, read_only=not count_access, lock_wait=lock_wait) as s:
         check_heads(s.config.embed_dim, kv_heads)
-        results = s.query(tokens, layer, top_k, rerank=rerank, on_damage="skip" if skip_damaged else "raise")
+        results = s.query(tokens, layer, top_k, rerank=rerank, on_damage="skip" if skip_damaged else "raise",
+                          search=search)
         skipped_note = report_skipped(out, results, layer)
         seconds = time.perf_counter() - started
         exported, note = None, None
@@ -121,7 +126,7 @@ def query(
         for rank, r in enumerate(results, start=1)
     ]
     if json_output:
-        out.emit_json({"store": str(store), "layer": layer, "top_k": top_k, "rerank": rerank,
+        out.emit_json({"store": str(store), "layer": layer, "top_k": top_k, "rerank": rerank, "search": search,
                        "results": rows, "skipped": skipped_json(results), "export": str(export) if export else None,
                        "seconds": seconds})
         return

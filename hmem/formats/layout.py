@@ -3,6 +3,7 @@ how hmem opens one to read it.
 
     index.json               the commit point (hmem/formats/manifest.py)
     entries.bin              one record per entry (hmem/formats/records.py)
+    pooled.bin               each record's pooled key (hmem/formats/pooled.py)
     shard_NNNN.safetensors   K/V tensors (hmem/formats/shard_file.py)
     lock                     the single-writer lock and its owner record
     .hmem-tmp.*              temporary files of a writer
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hmem._io import TEMP_PREFIX
+from hmem.formats.pooled import POOLED_FILE
 from hmem.formats.records import ENTRIES_FILE, HEADER_BYTES
 from hmem.formats.sources import SOURCES_FILE
 
@@ -38,15 +40,16 @@ LOCK_FILE = "lock"
 # ENTRIES_FILE ("entries.bin") is defined beside the record format, which
 # this module builds on (record_bytes); it is imported from here like the rest.
 STAMP_FILE = "commit.stamp"  # hmem/formats/stamp.py
-# SOURCES_FILE ("sources.jsonl", the import registry) likewise lives in hmem/formats/sources.py.
-FIXED_FILES = (INDEX_FILE, ENTRIES_FILE, LOCK_FILE, STAMP_FILE, SOURCES_FILE)
+# SOURCES_FILE ("sources.jsonl", the import registry) and POOLED_FILE
+# ("pooled.bin") likewise live beside their formats.
+FIXED_FILES = (INDEX_FILE, ENTRIES_FILE, LOCK_FILE, STAMP_FILE, SOURCES_FILE, POOLED_FILE)
 SHARD_NAME = re.compile(r"^shard_(\d{4,9})\.safetensors$")
 # Compaction and repair write a store's new files under these names first
 # (docs/format.md, "Compaction").
 REWRITE_PREFIX = TEMP_PREFIX + "rewrite."
 TEMP_NAME = re.compile(r"^" + re.escape(TEMP_PREFIX) + r"[A-Za-z0-9_.-]{1,200}$")
 
-__all__ = ["ENTRIES_FILE", "FIXED_FILES", "INDEX_FILE", "LOCK_FILE", "SOURCES_FILE", "STAMP_FILE", "REWRITE_PREFIX", "SHARD_NAME", "TEMP_PREFIX",
+__all__ = ["ENTRIES_FILE", "FIXED_FILES", "INDEX_FILE", "LOCK_FILE", "POOLED_FILE", "SOURCES_FILE", "STAMP_FILE", "REWRITE_PREFIX", "SHARD_NAME", "TEMP_PREFIX",
            "DirectoryFiles", "classify", "directory_bytes", "files_without_index", "record_bytes", "resolve", "shard_file", "shard_index",
            "shard_names"]
 
@@ -76,7 +79,8 @@ def name_problem(name: object, *, shard_at: int | None = None, rename: bool = Fa
         return None if name == shard_file(shard_at) else f"shard {shard_at} must be {shard_file(shard_at)}, not {name!r}"
     if rename:
         final = name[len(REWRITE_PREFIX):] if name.startswith(REWRITE_PREFIX) else ""
-        return None if final == ENTRIES_FILE or SHARD_NAME.match(final) else f"{name!r} is no rewrite's file"
+        return None if final in (ENTRIES_FILE, POOLED_FILE) or SHARD_NAME.match(final) \
+            else f"{name!r} is no rewrite's file"
     if delete:
         return None if SHARD_NAME.match(name) or TEMP_NAME.match(name) else f"{name!r} is not a file hmem deletes"
     return None if name in FIXED_FILES or SHARD_NAME.match(name) else f"{name!r} is not a store file"

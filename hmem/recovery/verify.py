@@ -27,7 +27,7 @@ import numpy as np
 from hmem import _io
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError, InvalidArgumentError, NotAStoreError, UnsupportedFormatError
-from hmem.formats import layout, manifest, records, shard_file, stamp
+from hmem.formats import layout, manifest, pooled, records, shard_file, stamp
 from hmem.formats import sources as source_registry
 from hmem.formats.layout import ENTRIES_FILE
 from hmem.formats.records import EVICTED
@@ -119,6 +119,7 @@ def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | No
             out.add("index.stale", ERROR, layout.INDEX_FILE, evidence, "an index.json as new as the store's files")
         loaded = _check_records(root, mf, out, stale=evidence is not None)
         _check_sources(root, mf, out)
+        _check_pooled(root, mf, loaded, out)
         scans = _check_shards(root, mf, loaded, out)
         _check_directory(root, mf, out, stale=evidence is not None)
         if full:
@@ -159,6 +160,34 @@ def _check_sources(root: Path, mf: manifest.Manifest, out: _Collector) -> None:
         source_registry.read(root, mf.sources)
     except CorruptStoreError as exc:
         out.add("sources.damaged", ERROR, name, exc.message, f"{mf.sources.bytes} committed bytes of source records")
+
+
+def _check_pooled(root: Path, mf: manifest.Manifest, loaded: np.ndarray, out: _Collector) -> None:
+    """pooled.bin repeats what the shards hold (hmem/formats/pooled.py): a
+    live record without a usable row there costs speed, not data."""
+    if not len(loaded):
+        return
+    # records that fail their own checksum are reported as such, their ids untrusted
+    live = np.flatnonzero((loaded["shard_idx"] != EVICTED) & (records.checksums(loaded) == loaded["checksum"]))
+    if not len(live) or _unsafe(root / pooled.POOLED_FILE):
+        return
+    dtype = pooled.row_dtype(mf.config.embed_dim)
+    try:
+        with open(_io.open_regular(root / pooled.POOLED_FILE), "rb") as f:
+            rows = np.fromfile(f, dtype=dtype, count=len(loaded))
+    except FileNotFoundError:
+        rows = np.zeros(0, dtype=dtype)
+    except OSError as exc:
+        out.add("pooled.partial", INFO, pooled.POOLED_FILE, f"unreadable ({exc.strerror or exc}): re-rank reads "
+                "every pooled key from the shards")
+        return
+    inside = live[live < len(rows)]
+    usable = int(pooled.usable(rows[inside], loaded["entry_id"][inside]).sum())
+    if usable < len(live):
+        out.add("pooled.partial", INFO, pooled.POOLED_FILE,
+                f"{len(live) - usable} of {len(live)} live entries have no usable row: re-rank reads their pooled "
+                "keys from the shards (slower); compaction or repair writes the file anew",
+                "a row per live entry")
 
 
 def _check_records(root: Path, mf: manifest.Manifest, out: _Collector, *, stale: bool) -> np.ndarray:

@@ -47,10 +47,10 @@ class Compaction:
         dead = state.n - len(live)
         shard_count = len(state.shards) + (1 if state.builder is not None else 0)
         needed = bool(dead or orphans or len(groups) < shard_count or state.n > state.committed_n)
-        # What compaction frees for sure: evicted tensors and records, and
+        # What compaction frees for sure: evicted tensors, records and pooled.bin rows, and
         # orphan files (merging shards saves a little more, not counted).
         reclaimable = (sum(info.dead_bytes for info in state.shards) + state.builder_dead.bytes
-                       + dead * state.record_size
+                       + dead * state.entry_overhead
                        + sum((state.path / name).stat().st_size for name in orphans
                              if (state.path / name).exists()))
         reclaimable = min(reclaimable, before)

@@ -117,7 +117,7 @@ class Eviction:
         cfg = state.config
         if not (cfg.max_entries or cfg.max_disk_bytes) or not batch:
             return
-        sizes = [int(state.entry_file_bytes(p.n_tokens)) + state.record_size for p in batch]
+        sizes = [int(state.entry_file_bytes(p.n_tokens)) + state.entry_overhead for p in batch]
         sizes[0] += INDEX_BYTES_PER_SHARD  # the shard the batch may open, in index.json
         if cfg.max_entries and len(batch) > cfg.max_entries:
             raise EntryTooLargeError(f"{len(batch)} entries can never fit max_entries={cfg.max_entries}")
@@ -137,7 +137,7 @@ class Eviction:
             budget = min(max(int(cfg.max_disk_bytes * DISK_LOW_WATER), needed), cfg.max_disk_bytes) - needed
             order = eviction_order(state.records, state.live_positions())
             kept_bytes = np.asarray(state.entry_file_bytes(state.records["n_tokens"][order].astype(np.int64)),
-                                    dtype=np.int64) + state.record_size
+                                    dtype=np.int64) + state.entry_overhead
             # evict the shortest prefix of `order` whose removal leaves at most `budget`
             remaining = kept_bytes.sum() - np.concatenate([[0], np.cumsum(kept_bytes)])
             self._evict_for_room(order[: int(np.argmax(remaining <= budget))])
@@ -153,10 +153,10 @@ class Eviction:
 
     def _usage_bytes(self) -> int:
         """Bytes on disk now plus what the next flush will add: shards,
-        records, and index.json's growth (evicted entries count until
+        records and their pooled.bin rows, and index.json's growth (evicted entries count until
         compaction)."""
         state = self.state
-        pending = (state.n - state.committed_n) * state.record_size
+        pending = (state.n - state.committed_n) * state.entry_overhead
         new_shards = len(state.shards) - state.shards_committed
         if state.builder is not None:
             pending += state.builder.file_bytes_bound()

@@ -22,6 +22,7 @@ from hmem.formats import layout
 from hmem.store.projection import similarity
 from hmem.store.reading import EntryReader
 from hmem.store.results import QueryResult, QueryResults, SkippedEntry, as_framework
+from hmem.store.search import SEARCHES
 from hmem.store.state import StoreState
 from hmem.store.tensors import as_rows
 
@@ -39,14 +40,15 @@ class Queries:
         self.reader = reader
 
     def query(self, query: Any, layer_idx: int, top_k: int, *, rerank: bool, shortlist_factor: int,
-              framework: str, count_access: bool, on_damage: str = "raise") -> QueryResults:
+              framework: str, count_access: bool, on_damage: str = "raise", search: str = "auto") -> QueryResults:
         """See Store.query."""
         rows = [as_rows(query, "query", self.state.config.embed_dim, allow_vector=True)]
         return self._run(rows, layer_idx, top_k, rerank=rerank, shortlist_factor=shortlist_factor,
-                         framework=framework, count_access=count_access, on_damage=on_damage)[0]
+                         framework=framework, count_access=count_access, on_damage=on_damage, search=search)[0]
 
     def query_many(self, queries: Any, layer_idx: int, top_k: int, *, rerank: bool, shortlist_factor: int,
-                   framework: str, count_access: bool, on_damage: str = "raise") -> list[QueryResults]:
+                   framework: str, count_access: bool, on_damage: str = "raise", search: str = "auto"
+                   ) -> list[QueryResults]:
         """See Store.query_many."""
         ndim = getattr(queries, "ndim", None)
         if ndim is not None and ndim != 3:
@@ -59,10 +61,10 @@ class Queries:
         embed_dim = self.state.config.embed_dim
         rows = [as_rows(q, f"queries[{i}]", embed_dim, allow_vector=True) for i, q in enumerate(queries)]
         return self._run(rows, layer_idx, top_k, rerank=rerank, shortlist_factor=shortlist_factor,
-                         framework=framework, count_access=count_access, on_damage=on_damage)
+                         framework=framework, count_access=count_access, on_damage=on_damage, search=search)
 
     def _run(self, rows: list[np.ndarray], layer_idx: int, top_k: int, *, rerank: bool, shortlist_factor: int,
-             framework: str, count_access: bool, on_damage: str) -> list[QueryResults]:
+             framework: str, count_access: bool, on_damage: str, search: str) -> list[QueryResults]:
         """Answer checked queries in order.  The shortlists of all of them
         come from one scan of the layer; each is then answered exactly as a
         query of its own would be."""
@@ -72,19 +74,20 @@ class Queries:
         validation.choice(framework, "framework", FRAMEWORKS)
         skip = validation.choice(on_damage, "on_damage", ON_DAMAGE) == "skip"
         factor = validation.integer(shortlist_factor, "shortlist_factor", low=1) if rerank else 1
+        search = validation.choice(search, "search", SEARCHES)
         if not rows:
             return []
         prepared = [state.projector.signature_and_mean(q) for q in rows]
         check = True if skip else None
         if len(prepared) == 1:
-            shortlists = [state.index.search(layer, prepared[0][0], k * factor)]
+            shortlists = [state.index.search(layer, prepared[0][0], k * factor, search)]
             pooled: dict[int, np.ndarray] = {}
             kvs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         else:
-            shortlists = state.index.search_many(layer, np.stack([sig for sig, _ in prepared]), k * factor)
+            shortlists = state.index.search_many(layer, np.stack([sig for sig, _ in prepared]), k * factor, search)
             pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check)
         answers = [self._answer(layer, sig, mean, shortlist, k, factor, rerank=rerank, framework=framework,
-                                skip=skip, pooled=pooled, kvs=kvs)
+                                skip=skip, search=search, pooled=pooled, kvs=kvs)
                    for (sig, mean), shortlist in zip(prepared, shortlists)]
         # Accesses are counted once every query is answered (a damaged entry
         # that raises leaves no count behind), in order: each query's results
@@ -102,17 +105,20 @@ class Queries:
 
     def _read_ahead(self, shortlists: list[tuple[np.ndarray, np.ndarray]], means: list[np.ndarray], k: int,
                     rerank: bool, check: bool | None) -> tuple[dict[int, np.ndarray], dict[int, tuple]]:
-        """The pooled keys of every shortlisted entry of a batch and the K/V
-        of every entry its queries will return, read shard by shard: each
-        query alone would map the same shards again and again (a store keeps
-        only max_open_shards mapped).  A read that finds damage is left out;
+        """The pooled keys of every shortlisted entry of a batch (from
+        pooled.bin, or else its shard) and the K/V of every entry its
+        queries will return, read shard by shard: each query alone would
+        map the same shards again and again (a store keeps only
+        max_open_shards mapped).  A read that finds damage is left out;
         the query that needs the entry reads it again and meets the damage
         as a query of its own would."""
         records = self.state.records
         pooled: dict[int, np.ndarray] = {}
         if rerank:
-            pooled = self._read_by_shard(np.concatenate([pos for pos, _ in shortlists]),
-                                         lambda pos: self.reader.tensor(pos, "p", check=check))
+            wanted = np.unique(np.concatenate([pos for pos, _ in shortlists]))
+            keys, found = self._from_pooled_file(wanted, skip=check is True)
+            pooled = dict(zip(wanted[found].tolist(), keys[found]))
+            pooled.update(self._read_by_shard(wanted[~found], lambda pos: self.reader.tensor(pos, "p", check=check)))
         finals = []
         for (positions, _), mean in zip(shortlists, means):
             if rerank and len(positions):
@@ -138,7 +144,7 @@ class Queries:
 
     def _answer(self, layer: int, signature: np.ndarray, q_mean: np.ndarray,
                 shortlist: tuple[np.ndarray, np.ndarray], k: int, factor: int, *, rerank: bool,
-                framework: str, skip: bool, pooled: dict[int, np.ndarray],
+                framework: str, skip: bool, search: str, pooled: dict[int, np.ndarray],
                 kvs: dict[int, tuple[np.ndarray, np.ndarray]]) -> tuple[QueryResults, np.ndarray]:
         """One query's results from its signature shortlist (record
         positions, Hamming distances), re-ranked and read, and their record
@@ -155,10 +161,9 @@ class Queries:
         while True:  # each pass that finds damage leaves more out, so this ends
             cosines: np.ndarray | None = None
             if rerank and len(positions):
-                keys = self._read_all(positions, lambda pos: pooled[pos] if pos in pooled
-                                      else self.reader.tensor(pos, "p", check=check), skipped)
+                keys = self._pooled_keys(positions, pooled, check, skipped)
                 if keys is None:
-                    positions, sims = self._shortlist(layer, signature, k * factor, skipped)
+                    positions, sims = self._shortlist(layer, signature, k * factor, search, skipped)
                     continue
                 cosines = _cosines(keys, q_mean)
                 order = np.lexsort((state.records["entry_id"][positions], -cosines))[:k]
@@ -167,18 +172,49 @@ class Queries:
                                 else self.reader.kv(pos, check=check), skipped)
             if kv is not None:
                 break
-            positions, sims = self._shortlist(layer, signature, k * factor, skipped)
+            positions, sims = self._shortlist(layer, signature, k * factor, search, skipped)
         results = [self._result(int(pos), float(sims[i]), None if cosines is None else float(cosines[i]),
                                 kv[i], framework) for i, pos in enumerate(positions)]
         return QueryResults(results, () if skipped is None else skipped.values()), positions
 
-    def _shortlist(self, layer: int, signature: np.ndarray, n: int,
+    def _from_pooled_file(self, positions: np.ndarray, *, skip: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, found): the pooled keys pooled.bin holds for these
+        positions.  None are taken when skipping damaged entries: a skipping
+        re-rank reads each candidate's key from its shard, so that a
+        candidate it cannot read leaves the shortlist and the next best
+        takes its place (docs/reliability.md, "Degraded reads")."""
+        state = self.state
+        committed = positions < state.committed_n
+        keys = np.zeros((len(positions), state.config.embed_dim), dtype=np.float32)
+        found = np.zeros(len(positions), dtype=bool)
+        if committed.any() and not skip:
+            where = np.flatnonzero(committed)
+            keys[where], found[where] = state.pooled.get(positions[where], state.records["entry_id"][positions[where]])
+        return keys, found
+
+    def _pooled_keys(self, positions: np.ndarray, pooled: dict[int, np.ndarray], check: bool | None,
+                     skipped: dict[int, SkippedEntry] | None) -> np.ndarray | None:
+        """The pooled key of each position: from pooled.bin where its row is
+        usable, else from `pooled` (read ahead) or the entry's shard, as
+        _read_all reads (None when `skipped` gained entries)."""
+        keys, found = self._from_pooled_file(positions, skip=skipped is not None)
+        if found.all():
+            return keys
+        missing = np.flatnonzero(~found)
+        rest = self._read_all(positions[missing], lambda pos: pooled[pos] if pos in pooled
+                              else self.reader.tensor(pos, "p", check=check), skipped)
+        if rest is None:
+            return None
+        keys[missing] = np.stack(rest)
+        return keys
+
+    def _shortlist(self, layer: int, signature: np.ndarray, n: int, search: str,
                    skipped: dict[int, SkippedEntry] | None) -> tuple[np.ndarray, np.ndarray]:
         """(record positions, similarities) of the `n` entries of the layer
         nearest by signature, the skipped ones left out (so the next take
         their places: the order is the same total order either way)."""
         state = self.state
-        positions, dists = state.index.search(layer, signature, n + (len(skipped) if skipped else 0))
+        positions, dists = state.index.search(layer, signature, n + (len(skipped) if skipped else 0), search)
         if skipped:
             keep = ~np.isin(positions, np.fromiter(skipped, dtype=np.int64, count=len(skipped)))
             positions, dists = positions[keep][:n], dists[keep][:n]
@@ -234,11 +270,11 @@ class Queries:
         )
 
 
-def _cosines(pooled_rows: list[np.ndarray], target: np.ndarray) -> np.ndarray:
+def _cosines(pooled_rows: np.ndarray | list[np.ndarray], target: np.ndarray) -> np.ndarray:
     # Row by row with numpy's own reduction (not a BLAS product, whose
     # rounding depends on a row's place in the block): an entry's cosine
     # is the same whatever the other candidates, and equal keys tie.
-    pooled = np.stack(pooled_rows).astype(np.float64)
+    pooled = np.asarray(pooled_rows, dtype=np.float64)
     norms = np.sqrt((pooled * pooled).sum(axis=1)) * np.sqrt((target * target).sum())
     dots = (pooled * target).sum(axis=1)
     return np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0)

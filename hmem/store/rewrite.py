@@ -2,8 +2,8 @@
 
 Given the records to keep and where each of their tensors lies now (a range
 of an old shard file, already checked against its CRC), write fresh shards
-packed up to shard_max_bytes and numbered from 0, and a fresh entries.bin,
-under temporary names; commit index.json naming them with pending renames
+packed up to shard_max_bytes and numbered from 0, a fresh entries.bin and
+a fresh pooled.bin (hmem/formats/pooled.py), under temporary names; commit index.json naming them with pending renames
 (temporary -> final) and deletes (old files); then do the renames and
 deletes.  A crash before the commit leaves the old state (the temporary
 files are leftovers the next writer removes); after it, the new state (the
@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from hmem import _io
-from hmem.errors import Hint, UnsafeFileError
-from hmem.formats import layout, manifest, records, shard_file, stamp
-from hmem.formats.layout import ENTRIES_FILE
+from hmem.errors import CorruptStoreError, Hint, UnsafeFileError
+from hmem.formats import layout, manifest, pooled, records, shard_file, stamp
+from hmem.formats.layout import ENTRIES_FILE, POOLED_FILE
+from hmem.kernels import checksum as checksum_kernels
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.store import shard_builder
 
@@ -72,12 +73,14 @@ def rewrite(
     new_records = kept.copy()
     new_shards: list[ShardInfo] = []
     renames: list[tuple[str, str]] = []
+    pooled_keys: list[tuple[_io.FileRange, int]] = []  # each entry's "p" tensor and its CRC
     start, done, total = 0, 0, int(sizes.sum())
     for j, count in enumerate(groups):
         builder = shard_builder.ShardBuilder(j, uuid.uuid4().hex, arenas, config_json)
         for i in range(start, start + count):
             tensors, meta = sources[i]()
             builder.add_lent_entry(int(kept["entry_id"][i]), int(kept["n_tokens"][i]), tensors, meta)
+            pooled_keys.append((tensors["p"][2], tensors["p"][3]))
         name = layout.shard_file(j)
         size, index_crc = builder.seal(root / (TEMP_PREFIX + name))
         new_shards.append(ShardInfo(file=name, bytes=size, uid=builder.uid, entries=builder.entries,
@@ -93,6 +96,10 @@ def rewrite(
     entries_temp = TEMP_PREFIX + ENTRIES_FILE
     _io.write_file(root / entries_temp, [new_records.tobytes()])
     renames.append((entries_temp, ENTRIES_FILE))
+    pooled_temp = TEMP_PREFIX + POOLED_FILE
+    _io.write_file(root / pooled_temp, [_pooled_rows(new_records["entry_id"], pooled_keys,
+                                                     base.config.embed_dim).tobytes()])
+    renames.append((pooled_temp, POOLED_FILE))
     _io.crash_point(f"{crash_prefix}.records_written")
     keep = {info.file for info in new_shards}
     mf = dataclasses.replace(
@@ -111,6 +118,19 @@ def rewrite(
     return clean, new_records
 
 
+def _pooled_rows(entry_ids: np.ndarray, keys: Sequence[tuple[_io.FileRange, int]], embed_dim: int) -> np.ndarray:
+    """pooled.bin's rows for the kept entries, their keys read from the
+    shards and checked against their CRC-32C."""
+    raw = np.frombuffer(_io.read_ranges([where for where, _ in keys]), dtype=np.uint8)
+    raw = raw.reshape(len(keys), 4 * embed_dim)
+    bad = np.flatnonzero(checksum_kernels.crc32c_rows(raw, 0, 0) != np.array([crc for _, crc in keys], np.uint32))
+    if len(bad):
+        where = keys[int(bad[0])][0]
+        raise CorruptStoreError(f"tensor p_{int(entry_ids[bad[0]])} in {where.path.name} fails its checksum",
+                                hint=Hint.VERIFY_THEN_REPAIR)
+    return pooled.make_rows(entry_ids, raw.view("<f4"))
+
+
 def finish_pending(root: Path, mf: Manifest) -> None:
     """Redo the steps the last commit listed (all idempotent): renames first,
     then record fields in place, then deletions."""
@@ -125,13 +145,13 @@ def finish_pending(root: Path, mf: Manifest) -> None:
 
 def refuse_unsafe(root: Path, files: layout.DirectoryFiles) -> None:
     """Refuse (UnsafeFileError) a store where a file the commit names is a
-    link or not a regular file, or where entries.bin or commit.stamp, which
-    are written in place, has other names (a hard link): nothing is read or
+    link or not a regular file, or where entries.bin, commit.stamp or
+    pooled.bin, which are written in place, has other names (a hard link): nothing is read or
     written through them, so a writer would fail part way (docs/security.md)."""
     if files.unsafe:
         raise UnsafeFileError(f"{', '.join(files.unsafe)} in {root}: not a regular file (a symbolic link or the "
                               "like); hmem writes no store whose own files are links", hint=Hint.VERIFY)
-    for name in (ENTRIES_FILE, layout.STAMP_FILE):
+    for name in (ENTRIES_FILE, layout.STAMP_FILE, POOLED_FILE):
         if name in files.committed and os.lstat(root / name).st_nlink > 1:
             raise UnsafeFileError(f"{name} in {root} has other names (hard links); hmem writes no file in place "
                                   "that another name shares",
@@ -141,13 +161,16 @@ def refuse_unsafe(root: Path, files: layout.DirectoryFiles) -> None:
 def remove_leftovers(root: Path, mf: Manifest) -> None:
     """Remove what an interrupted writer left past the commit: temporary
     files, shards the commit does not name at indices it would use next,
-    and records past the committed count; first, refuse_unsafe."""
+    and records (and pooled.bin rows) past the committed count; first,
+    refuse_unsafe."""
     files = layout.classify(root, mf.shards, mf.pending)
     refuse_unsafe(root, files)
     for name in files.orphans:  # regular files only: a link or directory is never hmem's
         if name in files.temporary or (layout.shard_index(name) or 0) >= len(mf.shards):
             _io.unlink(root / name)
-    entries = root / ENTRIES_FILE
-    committed_size = mf.record_count * layout.record_bytes(mf.config.signature_bytes)
-    if entries.exists() and entries.stat().st_size > committed_size:
-        _io.truncate(entries, committed_size)
+    for name, row in ((ENTRIES_FILE, layout.record_bytes(mf.config.signature_bytes)),
+                      (POOLED_FILE, pooled.row_bytes(mf.config.embed_dim))):
+        # rows past the commit: no reader ever reads them (nor has them mapped in use)
+        path, committed_size = root / name, mf.record_count * row
+        if path.exists() and path.stat().st_size > committed_size:
+            _io.truncate(path, committed_size)

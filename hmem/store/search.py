@@ -6,10 +6,21 @@ tie rule (equal Hamming distance: lower row first) means lower entry id
 first.  Evicted rows are masked out at once and dropped from the matrix
 when they reach a quarter of it.
 
-A batch of queries (topk_many) reads the matrix once for the whole batch,
-split into contiguous row ranges scanned by one thread per core; the
-kernel runs without the GIL, and the ranges' results are merged in the
-same (distance, row) order.
+A scan is split into contiguous row ranges, one thread per core (the
+kernels run without the GIL), and the ranges' results are merged in the
+same (distance, row) order.  A batch of queries (topk_many) reads the
+matrix once for the whole batch.
+
+A two-stage search reads less than every signature: it scans a copy of
+the first PREFIX_BYTES of each signature (itself a signature of the same
+projection, of fewer bits) for the best SURVIVORS_PER_PLACE x k rows,
+ranks those on their full signatures and keeps k.  The prefix matrix is a
+contiguous copy (PREFIX_BYTES more memory per row): reading the prefixes
+in place, a cache line out of every row, is no faster than the full scan.
+It is made on a layer's first two-stage search and kept up to date after.
+"auto" uses two stages on layers of at least TWO_STAGE_MIN_ROWS rows,
+where recall@10 after re-rank stays within 0.01 of the full scan's
+(docs/benchmarks.md, "Two-stage search").
 """
 
 from __future__ import annotations
@@ -22,6 +33,11 @@ from hmem.kernels import hamming as hamming_kernels
 _MIN_CAPACITY = 64
 # Below this many rows a second thread costs more than it saves.
 _ROWS_PER_THREAD = 65536
+
+SEARCHES = ("auto", "full", "two-stage")
+PREFIX_BYTES = 128  # 1024 bits: a quarter of a 4096-bit signature
+SURVIVORS_PER_PLACE = 50  # stage one keeps 50 x k rows for stage two
+TWO_STAGE_MIN_ROWS = 100_000
 
 
 def _merge(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -40,6 +56,12 @@ def _merge(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], k: int) -> tu
     return np.take_along_axis(rows, order, axis=1), np.take_along_axis(dists, order, axis=1), counts
 
 
+def _best(rows: np.ndarray, dists: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best of (row, distance) pairs by (distance, row)."""
+    order = np.lexsort((rows, dists))[:k]
+    return rows[order], dists[order]
+
+
 class LayerIndex:
     """Signatures of the live entries of one layer."""
 
@@ -47,6 +69,9 @@ class LayerIndex:
         self.sigs = np.zeros((_MIN_CAPACITY, signature_bytes), dtype=np.uint8)
         self.positions = np.zeros(_MIN_CAPACITY, dtype=np.int64)
         self.alive = np.ones(_MIN_CAPACITY, dtype=np.uint8)
+        # the first PREFIX_BYTES of each row, contiguous; None until a
+        # two-stage search first needs it
+        self.prefixes: np.ndarray | None = None
         self.n = 0
         self.dead = 0
 
@@ -66,6 +91,10 @@ class LayerIndex:
         alive = np.ones(cap, dtype=np.uint8)
         alive[: self.n] = self.alive[: self.n]
         self.sigs, self.positions, self.alive = sigs, positions, alive
+        if self.prefixes is not None:
+            prefixes = np.zeros((cap, self.prefixes.shape[1]), dtype=np.uint8)
+            prefixes[: self.n] = self.prefixes[: self.n]
+            self.prefixes = prefixes
 
     def fill(self, signatures: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Make an empty layer hold signatures[positions] (a row per
@@ -79,6 +108,7 @@ class LayerIndex:
         self.positions = np.zeros(len(self.sigs), dtype=np.int64)
         self.positions[:k] = positions
         self.alive = np.ones(len(self.sigs), dtype=np.uint8)
+        self.prefixes = None
         self.n = k
         return np.arange(k, dtype=np.int64)
 
@@ -90,6 +120,8 @@ class LayerIndex:
         self.sigs[self.n : self.n + k] = sigs
         self.positions[self.n : self.n + k] = positions
         self.alive[self.n : self.n + k] = 1
+        if self.prefixes is not None:
+            self.prefixes[self.n : self.n + k] = sigs[:, : self.prefixes.shape[1]]
         self.n += k
         return rows
 
@@ -106,28 +138,73 @@ class LayerIndex:
         keep = np.flatnonzero(self.alive[: self.n])
         self.sigs[: len(keep)] = self.sigs[keep]
         self.positions[: len(keep)] = self.positions[keep]
+        if self.prefixes is not None:
+            self.prefixes[: len(keep)] = self.prefixes[keep]
         self.alive[:] = 1
         self.n, self.dead = len(keep), 0
         return self.positions[: self.n]
 
-    def topk(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def two_stage(self, search: str, k: int) -> bool:
+        """Whether a search of mode `search` for k rows takes two stages."""
+        if search == "full" or self.sigs.shape[1] < 4 * PREFIX_BYTES:
+            return False  # a prefix of a short signature saves little
+        if search == "two-stage":
+            return True
+        return self.live >= TWO_STAGE_MIN_ROWS and SURVIVORS_PER_PLACE * k * 4 <= self.live
+
+    def _prefix_matrix(self) -> np.ndarray:
+        if self.prefixes is None:
+            prefixes = memory.filled_soon((len(self.sigs), PREFIX_BYTES), np.uint8)
+            prefixes[: self.n] = self.sigs[: self.n, :PREFIX_BYTES]
+            prefixes[self.n :] = 0
+            self.prefixes = prefixes
+        return self.prefixes[: self.n]
+
+    def _scan(self, query: np.ndarray, sigs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows and distances of the k best rows of `sigs`, every core scanning."""
+        alive = self.alive[: self.n] if self.dead else None
+        parts = threads.run_ranges(lambda lo, hi: hamming_kernels.topk(query, sigs, alive, k, lo, hi),
+                                   threads.split(self.n, _ROWS_PER_THREAD))
+        if len(parts) == 1:
+            return parts[0]
+        return _best(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), k)
+
+    def _second_stage(self, query: np.ndarray, survivors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The k best survivors of stage one by their full signatures."""
+        survivors = np.sort(survivors)
+        full = np.empty((len(survivors), self.sigs.shape[1]), dtype=np.uint8)
+        hamming_kernels.gather_rows(self.sigs, survivors, full)
+        return _best(survivors, hamming_kernels.distances(query, full), k)
+
+    def topk(self, query: np.ndarray, k: int, search: str = "full") -> tuple[np.ndarray, np.ndarray]:
         """(record positions, Hamming distances) of the k nearest live rows."""
         if self.live == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
-        alive = self.alive[: self.n] if self.dead else None
-        rows, dists = hamming_kernels.topk(query, self.sigs[: self.n], alive, k)
+        if self.two_stage(search, k):
+            survivors, _ = self._scan(query[:PREFIX_BYTES], self._prefix_matrix(), SURVIVORS_PER_PLACE * k)
+            rows, dists = self._second_stage(query, survivors, k)
+        else:
+            rows, dists = self._scan(query, self.sigs[: self.n], k)
         return self.positions[rows], dists
 
-    def topk_many(self, queries: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def topk_many(self, queries: np.ndarray, k: int, search: str = "full") -> list[tuple[np.ndarray, np.ndarray]]:
         """topk of each row of `queries`, the matrix read once for all."""
         if self.live == 0:
             return [(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)) for _ in queries]
         alive = self.alive[: self.n] if self.dead else None
-        sigs = self.sigs[: self.n]
-        parts = threads.run_ranges(lambda lo, hi: hamming_kernels.topk_many(queries, sigs, alive, k, lo, hi),
+        two_stage = self.two_stage(search, k)
+        if two_stage:
+            sigs, scanned, keep = self._prefix_matrix(), np.ascontiguousarray(queries[:, :PREFIX_BYTES]), \
+                SURVIVORS_PER_PLACE * k
+        else:
+            sigs, scanned, keep = self.sigs[: self.n], queries, k
+        parts = threads.run_ranges(lambda lo, hi: hamming_kernels.topk_many(scanned, sigs, alive, keep, lo, hi),
                                    threads.split(self.n, _ROWS_PER_THREAD))
-        rows, dists, counts = _merge(parts, k)
-        return [(self.positions[rows[j, : counts[j]]], dists[j, : counts[j]]) for j in range(len(queries))]
+        rows, dists, counts = _merge(parts, keep)
+        found = [(rows[j, : counts[j]], dists[j, : counts[j]]) for j in range(len(queries))]
+        if two_stage:
+            found = [self._second_stage(query, survivors, k) for query, (survivors, _) in zip(queries, found)]
+        return [(self.positions[r], d) for r, d in found]
 
 
 class SearchIndex:
@@ -188,18 +265,22 @@ class SearchIndex:
             if survivors is not None:
                 self._track(survivors, np.arange(len(survivors), dtype=np.int64))
 
-    def search(self, layer_idx: int, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, layer_idx: int, query: np.ndarray, k: int, search: str = "full"
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """(record positions, Hamming distances) of the k nearest entries of
+        a layer; `search` is one of SEARCHES."""
         layer = self.layers.get(layer_idx)
         if layer is None:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
-        return layer.topk(query, k)
+        return layer.topk(query, k, search)
 
-    def search_many(self, layer_idx: int, queries: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def search_many(self, layer_idx: int, queries: np.ndarray, k: int, search: str = "full"
+                    ) -> list[tuple[np.ndarray, np.ndarray]]:
         """search() of each row of `queries`, in one pass over the layer."""
         layer = self.layers.get(layer_idx)
         if layer is None:
             return [(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)) for _ in queries]
-        return layer.topk_many(queries, k)
+        return layer.topk_many(queries, k, search)
 
     def layer_counts(self) -> dict[int, int]:
         return {idx: layer.live for idx, layer in sorted(self.layers.items()) if layer.live}

@@ -11,7 +11,8 @@ given explicitly.  It holds:
 - the shards: the committed ones, then those sealed since, and the open
   shard (``builder``) whose tensors are still in memory;
 - the search index over the live records' signatures, the bounded cache of
-  memory-mapped shard files, and the write lock (None for a reader).
+  memory-mapped shard files, the map of pooled.bin, and the write lock
+  (None for a reader).
 
 docs/architecture.md describes how the components share it.
 """
@@ -28,11 +29,12 @@ import numpy as np
 
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError, Hint, ReadOnlyStoreError, StoreClosedError, UnsupportedFormatError
-from hmem.formats import layout, manifest, records, shard_file
+from hmem.formats import layout, manifest, pooled, records, shard_file
 from hmem.formats.manifest import Manifest, ShardInfo
 from hmem.formats.records import EVICTED
 from hmem.store import lock
 from hmem.store.imported import ImportRegistry
+from hmem.store.pooled_keys import PooledKeys
 from hmem.store.projection import Projector
 from hmem.store.results import LimitActivity
 from hmem.store.search import SearchIndex
@@ -67,9 +69,12 @@ class StoreState:
                 hint="use the hmem release that wrote it",
             )
         self.record_size = layout.record_bytes(cfg.signature_bytes)
+        # what an entry takes on disk outside its shard: its record and its row of pooled.bin
+        self.entry_overhead = self.record_size + pooled.row_bytes(cfg.embed_dim)
         self.config_json = json.dumps(cfg.to_dict(), sort_keys=True)
         self.arenas = (Arena(), Arena())  # reused by every open shard
         self.cache = ShardCache(cfg.max_open_shards)
+        self.pooled = PooledKeys(path, cfg.embed_dim)  # pooled.bin, for re-rank
         self.next_id = committed.next_entry_id
         self.id_limit = committed.next_entry_id  # ids below this are reserved in index.json
         self.builder: ShardBuilder | None = None
@@ -88,6 +93,10 @@ class StoreState:
         self.records = loaded
         self.n = self.committed_n = len(loaded)
         self.dirty: set[int] = set()
+        # the pooled keys of the records past committed_n, in order, in the
+        # batches they were put: the next flush writes them to pooled.bin
+        self.fresh_pooled: list[np.ndarray] = []
+        self.pooled.drop()
         self.shards = [dataclasses.replace(info) for info in committed.shards]  # committed, then sealed since
         self.shards_committed = len(self.shards)
         self.index = SearchIndex(self.config.signature_bytes)
@@ -150,6 +159,7 @@ class StoreState:
         """Mark the state closed, drop the memory maps and let the lock go."""
         self.closed = True
         self.cache.drop()
+        self.pooled.drop()
         if self.writer is not None:
             self.writer.release()
 

@@ -234,7 +234,7 @@ class Store:
 
     def query(self, query: Any, layer_idx: int, top_k: int = 5, *, rerank: bool = True,
               shortlist_factor: int = 4, framework: str = "numpy",
-              count_access: bool = True, on_damage: str = "raise") -> QueryResults:
+              count_access: bool = True, on_damage: str = "raise", search: str = "auto") -> QueryResults:
         """The `top_k` entries of layer `layer_idx` most similar to `query`
         ([n_tokens, embed_dim] or [embed_dim]), best first.
 
@@ -246,15 +246,26 @@ class Store:
         CorruptStoreError; with on_damage="skip" it is left out, the next
         best takes its place and ``results.skipped`` names it (every tensor
         returned then passed its CRC, verify_reads or not).
+
+        `search` says how the layer's signatures are ranked: "full" compares
+        every signature whole; "two-stage" scans the first 1024 bits of each
+        for 50 x the shortlist, then ranks those on the whole signature
+        (reads a quarter of a 4096-bit signature; the shortlist may differ
+        a little from the full scan's); "auto" (the default) takes two
+        stages on layers of 100,000 entries and more when signatures have
+        4096 bits or more, where recall after re-rank stays within 0.01 of
+        the full scan's (docs/benchmarks.md, "Two-stage search").
         """
         with self._state.mutex:
             self._state.check_open()
             return self._queries.query(query, layer_idx, top_k, rerank=rerank, shortlist_factor=shortlist_factor,
-                                       framework=framework, count_access=count_access, on_damage=on_damage)
+                                       framework=framework, count_access=count_access, on_damage=on_damage,
+                                       search=search)
 
     def query_many(self, queries: Any, layer_idx: int, top_k: int = 5, *, rerank: bool = True,
                    shortlist_factor: int = 4, framework: str = "numpy",
-                   count_access: bool = True, on_damage: str = "raise") -> list[QueryResults]:
+                   count_access: bool = True, on_damage: str = "raise", search: str = "auto"
+                   ) -> list[QueryResults]:
         """query() of each item of `queries` (a list of [n_tokens, embed_dim]
         or [embed_dim] arrays, or one [n_queries, n_tokens, embed_dim]
         array), as a serving engine batches requests: the same results, in
@@ -270,7 +281,7 @@ class Store:
             self._state.check_open()
             return self._queries.query_many(queries, layer_idx, top_k, rerank=rerank,
                                             shortlist_factor=shortlist_factor, framework=framework,
-                                            count_access=count_access, on_damage=on_damage)
+                                            count_access=count_access, on_damage=on_damage, search=search)
 
     def entry_ids(self, layer_idx: int | None = None) -> list[int]:
         """Ids of the live entries (of one layer, if given), ascending."""

@@ -7,7 +7,8 @@ sealed into its file.  ``flush`` makes everything durable in this order,
 each step fsynced before the next:
 
   1. seal the open shard into shard_NNNN.safetensors;
-  2. append the new records to entries.bin, and the new source records to
+  2. append the new records to entries.bin, their pooled keys to
+     pooled.bin (hmem/formats/pooled.py), and the new source records to
      sources.jsonl (hmem/formats/sources.py);
   3. commit index.json (record count, shards, next id, and the new mutable
      fields of older records as pending updates);
@@ -30,7 +31,7 @@ import uuid
 import numpy as np
 
 from hmem import _io
-from hmem.formats import layout, manifest, records, shard_file, stamp
+from hmem.formats import layout, manifest, pooled, records, shard_file, stamp
 from hmem.formats import sources as source_registry
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.formats.sources import SourcesInfo
@@ -83,8 +84,10 @@ class Writer:
             rows["access_count"] = 0
             rows["shard_idx"] = shard_of
             rows["signature"] = np.stack([p.signature for p in batch])
+            keys = np.stack([p.pooled for p in batch])
             state.index.add_records(state.records, np.arange(start, start + len(batch), dtype=np.int64))
             state.n, state.next_id = start + len(batch), first_id + len(batch)  # the batch is in
+            state.fresh_pooled.append(keys)
         except BaseException:
             if state.n == start:
                 self._undo_insert(*undo)
@@ -175,6 +178,13 @@ class Writer:
             fresh = state.records[state.committed_n : state.n]
             records.seal(fresh)
             _io.write_at(entries_path, state.committed_n * state.record_size, [fresh.tobytes()], create=True)
+            # over whatever rows a failed flush left past the commit: a
+            # committed record's row is always its own (hmem/formats/pooled.py)
+            keys = np.concatenate(state.fresh_pooled)
+            assert len(keys) == new
+            _io.write_at(state.path / pooled.POOLED_FILE,
+                         state.committed_n * pooled.row_bytes(state.config.embed_dim),
+                         [pooled.make_rows(fresh["entry_id"], keys).tobytes()], create=True)
         _io.crash_point("flush.records_written")
         sources_info = self._append_sources()
         dirty = np.array(sorted(state.dirty), dtype=np.int64)
@@ -201,6 +211,7 @@ class Writer:
             # after the commit, never before: hmem/formats/stamp.py
             stamp.write(state.path, mf)
         state.committed_n = state.n
+        state.fresh_pooled = []
         state.shards_committed = len(state.shards)
         state.dirty.clear()
         state.id_limit = max(state.id_limit, next_id)

@@ -42,6 +42,13 @@ cdef Py_ssize_t _check_shapes(const unsigned char[::1] query,
     return nbytes
 
 
+cdef Py_ssize_t _check_range(Py_ssize_t lo, hi, Py_ssize_t n) except -1:
+    cdef Py_ssize_t end = n if hi is None else hi
+    if not 0 <= lo <= end <= n:
+        raise ValueError(f"rows [{lo}, {end}) are outside a matrix of {n} rows")
+    return end
+
+
 def _check_k(k):
     try:
         k = operator.index(k)
@@ -95,9 +102,7 @@ def topk_many(const unsigned char[:, ::1] queries, const unsigned char[:, ::1] s
     if nbytes <= 0 or nbytes % 8 or nbytes > (1 << 28):
         raise ValueError(f"a signature must be a positive multiple of 8 bytes (at most 2**28), got {nbytes}")
     k = _check_k(k)
-    cdef Py_ssize_t end = n if hi is None else hi
-    if not 0 <= lo <= end <= n:
-        raise ValueError(f"rows [{lo}, {end}) are outside a matrix of {n} rows")
+    cdef Py_ssize_t end = _check_range(lo, hi, n)
     alive = _alive_bytes(alive, n)
     cdef const unsigned char[::1] live
     cdef const uint8_t *live_ptr = NULL
@@ -119,22 +124,27 @@ def topk_many(const unsigned char[:, ::1] queries, const unsigned char[:, ::1] s
     return rows, dists, counts
 
 
-def topk(const unsigned char[::1] query, const unsigned char[:, ::1] sigs, alive, k):
-    """The min(k, live rows) rows nearest to `query`, by (distance, row).
+def topk(const unsigned char[::1] query, const unsigned char[:, ::1] sigs, alive, k,
+         Py_ssize_t lo=0, hi=None):
+    """The min(k, live rows in [lo, hi)) rows nearest to `query`, by
+    (distance, row).
 
     Returns (rows: int64 array [m], dists: int32 array [m]).  `alive` is None
-    (every row is live) or a uint8/bool array of one entry per row.
+    (every row is live) or a uint8/bool array of one entry per row.  The GIL
+    is released during the scan, so threads may each scan their own [lo, hi).
     """
     cdef Py_ssize_t nbytes = _check_shapes(query, sigs)
     cdef Py_ssize_t n = sigs.shape[0]
     k = _check_k(k)
+    cdef Py_ssize_t end = _check_range(lo, hi, n)
+
     alive = _alive_bytes(alive, n)
     cdef const unsigned char[::1] live
     cdef const uint8_t *live_ptr = NULL
     if alive is not None and n > 0:
         live = alive
         live_ptr = &live[0]
-    cdef Py_ssize_t cap = min(k, n)
+    cdef Py_ssize_t cap = min(k, end - lo)
     rows = np.empty(cap, dtype=np.int64)
     dists = np.empty(cap, dtype=np.int32)
     cdef int64_t[::1] r = rows
@@ -142,10 +152,12 @@ def topk(const unsigned char[::1] query, const unsigned char[:, ::1] sigs, alive
     cdef size_t m = 0
     if cap > 0:
         with nogil:
-            m = hm_topk(&query[0], &sigs[0, 0], <size_t>n, <size_t>nbytes, live_ptr,
-                        <size_t>cap, &d[0], &r[0])
+            m = hm_topk(&query[0], &sigs[lo, 0], <size_t>(end - lo), <size_t>nbytes,
+                        NULL if live_ptr == NULL else live_ptr + lo, <size_t>cap, &d[0], &r[0])
     if m < <size_t>cap:  # dead rows: fewer results than room
-        return rows[:m].copy(), dists[:m].copy()
+        rows, dists = rows[:m].copy(), dists[:m].copy()
+    if lo:
+        rows += lo
     return rows, dists
 
 

@@ -60,19 +60,27 @@ def distances(query, sigs) -> np.ndarray:
     return np.bitwise_count(s ^ q).sum(axis=1, dtype=np.int64).astype(np.int32)
 
 
-def topk(query, sigs, alive, k) -> tuple[np.ndarray, np.ndarray]:
-    """The min(k, live rows) rows nearest to `query`, by (distance, row):
-    (rows int64 [m], dists int32 [m])."""
+def _check_range(lo: int, hi, n: int) -> int:
+    end = n if hi is None else hi
+    if not 0 <= lo <= end <= n:
+        raise ValueError(f"rows [{lo}, {end}) are outside a matrix of {n} rows")
+    return end
+
+
+def topk(query, sigs, alive, k, lo: int = 0, hi: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The min(k, live rows in [lo, hi)) rows nearest to `query`, by
+    (distance, row): (rows int64 [m], dists int32 [m])."""
     q, s = _check_shapes(query, sigs)
     k = _check_k(k)
     n = s.shape[0]
-    rows = np.arange(n, dtype=np.int64)
+    end = _check_range(lo, hi, n)
+    rows = np.arange(lo, end, dtype=np.int64)
     if alive is not None:
         live = np.asarray(alive)
         if live.ndim != 1 or live.shape[0] != n:
             raise ValueError(f"alive has {live.size} entries for {n} signatures")
-        rows = rows[live.astype(bool)]
-    dists = distances(q, s)[rows]
+        rows = rows[live[lo:end].astype(bool)]
+    dists = distances(q, s[lo:end])[rows - lo]
     order = np.lexsort((rows, dists))[:k]  # last key sorts first: distance, then row
     return rows[order], dists[order]
 
@@ -88,9 +96,7 @@ def topk_many(queries, sigs, alive, k, lo: int = 0, hi: int | None = None):
     if qs.shape[1] != s.shape[1]:
         raise ValueError(f"the queries have {qs.shape[1]} bytes but the signatures have {s.shape[1]}")
     n = s.shape[0]
-    end = n if hi is None else hi
-    if not 0 <= lo <= end <= n:
-        raise ValueError(f"rows [{lo}, {end}) are outside a matrix of {n} rows")
+    end = _check_range(lo, hi, n)
     live = None if alive is None else np.asarray(alive)
     if live is not None and (live.ndim != 1 or live.shape[0] != n):
         raise ValueError(f"alive has {live.size} entries for {n} signatures")
@@ -99,9 +105,11 @@ def topk_many(queries, sigs, alive, k, lo: int = 0, hi: int | None = None):
     dists = np.zeros((len(qs), cap), dtype=np.int32)
     counts = np.zeros(len(qs), dtype=np.int64)
     for j, q in enumerate(qs):
-        r, d = topk(q, s[lo:end], None if live is None else live[lo:end], max(cap, 1))
+        if end == lo:
+            continue
+        r, d = topk(q, s, live, max(cap, 1), lo, end)
         counts[j] = len(r)
-        rows[j, : len(r)] = r + lo
+        rows[j, : len(r)] = r
         dists[j, : len(r)] = d
     return rows, dists, counts
 
