@@ -43,11 +43,27 @@ def split(n: int, min_per_thread: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
+_scans = 0  # run_ranges calls under way, in every thread
+
+
 def run_ranges(fn: Callable[[int, int], T], ranges: list[tuple[int, int]]) -> list[T]:
     """fn(lo, hi) of every range, the results in the ranges' order; all but
-    the first range run on the pool while the calling thread runs the first."""
+    the first range run on the pool while the calling thread runs the first.
+    While another thread's call is under way (threads sharing a Store,
+    each querying), the cores are busy already: the calling thread runs
+    every range itself, one after another, and the results are the same."""
+    global _scans
     if len(ranges) == 1:
         return [fn(*ranges[0])]
-    futures = [_executor().submit(fn, lo, hi) for lo, hi in ranges[1:]]
-    first = fn(*ranges[0])
-    return [first, *(f.result() for f in futures)]
+    with _pool_lock:
+        busy = _scans > 0
+        _scans += 1
+    try:
+        if busy:
+            return [fn(lo, hi) for lo, hi in ranges]
+        futures = [_executor().submit(fn, lo, hi) for lo, hi in ranges[1:]]
+        first = fn(*ranges[0])
+        return [first, *(f.result() for f in futures)]
+    finally:
+        with _pool_lock:
+            _scans -= 1

@@ -189,6 +189,16 @@ def resolve(root: Path, name: str, pending: Pending) -> Path:
 
 def directory_bytes(root: Path) -> int:
     """Bytes of the files of a store directory; the lock file's owner record
-    (present only while a writer holds it) does not count."""
-    return sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(root)
-               if e.is_file(follow_symlinks=False) and e.name != LOCK_FILE)
+    (present only while a writer holds it) does not count.  A file that goes
+    while it is counted (a writer's temporary file, renamed or removed by a
+    flush under way) counts nothing."""
+    total = 0
+    for entry in os.scandir(root):
+        if entry.name == LOCK_FILE:
+            continue
+        try:
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            continue
+    return total

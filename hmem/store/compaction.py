@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -51,8 +52,7 @@ class Compaction:
         # orphan files (merging shards saves a little more, not counted).
         reclaimable = (sum(info.dead_bytes for info in state.shards) + state.builder_dead.bytes
                        + dead * state.entry_overhead
-                       + sum((state.path / name).stat().st_size for name in orphans
-                             if (state.path / name).exists()))
+                       + sum(_size(state.path / name) for name in orphans))
         reclaimable = min(reclaimable, before)
         return CompactionPlan(
             shards_before=shard_count,
@@ -152,3 +152,11 @@ def _crc_check(expected: int, name: str, where: _io.FileRange) -> Callable[[memo
             raise CorruptStoreError(f"tensor {name} in {where.path.name} fails its checksum",
                                     hint=Hint.VERIFY_THEN_REPAIR)
     return check
+
+
+def _size(path: Path) -> int:
+    """A file's size; 0 once it is gone (a flush under way renames its temporary files)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0

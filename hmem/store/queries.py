@@ -95,12 +95,11 @@ class Queries:
         if not count_access or state.read_only:
             return [answer for answer, _ in answers]
         counted = []
-        for answer, positions in answers:
-            if len(positions):
-                self.count_access(positions)
-            counted.append(QueryResults(
-                [dataclasses.replace(r, access_count=int(state.records["access_count"][pos]))
-                 for r, pos in zip(answer, positions)], answer.skipped))
+        with state.counts_lock:  # other threads' queries count too (hmem/store/rwlock.py)
+            for answer, positions in answers:
+                now = self.count_access(positions)
+                counted.append(QueryResults([dataclasses.replace(r, access_count=int(c)) for r, c in zip(answer, now)],
+                                            answer.skipped))
         return counted
 
     def _read_ahead(self, shortlists: list[tuple[np.ndarray, np.ndarray]], means: list[np.ndarray], k: int,
@@ -243,12 +242,17 @@ class Queries:
         reason = exc.message.removeprefix(f"entry {entry_id}: ")  # the entry is named beside it
         return SkippedEntry(entry_id, shard, reason)
 
-    def count_access(self, positions: np.ndarray) -> None:
-        """One more access of each record (persisted by the next flush)."""
+    def count_access(self, positions: np.ndarray) -> np.ndarray:
+        """One more access of each record (persisted by the next flush);
+        returns their counts now.  The caller holds state.counts_lock."""
         state = self.state
         counts = state.records["access_count"]
-        counts[positions] = np.minimum(counts[positions].astype(np.int64) + 1, validation.U32_MAX)
-        state.dirty.update(int(p) for p in positions if p < state.committed_n)
+        now = np.minimum(counts[positions].astype(np.int64) + 1, validation.U32_MAX)
+        counts[positions] = now
+        # every position, committed or not: a flush under way may be
+        # writing an uncommitted record with the count it had before
+        state.dirty.update(int(p) for p in positions)
+        return now
 
     def _result(self, pos: int, sim: float, cosine: float | None, kv: tuple[np.ndarray, np.ndarray],
                 framework: str) -> QueryResult:

@@ -47,8 +47,9 @@ class EntryReader:
         state = self.state
         row = state.records[pos]
         entry_id, shard_idx = int(row["entry_id"]), int(row["shard_idx"])
-        if state.builder is not None and shard_idx == state.builder.index:
-            text = state.builder.meta(entry_id)
+        builder = state.builder  # read once: a flush beside this read may seal it
+        if builder is not None and shard_idx == builder.index:
+            text = builder.meta(entry_id)
         else:
             text = self.shard(shard_idx).meta(entry_id)
         if text is None:
@@ -67,9 +68,10 @@ class EntryReader:
         state = self.state
         row = state.records[pos]
         entry_id, shard_idx = int(row["entry_id"]), int(row["shard_idx"])
-        if state.builder is not None and shard_idx == state.builder.index:
+        builder = state.builder  # read once: a flush beside this read may seal it
+        if builder is not None and shard_idx == builder.index:
             # The open shard's memory is reused after it is sealed: copy.
-            return state.builder.get(entry_id, kind).copy()
+            return builder.get(entry_id, kind).copy()
         reader = self.shard(shard_idx)
         dtype, shape = shard_file.tensor_layout(kind, int(row["n_tokens"]), state.config.embed_dim,
                                                 state.config.storage_dtype)

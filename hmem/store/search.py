@@ -25,6 +25,8 @@ where recall@10 after re-rank stays within 0.01 of the full scan's
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from hmem import memory, threads
@@ -72,6 +74,7 @@ class LayerIndex:
         # the first PREFIX_BYTES of each row, contiguous; None until a
         # two-stage search first needs it
         self.prefixes: np.ndarray | None = None
+        self._making = threading.RLock()
         self.n = 0
         self.dead = 0
 
@@ -153,12 +156,13 @@ class LayerIndex:
         return self.live >= TWO_STAGE_MIN_ROWS and SURVIVORS_PER_PLACE * k * 4 <= self.live
 
     def _prefix_matrix(self) -> np.ndarray:
-        if self.prefixes is None:
-            prefixes = memory.filled_soon((len(self.sigs), PREFIX_BYTES), np.uint8)
-            prefixes[: self.n] = self.sigs[: self.n, :PREFIX_BYTES]
-            prefixes[self.n :] = 0
-            self.prefixes = prefixes
-        return self.prefixes[: self.n]
+        with self._making:  # the first two-stage queries of several threads make it once
+            if self.prefixes is None:
+                prefixes = memory.filled_soon((len(self.sigs), PREFIX_BYTES), np.uint8)
+                prefixes[: self.n] = self.sigs[: self.n, :PREFIX_BYTES]
+                prefixes[self.n :] = 0
+                self.prefixes = prefixes
+            return self.prefixes[: self.n]
 
     def _scan(self, query: np.ndarray, sigs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows and distances of the k best rows of `sigs`, every core scanning."""

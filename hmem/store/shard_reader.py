@@ -9,6 +9,7 @@ import math
 import mmap
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -170,30 +171,35 @@ class ShardCache:
         self.capacity = capacity
         self._open: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
         self._states: dict[str, ShardState] = {}
+        # queries of several threads share the cache; a reader dropped from
+        # it stays mapped while a thread still reads through it
+        self._lock = threading.RLock()
 
     def get(self, index: int, path: Path, info: Any) -> ShardReader:
         """The reader of shard `index` (file at `path`, described by the
         ShardInfo `info`)."""
-        reader = self._open.get(index)
-        if reader is not None and reader.uid == info.uid:
+        with self._lock:
+            reader = self._open.get(index)
+            if reader is not None and reader.uid == info.uid:
+                self._open.move_to_end(index)
+                return reader
+            state = self._states.get(info.uid)
+            if state is None:
+                state = self._states[info.uid] = ShardState(info.uid)
+            reader = ShardReader(path, info, state)
+            self._open[index] = reader
             self._open.move_to_end(index)
+            while len(self._open) > self.capacity:
+                self._open.popitem(last=False)
             return reader
-        state = self._states.get(info.uid)
-        if state is None:
-            state = self._states[info.uid] = ShardState(info.uid)
-        reader = ShardReader(path, info, state)
-        self._open[index] = reader
-        self._open.move_to_end(index)
-        while len(self._open) > self.capacity:
-            self._open.popitem(last=False)
-        return reader
 
     def open_count(self) -> int:
         return len(self._open)
 
     def drop(self, index: int | None = None) -> None:
         """Unmap one shard, or all; what was checked is kept."""
-        if index is None:
-            self._open.clear()
-        else:
-            self._open.pop(index, None)
+        with self._lock:
+            if index is None:
+                self._open.clear()
+            else:
+                self._open.pop(index, None)

@@ -35,6 +35,7 @@ from hmem.formats.records import EVICTED
 from hmem.store import lock
 from hmem.store.imported import ImportRegistry
 from hmem.store.pooled_keys import PooledKeys
+from hmem.store.rwlock import ReadWriteLock
 from hmem.store.projection import Projector
 from hmem.store.results import LimitActivity
 from hmem.store.search import SearchIndex
@@ -59,7 +60,9 @@ class StoreState:
         self.path = path
         self.config: StoreConfig = cfg
         self.writer = writer
-        self.mutex = threading.RLock()
+        self.lock = ReadWriteLock()  # shared to read, exclusive to write (hmem/store/rwlock.py)
+        # Reads that change memory take these short locks of their own:
+        self.counts_lock = threading.RLock()  # access counts and the dirty set (queries)
         self.verify_reads = verify_reads
         self.closed = False
         self.projector = Projector(cfg.embed_dim, cfg.hdc_dim, cfg.seed)

@@ -1,6 +1,7 @@
 """Store: the persistent tier-3 K/V memory, hmem's main object.
 
-A facade: it checks arguments, takes the store's mutex and hands the work
+A facade: it checks arguments, takes the store's lock (shared to read,
+exclusive to write: hmem/store/rwlock.py) and hands the work
 to the components that share one StoreState (docs/architecture.md):
 
 - Writer (hmem/store/writer.py): put, flush and the commit protocol;
@@ -70,8 +71,15 @@ class Store:
     """A store directory opened for writing (one process at a time) or reading.
 
     Use ``Store.create`` or ``Store.open``; close it (or use ``with``) so that
-    everything put is flushed and the write lock is released.  A Store object
-    may be shared between threads: calls are serialised.
+    everything put is flushed and the write lock is released.
+
+    A Store object may be shared between threads (docs/architecture.md,
+    "Threads"): reads (query, query_many, get, stored_kv, entries,
+    entry_ids, stats, the plans) run at the same time; writes (put,
+    put_many, flush, evict, delete, compact, close) run one at a time, each
+    but flush while no read runs, so every read sees the state after some
+    whole number of writes.  A waiting write goes before reads that come
+    after it.
     """
 
     def __init__(self, state: StoreState) -> None:
@@ -174,15 +182,16 @@ class Store:
         return self._state.read_only
 
     def flush(self) -> None:
-        """Make every put and access count so far durable (hmem/store/writer.py)."""
-        with self._state.mutex:
+        """Make every put and access count so far durable (hmem/store/writer.py).
+        Queries of other threads go on while the files are written."""
+        with self._state.lock.intent():
             self._state.check_writable()
             self._writer.flush(exact_ids=False)
 
     def close(self) -> None:
         """Flush (a writer), release the lock and drop the memory maps.  Idempotent."""
         state = self._state
-        with state.mutex:
+        with state.lock.exclusive():
             if state.closed:
                 return
             try:
@@ -208,25 +217,28 @@ class Store:
 
     def put(self, keys: Any, values: Any, layer_idx: int = 0, importance: float = 1.0) -> int:
         """Store one entry; returns its id.  Bad input raises and stores nothing."""
-        with self._state.mutex:
+        self._state.check_writable()
+        # checked and projected before the lock: queries go on meanwhile
+        batch = [prepare.prepare(self._state, keys, values, layer_idx, importance)]
+        with self._state.lock.exclusive():
             self._state.check_writable()
-            batch = [prepare.prepare(self._state, keys, values, layer_idx, importance)]
             self._eviction.make_room(batch)
             return self._writer.insert(batch)[0]
 
     def put_many(self, entries: Iterable[Entry | tuple]) -> list[int]:
         """Store many entries; returns their ids in order.  Every entry is
         checked before any is stored, so one bad entry stores nothing."""
-        with self._state.mutex:
+        self._state.check_writable()
+        batch = prepare.prepare_all(self._state, entries)  # before the lock, as in put
+        with self._state.lock.exclusive():
             self._state.check_writable()
-            batch = prepare.prepare_all(self._state, entries)
             self._eviction.make_room(batch)
             return self._writer.insert(batch)
 
     def check_entries(self, entries: Iterable[Entry | tuple]) -> int:
         """Check entries as put_many would, storing nothing (also on a
         read-only store); returns how many there are."""
-        with self._state.mutex:
+        with self._state.lock.shared():
             self._state.check_open()
             return len(prepare.prepare_all(self._state, entries))
 
@@ -256,7 +268,7 @@ class Store:
         4096 bits or more, where recall after re-rank stays within 0.01 of
         the full scan's (docs/benchmarks.md, "Two-stage search").
         """
-        with self._state.mutex:
+        with self._state.lock.shared():
             self._state.check_open()
             return self._queries.query(query, layer_idx, top_k, rerank=rerank, shortlist_factor=shortlist_factor,
                                        framework=framework, count_access=count_access, on_damage=on_damage,
@@ -277,7 +289,7 @@ class Store:
         are counted only once all are answered: a bad query, or a damaged
         entry met without on_damage="skip", raises and counts nothing.
         """
-        with self._state.mutex:
+        with self._state.lock.shared():
             self._state.check_open()
             return self._queries.query_many(queries, layer_idx, top_k, rerank=rerank,
                                             shortlist_factor=shortlist_factor, framework=framework,
@@ -285,7 +297,7 @@ class Store:
 
     def entry_ids(self, layer_idx: int | None = None) -> list[int]:
         """Ids of the live entries (of one layer, if given), ascending."""
-        with self._state.mutex:
+        with self._state.lock.shared():
             self._state.check_open()
             return [int(i) for i in self._state.records["entry_id"][self._live_in(layer_idx)]]
 
@@ -302,7 +314,7 @@ class Store:
         sort = validation.choice(sort, "sort", ENTRY_SORTS)
         keep = None if limit is None else validation.count(limit, "limit")
         state = self._state
-        with state.mutex:
+        with state.lock.shared():
             state.check_open()
             live = self._live_in(layer_idx)
             columns = {name: state.records[name][live] for name in listing.FIELDS}  # copies: a snapshot
@@ -317,7 +329,7 @@ class Store:
         scales), each tensor's checksum checked as by get().  Raises
         EntryNotFoundError for an id that is not live."""
         state = self._state
-        with state.mutex:
+        with state.lock.shared():
             state.check_open()
             pos = self._position(validation.integer(entry_id, "entry_id", low=0))
             tensors = {kind: _read_only(array) for kind, array in self._reader.stored(pos).items()}
@@ -331,7 +343,7 @@ class Store:
         """One live entry's metadata and K/V (read-only arrays, bit-exact as
         put).  Raises EntryNotFoundError for an id that is not live."""
         state = self._state
-        with state.mutex:
+        with state.lock.shared():
             state.check_open()
             pos = self._position(validation.integer(entry_id, "entry_id", low=0))
             keys, values = self._reader.kv(pos)
@@ -361,14 +373,14 @@ class Store:
     def imported_sources(self) -> list[ImportedSource]:
         """Every source file recorded as imported, oldest first (those
         recorded since the last flush included)."""
-        with self._state.mutex:
+        with self._state.lock.shared():
             self._state.check_open()
             return self._state.imports.all(self._state.committed.sources)
 
     def find_source(self, sha256: str, size: int) -> ImportedSource | None:
         """The latest import of a file with this content (SHA-256 in hex and
         size), if the store recorded one."""
-        with self._state.mutex:
+        with self._state.lock.shared():
             self._state.check_open()
             return self._state.imports.find(self._state.committed.sources, sha256, size)
 
@@ -376,7 +388,7 @@ class Store:
         """Record that a file (its name, SHA-256 in hex and size) was imported
         as the entries `entry_ids` (consecutive, as one put_many hands them
         out); committed by the next flush, together with those entries."""
-        with self._state.mutex:
+        with self._state.lock.exclusive():
             self._state.check_writable()
             return self._state.imports.add(name, sha256, size, entry_ids, next_id=self._state.next_id)
 
@@ -384,7 +396,7 @@ class Store:
 
     def plan_eviction(self, target_entries: int) -> EvictionPlan:
         """What evict(target_entries) would remove, without changing anything."""
-        with self._state.mutex:
+        with self._state.lock.shared():
             self._state.check_open()
             return self._eviction.plan(validation.count(target_entries, "target_entries"))
 
@@ -392,7 +404,7 @@ class Store:
         """Evict the lowest-scored live entries until at most `target_entries`
         remain (see hmem/store/policy.py); durable when it returns.  Their
         bytes are freed by the next compaction.  Returns how many were evicted."""
-        with self._state.mutex:
+        with self._state.lock.exclusive():
             self._state.check_writable()
             return self._eviction.evict(validation.count(target_entries, "target_entries"))
 
@@ -400,7 +412,7 @@ class Store:
         """Which of `entry_ids` delete() would remove and which name no live
         entry, without changing anything."""
         ids = _entry_id_array(entry_ids)
-        with self._state.mutex:
+        with self._state.lock.shared():
             self._state.check_open()
             return self._eviction.plan_delete(ids)[0]
 
@@ -411,13 +423,13 @@ class Store:
         EntryNotFoundError and deletes nothing, unless `missing_ok`, which
         deletes the others and reports it in ``missing``."""
         ids = _entry_id_array(entry_ids)
-        with self._state.mutex:
+        with self._state.lock.exclusive():
             self._state.check_writable()
             return self._eviction.delete(ids, missing_ok=validation.flag(missing_ok, "missing_ok"))
 
     def plan_compaction(self) -> CompactionPlan:
         """What compact() would do and gain, without changing anything."""
-        with self._state.mutex:
+        with self._state.lock.shared():
             self._state.check_open()
             return self._compaction.plan()
 
@@ -430,7 +442,7 @@ class Store:
         Does nothing when the store is already compact, or when the share of
         bytes it would free is below `min_reclaim_share` (for cron jobs).
         `progress(done_bytes, total_bytes)` is called as live data is copied."""
-        with self._state.mutex:
+        with self._state.lock.exclusive():
             self._state.check_writable()
             share = validation.share(min_reclaim_share, "min_reclaim_share")
             return self._compaction.run(share, progress)
@@ -458,7 +470,7 @@ class Store:
 
     def stats(self) -> StoreStats:
         state = self._state
-        with state.mutex:
+        with state.lock.shared():
             state.check_open()
             live = state.live_positions()
             rows = state.records[: state.n]
@@ -492,7 +504,7 @@ class Store:
     def size(self) -> int:
         """Bytes on disk: the files of the store directory (the lock file's
         transient owner record aside)."""
-        with self._state.mutex:
+        with self._state.lock.shared():
             return layout.directory_bytes(self.path)
 
 

@@ -164,7 +164,13 @@ class Writer:
 
     def flush(self, *, exact_ids: bool) -> None:
         """Make everything so far durable (the module docstring).  With
-        `exact_ids`, the commit keeps no spare id reservation (at close)."""
+        `exact_ids`, the commit keeps no spare id reservation (at close).
+
+        Readers may run meanwhile (Store.flush holds the store's lock in
+        intent mode, hmem/store/rwlock.py): each change made to memory here
+        is one a query may meet at any point, and the access counts queries
+        add meanwhile are taken whole, each record with its own checksum,
+        under state.counts_lock, by this flush or the next."""
         state = self.state
         new = state.n - state.committed_n
         next_id = state.next_id if exact_ids else state.id_limit
@@ -173,32 +179,47 @@ class Writer:
             return
         self.seal_open_shard()
         _io.crash_point("flush.shards_written")
+        with state.counts_lock:
+            taken, state.dirty = state.dirty, set()
+        try:
+            self._write_and_commit(new, next_id, taken)
+        except BaseException:
+            with state.counts_lock:  # not written: the next flush writes them
+                state.dirty |= taken
+            raise
+
+    def _write_and_commit(self, new: int, next_id: int, taken: set[int]) -> None:
+        """Steps 2 to 4 of a flush for the `new` records past the commit and
+        the committed records whose counts changed (`taken`)."""
+        state = self.state
+        start, end = state.committed_n, state.n
+        with state.counts_lock:
+            # One moment's access counts, sealed: queries go on counting.
+            fresh = state.records[start:end].copy()
+            records.seal(fresh)
+            state.records["checksum"][start:end] = fresh["checksum"]
+            dirty = np.array(sorted(p for p in taken if p < start), dtype=np.int64)
+            touched = state.records[dirty]
+            records.seal(touched)
+            state.records["checksum"][dirty] = touched["checksum"]
+            changed = records.updates_for(state.records, dirty)
         entries_path = state.path / layout.ENTRIES_FILE
         if new:
-            fresh = state.records[state.committed_n : state.n]
-            records.seal(fresh)
-            _io.write_at(entries_path, state.committed_n * state.record_size, [fresh.tobytes()], create=True)
+            _io.write_at(entries_path, start * state.record_size, [fresh.tobytes()], create=True)
             # over whatever rows a failed flush left past the commit: a
             # committed record's row is always its own (hmem/formats/pooled.py)
             keys = np.concatenate(state.fresh_pooled)
             assert len(keys) == new
-            _io.write_at(state.path / pooled.POOLED_FILE,
-                         state.committed_n * pooled.row_bytes(state.config.embed_dim),
+            _io.write_at(state.path / pooled.POOLED_FILE, start * pooled.row_bytes(state.config.embed_dim),
                          [pooled.make_rows(fresh["entry_id"], keys).tobytes()], create=True)
         _io.crash_point("flush.records_written")
         sources_info = self._append_sources()
-        dirty = np.array(sorted(state.dirty), dtype=np.int64)
-        if len(dirty):
-            touched = state.records[dirty]
-            records.seal(touched)
-            state.records["checksum"][dirty] = touched["checksum"]
         # Updates a failed earlier flush could not write in place go again.
-        updates = records.merge_updates(state.committed.pending.record_updates,
-                                        records.updates_for(state.records, dirty))
+        updates = records.merge_updates(state.committed.pending.record_updates, changed)
         mf = dataclasses.replace(
             state.committed,
             generation=state.committed.generation + 1,
-            record_count=state.n,
+            record_count=end,
             shards=[dataclasses.replace(info) for info in state.shards],
             next_entry_id=next_id,
             pending=Pending(record_updates=updates),
@@ -210,10 +231,9 @@ class Writer:
         if adds_files:
             # after the commit, never before: hmem/formats/stamp.py
             stamp.write(state.path, mf)
-        state.committed_n = state.n
+        state.committed_n = end
         state.fresh_pooled = []
         state.shards_committed = len(state.shards)
-        state.dirty.clear()
         state.id_limit = max(state.id_limit, next_id)
         _io.crash_point("flush.committed")
         _io.write_pieces(entries_path, records.update_pieces(updates, state.record_size))

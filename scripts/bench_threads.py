@@ -1,0 +1,177 @@
+"""Concurrent reads: query throughput of one Store shared by threads.
+
+    python scripts/bench_threads.py                 # builds the store once (~20 s), reuses it
+    python scripts/bench_threads.py --search full
+
+One layer of 200,000 entries (1 token x 16 float32, hdc_dim 4096), built
+with put_many in batches of 10,000, each flushed. 200 queries of 4 tokens,
+top-10 with re-rank, count_access=True (the store opened for writing, as a
+serving process holds it). Cases, each answering the same 200 queries:
+
+- 1 thread;
+- 2 threads sharing one Store (100 queries each);
+- 2 threads, each with its own Store opened read-only on the same path
+  (the baseline: nothing shared);
+- 2 threads sharing one Store while a writer thread on it puts 100 entries
+  (in another layer) and flushes, again and again, with --writer-pause
+  seconds between rounds.
+
+Each case is run --repeat times, taking turns; medians.  A single query's
+scan already runs on both cores (hmem/threads.py), so "1 thread" uses them
+too.
+
+Goals (the issue "Concurrent reads"): 2 threads sharing one Store >= 1.6x
+the throughput of 1 thread; with the writer, >= 70% of the figure without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+import hmem
+
+import benchlib
+
+ENTRIES = 200_000
+EMBED_DIM = 16
+QUERIES = 200
+TOP_K = 10
+
+
+def open_store(root: Path, log) -> Path:
+    path = root / f"threads-{ENTRIES}"
+    if not (path / "index.json").exists():
+        log(f"building {path} ...")
+        rng = np.random.default_rng(4)
+        with hmem.Store.create(path, embed_dim=EMBED_DIM, hdc_dim=4096) as store:
+            for lo in range(0, ENTRIES, 10_000):
+                keys = rng.standard_normal((10_000, 1, EMBED_DIM), dtype=np.float32)
+                store.put_many(hmem.Entry(k, k, 0) for k in keys)
+                store.flush()
+    return path
+
+
+def run_threads(stores: list[hmem.Store], queries: np.ndarray, search: str) -> float:
+    """Seconds for len(stores) threads to answer the queries, split evenly."""
+    parts = np.array_split(np.arange(len(queries)), len(stores))
+    errors: list[BaseException] = []
+
+    def work(store: hmem.Store, idx: np.ndarray) -> None:
+        try:
+            for i in idx:
+                store.query(queries[i], 0, top_k=TOP_K, search=search, count_access=not store.read_only)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s, p)) for s, p in zip(stores, parts)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
+
+
+class Writer:
+    """A thread that puts 100 entries into layer 1 and flushes, again and again."""
+
+    def __init__(self, store: hmem.Store, pause: float) -> None:
+        self.store, self.pause = store, pause
+        self.stop = threading.Event()
+        self.rounds = 0
+        self.thread = threading.Thread(target=self._run)
+        self.rng = np.random.default_rng(9)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            keys = self.rng.standard_normal((100, 1, EMBED_DIM), dtype=np.float32)
+            self.store.put_many(hmem.Entry(k, k, 1) for k in keys)
+            self.store.flush()
+            self.rounds += 1
+            if self.pause:
+                self.stop.wait(self.pause)
+
+    def __enter__(self) -> Writer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--root", default="/tmp/hmem-bench-threads", help="where the store is built and kept")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--search", default="auto", choices=("auto", "full", "two-stage"))
+    p.add_argument("--writer-pause", type=float, default=0.0, metavar="SECONDS",
+                   help="the writer's pause between rounds of put + flush (default 0: back to back)")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    facts = benchlib.machine_facts()
+    print("hmem concurrent reads benchmark (scripts/bench_threads.py)")
+    for key, value in facts.items():
+        print(f"  {key:10} {value}")
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = open_store(root, log)
+    queries = np.random.default_rng(5).standard_normal((QUERIES, 4, EMBED_DIM), dtype=np.float32)
+    shared = hmem.Store.open(path)
+    own = [hmem.Store.open(path, read_only=True) for _ in range(2)]
+    writes = 0
+    try:
+        for s in (shared, *own):
+            run_threads([s], queries[:10], args.search)  # warm: maps, prefix matrices
+        times: dict[str, list[float]] = {"1 thread": [], "2 threads, one Store": [], "2 threads, own Stores": [],
+                                         "2 threads, one Store, writer": []}
+        for _ in range(args.repeat):
+            times["1 thread"].append(run_threads([shared], queries, args.search))
+            times["2 threads, one Store"].append(run_threads([shared, shared], queries, args.search))
+            times["2 threads, own Stores"].append(run_threads(own, queries, args.search))
+            with Writer(shared, args.writer_pause) as writer:
+                times["2 threads, one Store, writer"].append(run_threads([shared, shared], queries, args.search))
+            writes += writer.rounds
+    finally:
+        shared.close()
+        for s in own:
+            s.close()
+    med = {name: statistics.median(t) for name, t in times.items()}
+    base = med["1 thread"]
+    print(f"\n{QUERIES} queries, top-{TOP_K}, re-rank, search={args.search}, one layer of {ENTRIES:,} entries; "
+          f"medians of {args.repeat}")
+    print("| case | time | queries/s | vs 1 thread |")
+    print("|---|---:|---:|---:|")
+    for name, t in med.items():
+        print(f"| {name} | {t * 1e3:,.0f} ms | {QUERIES / t:,.0f} | {base / t:.2f}x |")
+    print(f"\nthe writer put and flushed {writes} rounds of 100 entries during the last case "
+          f"(pause {args.writer_pause} s)")
+    shared_gain = base / med["2 threads, one Store"]
+    with_writer = med["2 threads, one Store"] / med["2 threads, one Store, writer"]
+    goals = [("2 threads sharing one Store >= 1.6x 1 thread", shared_gain >= 1.6, f"{shared_gain:.2f}x"),
+             ("with a writer putting and flushing, reader throughput >= 70% of without", with_writer >= 0.7,
+              f"{with_writer:.0%}")]
+    for text, ok, detail in goals:
+        print(f"{'holds' if ok else 'MISSED'}: {text} ({detail})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": facts, "seconds": med, "writer_rounds": writes,
+                                               "search": args.search}, indent=2))
+    return 0 if all(ok for _, ok, _ in goals) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""One Store shared by threads (hmem/store/rwlock.py; docs/architecture.md,
+"Threads"): reader threads query, get and list while a writer thread puts,
+flushes, evicts, deletes and compacts.  Every result's K/V must be its
+entry's own, no error but the documented one (EntryNotFoundError for an id
+deleted meanwhile), and the access counts exact at the end.
+
+Entries describe themselves: importance = seed, layer = seed % 3, and the
+K/V come from the seed, so a reader checks any result by itself.  The
+scenario is one script, run in this process with the native kernels and in
+a subprocess with the pure-Python reference kernels."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from hmem.store.rwlock import ReadWriteLock
+
+SCENARIO = r'''
+import collections, json, sys, threading, time
+import numpy as np
+import hmem
+
+path, seconds, readers = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+D = 8
+
+def kv(seed):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((1 + seed % 3, D)).astype(np.float32)
+    return k, (k * 2 + 1).astype(np.float32)
+
+store = hmem.Store.create(path, embed_dim=D, hdc_dim=1024, shard_max_bytes=20_000)
+store.put_many(hmem.Entry(*kv(s), s % 3, float(s)) for s in range(60))
+highest = [60]  # seeds below this were put (read without a lock: a hint only)
+stop = threading.Event()
+errors, seen = [], []
+figures = collections.Counter()
+
+def check(r):
+    seed = int(r.importance)
+    k, v = kv(seed)
+    assert r.layer_idx == seed % 3, (r.entry_id, r.layer_idx, seed)
+    assert r.keys.tobytes() == k.tobytes() and r.values.tobytes() == v.tobytes(), r.entry_id
+
+def reader(n):
+    rng = np.random.default_rng(100 + n)
+    counts = collections.Counter()
+    try:
+        while not stop.is_set():
+            seed = int(rng.integers(0, highest[0]))
+            q = kv(seed)[0] + 0.01
+            mode = ("full", "two-stage")[int(rng.integers(0, 2))]
+            if rng.random() < 0.2:
+                batch = store.query_many([q, q * 0.5], seed % 3, top_k=3, search=mode)
+                results = [r for res in batch for r in res]
+            else:
+                results = list(store.query(q, seed % 3, top_k=3, rerank=bool(rng.integers(0, 2)), search=mode))
+            for r in results:
+                check(r)
+                counts[r.entry_id] += 1
+            figures["queries"] += 1
+            if results and rng.random() < 0.2:
+                try:
+                    got = store.get(results[0].entry_id)
+                    check(type("R", (), {"importance": got.info.importance, "layer_idx": got.info.layer_idx,
+                                         "keys": got.keys, "values": got.values, "entry_id": got.info.entry_id}))
+                except hmem.EntryNotFoundError:  # deleted or evicted since the query: documented
+                    figures["gone"] += 1
+            if rng.random() < 0.05:
+                listing = list(store.entries(seed % 3, limit=5))
+                assert all(e.layer_idx == seed % 3 for e in listing)
+                store.stats()
+    except BaseException as exc:
+        errors.append(repr(exc))
+        stop.set()
+    seen.append(counts)
+
+def writer():
+    rng = np.random.default_rng(7)
+    seed = 60
+    try:
+        while not stop.is_set():
+            store.put_many(hmem.Entry(*kv(s), s % 3, float(s)) for s in range(seed, seed + 10))
+            seed += 10
+            highest[0] = seed
+            step = int(rng.integers(0, 10))
+            if step < 4:
+                store.flush()
+            elif step == 4:
+                ids = store.entry_ids()
+                store.delete(ids[:: 7][:3])
+                figures["deletes"] += 1
+            elif step == 5:
+                store.evict(max(40, len(store.entry_ids()) - 15))
+                figures["evictions"] += 1
+            elif step == 6:
+                store.compact()
+                figures["compactions"] += 1
+            figures["puts"] += 10
+    except BaseException as exc:
+        errors.append(repr(exc))
+        stop.set()
+
+threads = [threading.Thread(target=reader, args=(n,)) for n in range(readers)] + [threading.Thread(target=writer)]
+for t in threads:
+    t.start()
+time.sleep(seconds)
+stop.set()
+for t in threads:
+    t.join()
+observed = collections.Counter()
+for c in seen:
+    observed.update(c)
+wrong = {}
+with store:
+    for e in store.entries():
+        if e.access_count != observed[e.entry_id]:
+            wrong[e.entry_id] = (e.access_count, observed[e.entry_id])
+    live = {e.entry_id: e.access_count for e in store.entries()}
+with hmem.Store.open(path, read_only=True) as again:  # the counts were flushed by close
+    persisted = {e.entry_id: e.access_count for e in again.entries()}
+print(json.dumps({"errors": errors, "wrong_counts": {str(k): v for k, v in wrong.items()},
+                  "persisted_same": persisted == live, "figures": dict(figures),
+                  "counted": sum(live.values())}))
+'''
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize("kernels,seconds", [("native", 4.0), ("reference", 2.0)])
+def test_readers_share_a_store_with_a_writer(kernels, seconds, run_python, tmp_path):
+    proc = run_python(SCENARIO.replace("sys.argv[1], float(sys.argv[2]), int(sys.argv[3])",
+                                       f"{str(tmp_path / 's')!r}, {seconds}, 3"),
+                      env={"HMEM_KERNELS": kernels}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["errors"] == []
+    assert report["wrong_counts"] == {}
+    assert report["persisted_same"]
+    figures = report["figures"]
+    # the load really ran: queries and every kind of write, side by side
+    assert figures["queries"] > 20 and figures["puts"] > 20, figures
+    assert report["counted"] > 0
+    if kernels == "native":
+        assert figures.get("compactions", 0) and figures.get("evictions", 0) and figures.get("deletes", 0), figures
+
+
+def test_readers_run_together_and_a_writer_waits_for_them():
+    lock = ReadWriteLock()
+    inside = threading.Barrier(3, timeout=5)  # three readers inside at once: shared really is shared
+    order: list[str] = []
+    release = threading.Event()
+
+    def read(name):
+        with lock.shared():
+            inside.wait()
+            release.wait(5)
+            order.append(name)
+
+    readers = [threading.Thread(target=read, args=(f"r{i}",)) for i in range(3)]
+    for t in readers:
+        t.start()
+
+    def write():
+        with lock.exclusive():
+            order.append("w")
+
+    w = threading.Thread(target=write)
+    w.start()
+    w.join(0.2)
+    assert w.is_alive()  # the writer waits while readers are inside
+    release.set()
+    for t in readers:
+        t.join()
+    w.join(5)
+    assert order[-1] == "w" and sorted(order[:3]) == ["r0", "r1", "r2"]
+
+
+def test_a_waiting_writer_goes_before_later_readers():
+    lock = ReadWriteLock()
+    first_in, let_go = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def first():
+        with lock.shared():
+            first_in.set()
+            let_go.wait(5)
+            order.append("first reader")
+
+    def write():
+        with lock.exclusive():
+            order.append("writer")
+
+    def later():
+        with lock.shared():
+            order.append("later reader")
+
+    a = threading.Thread(target=first)
+    a.start()
+    first_in.wait(5)
+    w = threading.Thread(target=write)
+    w.start()
+    w.join(0.1)  # waiting now
+    b = threading.Thread(target=later)
+    b.start()
+    b.join(0.1)
+    assert b.is_alive()  # held back behind the waiting writer
+    let_go.set()
+    for t in (a, w, b):
+        t.join(5)
+    assert order == ["first reader", "writer", "later reader"]
+
+
+def test_the_lock_is_reentrant():
+    lock = ReadWriteLock()
+    with lock.exclusive():
+        with lock.exclusive():
+            with lock.shared():  # a write that reads
+                pass
+        with lock.intent():
+            pass
+    with lock.shared():
+        with lock.shared():  # a read inside a read does not wait for a writer
+            pass
+    done = threading.Event()
+
+    def write():
+        with lock.exclusive():
+            done.set()
+
+    t = threading.Thread(target=write)
+    t.start()
+    t.join(5)
+    assert done.is_set()  # nothing is left held
+
+
+def test_an_interrupt_inside_the_lock_never_blocks_the_interrupted_thread():
+    # A KeyboardInterrupt may land on any line of the lock (a signal in the
+    # command line): what it leaves held, this thread takes again.
+    import sys
+
+    lock = ReadWriteLock()
+    for mode in ("shared", "exclusive", "intent"):
+        for n in range(1, 40):
+            seen = [0]
+
+            def hook(frame, event, arg):
+                if not frame.f_code.co_filename.endswith("rwlock.py"):
+                    return None
+                seen[0] += 1
+                if seen[0] == n:
+                    sys.settrace(None)
+                    raise KeyboardInterrupt
+                return hook
+
+            sys.settrace(hook)
+            try:
+                with getattr(lock, mode)():
+                    pass
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+            with lock.shared(), lock.exclusive(), lock.intent():  # none of these waits
+                pass
+
+
+def test_scans_of_several_threads_give_the_same_results():
+    # while one thread's scan has the pool, another runs its ranges itself
+    from hmem import threads
+
+    ranges = [(0, 10), (10, 20), (20, 30)]
+    started, go = threading.Event(), threading.Event()
+
+    def slow(lo, hi):
+        if lo == 0:
+            started.set()
+            go.wait(5)
+        return list(range(lo, hi))
+
+    first: list = []
+    t = threading.Thread(target=lambda: first.append(threads.run_ranges(slow, ranges)))
+    t.start()
+    started.wait(5)
+    ran_on: set[int] = set()
+
+    def quick(lo, hi):
+        ran_on.add(threading.get_ident())
+        return list(range(lo, hi))
+
+    second = threads.run_ranges(quick, ranges)  # while the first is under way
+    go.set()
+    t.join(5)
+    assert second == first[0] == [list(range(0, 10)), list(range(10, 20)), list(range(20, 30))]
+    assert ran_on == {threading.get_ident()}  # every range on the calling thread: the pool was busy
+
+
+def test_intent_lets_readers_in_and_keeps_writers_out():
+    lock = ReadWriteLock()
+    holding, let_go = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def flush():
+        with lock.intent():
+            holding.set()
+            let_go.wait(5)
+            order.append("flush")
+
+    def put():
+        with lock.exclusive():
+            order.append("put")
+
+    f = threading.Thread(target=flush)
+    f.start()
+    holding.wait(5)
+    done = threading.Event()
+
+    def reader():
+        with lock.shared():
+            done.set()
+
+    r = threading.Thread(target=reader)
+    r.start()
+    r.join(5)
+    assert done.is_set()  # a read runs while the flush holds intent
+    p = threading.Thread(target=put)
+    p.start()
+    p.join(0.2)
+    assert p.is_alive()  # a write waits for it
+    let_go.set()
+    f.join(5)
+    p.join(5)
+    assert order == ["flush", "put"]
