@@ -16,7 +16,8 @@ exports (docs/cli.md).
 never floats or booleans; byte sizes are computed with Python integers, so
 no shape can overflow them) and raises SafetensorsError, which each reader
 turns into its own error.  ``encode`` writes a header for tensors laid back
-to back.
+to back; ``encode_text`` one whose tensor entries are already JSON text
+(shards of many tensors, hmem/store/shard_builder.py).
 """
 
 from __future__ import annotations
@@ -158,6 +159,29 @@ def encode(tensors: Iterable[tuple[str, str, Sequence[int], int]],
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % HEADER_ALIGN)
+    return struct.pack("<Q", len(text)) + text
+
+
+def entry_text(name: str, dtype: str, shape: Sequence[int], begin: int, end: int) -> bytes:
+    """One tensor's header entry followed by a comma, for encode_text."""
+    entry = {"dtype": dtype, "shape": [int(x) for x in shape], "data_offsets": [int(begin), int(end)]}
+    return json.dumps({name: entry}, separators=(",", ":"))[1:-1].encode() + b","
+
+
+def encode_text(metadata: Mapping[str, str], metadata_entries: bytes, tensor_entries: bytes) -> bytes:
+    """The length word and JSON header of a file whose tensor entries (with
+    their offsets) are already written as JSON text, each followed by a
+    comma (entry_text, or hmem.kernels.header_text for many at once);
+    ``__metadata__`` holds `metadata` and then `metadata_entries`, text of
+    the same form."""
+    inner = [json.dumps(dict(metadata), separators=(",", ":"))[1:-1].encode()] if metadata else []
+    if metadata_entries:
+        inner.append(metadata_entries[:-1])
+    text = b'{"' + METADATA.encode() + b'":{' + b",".join(inner) + b"}"
+    if tensor_entries:
+        text += b"," + tensor_entries[:-1]
+    text += b"}"
     text += b" " * (-len(text) % HEADER_ALIGN)
     return struct.pack("<Q", len(text)) + text
 

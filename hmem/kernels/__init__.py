@@ -78,6 +78,7 @@ _MODULES: list[_KernelModule] = []
 
 bitops: Any = _KernelModule("bitops")
 checksum: Any = _KernelModule("checksum")
+header_text: Any = _KernelModule("header_text")
 hamming: Any = _KernelModule("hamming")
 projection: Any = _KernelModule("projection")
 quantize: Any = _KernelModule("quantize")

@@ -40,7 +40,7 @@ from hmem.formats.manifest import Manifest, Pending
 from hmem.formats.records import EVICTED
 from hmem.kernels import checksum as checksum_kernels
 from hmem.recovery.verify import ERROR, Finding, config_from_shards, verify
-from hmem.store import lock, rewrite, shard_builder
+from hmem.store import lock, rewrite
 from hmem.store.projection import Projector
 
 ID_MARGIN = 4096  # ids skipped after a rebuilt index, in case lost records held higher ones
@@ -109,8 +109,7 @@ def repair(path: str | Path, *, lock_wait: float = 0.0) -> RepairReport:
             base.next_entry_id += ID_MARGIN
         deletes = layout.classify(root).orphans  # every shard and temporary file: the rewrite replaces them
         config_json = json.dumps(base.config.to_dict(), sort_keys=True)
-        mf, _ = rewrite.rewrite(root, base, kept, sources, sizes, deletes,
-                                arenas=(shard_builder.Arena(), shard_builder.Arena()), config_json=config_json,
+        mf, _ = rewrite.rewrite(root, base, kept, sources, sizes, deletes, config_json=config_json,
                                 crash_prefix="repair")
         return RepairReport(str(root), "rewritten", report.findings, rebuilt and not stale, len(kept), tuple(dropped),
                             len(mf.shards), before, layout.directory_bytes(root), time.perf_counter() - started,

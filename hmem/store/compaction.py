@@ -96,7 +96,7 @@ class Compaction:
         try:
             mf, new_records = rewrite.rewrite(
                 state.path, state.committed, state.records[live], [self._sources(int(p)) for p in live], sizes,
-                deletes, arenas=state.arenas, config_json=state.config_json, crash_prefix="compact",
+                deletes, config_json=state.config_json, crash_prefix="compact",
                 progress=progress)
             state.cache.drop()
             state.adopt(mf, None, new_records)

@@ -17,7 +17,7 @@ from hmem.store.compaction import Compaction
 from hmem.store.policy import eviction_order, scores
 from hmem.store.results import DeletePlan, EvictionPlan
 from hmem.store.state import StoreState
-from hmem.store.prepare import PreparedEntry
+from hmem.store.prepare import PreparedBatch
 from hmem.store.writer import Writer
 
 DISK_LOW_WATER = 0.9  # a put past max_disk_bytes makes room down to this share, then compacts
@@ -109,31 +109,32 @@ class Eviction:
 
     # ---- limits --------------------------------------------------------------------
 
-    def make_room(self, batch: list[PreparedEntry]) -> None:
+    def make_room(self, batch: PreparedBatch) -> None:
         """Evict (and compact, for the disk limit) so that `batch` fits the
         limits; refuse a batch that can never fit.  Nothing is changed when
         it is refused."""
         state = self.state
         cfg = state.config
-        if not (cfg.max_entries or cfg.max_disk_bytes) or not batch:
+        if not (cfg.max_entries or cfg.max_disk_bytes) or not len(batch):
             return
-        sizes = [int(state.entry_file_bytes(p.n_tokens)) + state.entry_overhead for p in batch]
-        sizes[0] += INDEX_BYTES_PER_SHARD  # the shard the batch may open, in index.json
+        # the shard the batch may open counts too, in index.json
+        total = int(np.sum(state.entry_file_bytes(batch.n_tokens))) + len(batch) * state.entry_overhead \
+            + INDEX_BYTES_PER_SHARD
         if cfg.max_entries and len(batch) > cfg.max_entries:
             raise EntryTooLargeError(f"{len(batch)} entries can never fit max_entries={cfg.max_entries}")
-        if cfg.max_disk_bytes and FIXED_OVERHEAD_BYTES + sum(sizes) > cfg.max_disk_bytes:
+        if cfg.max_disk_bytes and FIXED_OVERHEAD_BYTES + total > cfg.max_disk_bytes:
             raise EntryTooLargeError(
-                f"{'this entry' if len(batch) == 1 else 'this batch'} needs {FIXED_OVERHEAD_BYTES + sum(sizes)} "
+                f"{'this entry' if len(batch) == 1 else 'this batch'} needs {FIXED_OVERHEAD_BYTES + total} "
                 f"bytes on disk with the store's fixed files; max_disk_bytes is {cfg.max_disk_bytes}",
                 hint="raise max_disk_bytes or store smaller entries")
         live = state.live_positions()
         if cfg.max_entries and len(live) + len(batch) > cfg.max_entries:
             over = len(live) + len(batch) - cfg.max_entries
             self._evict_for_room(eviction_order(state.records, live)[:over])
-        if cfg.max_disk_bytes and self._usage_bytes() + sum(sizes) > cfg.max_disk_bytes:
+        if cfg.max_disk_bytes and self._usage_bytes() + total > cfg.max_disk_bytes:
             # Evicted bytes stay on disk until compaction, so make room down
             # to 90% of the limit and compact once, not at every put.
-            needed = FIXED_OVERHEAD_BYTES + sum(sizes)
+            needed = FIXED_OVERHEAD_BYTES + total
             budget = min(max(int(cfg.max_disk_bytes * DISK_LOW_WATER), needed), cfg.max_disk_bytes) - needed
             order = eviction_order(state.records, state.live_positions())
             kept_bytes = np.asarray(state.entry_file_bytes(state.records["n_tokens"][order].astype(np.int64)),

@@ -1,9 +1,9 @@
 """What a put is given, checked and converted before anything is stored
 (hmem/store/writer.py stores it): keys and values as float32 rows of the
-store's width, the layer and importance in range, the signature and pooled
-key computed, the rows encoded in the storage dtype (overflow refused) and
-the metadata as bounded JSON.  A batch is checked whole first, so one bad
-entry stores nothing."""
+store's width, the layer and importance in range, the signatures and pooled
+keys computed (one kernel call for the batch), the rows encoded in the
+storage dtype (overflow refused) and the metadata as bounded JSON.  A batch
+is checked whole first, so one bad entry stores nothing."""
 
 from __future__ import annotations
 
@@ -33,60 +33,151 @@ class Entry(NamedTuple):
 
 
 @dataclasses.dataclass
-class PreparedEntry:
-    """A checked put, ready to be stored.  It keeps only what goes into the
-    shard, not the float32 rows it came from: a large put_many of a
-    narrower storage dtype holds each entry's rows only while preparing it."""
+class PreparedBatch:
+    """Checked puts, ready to be stored, held column by column so that
+    storing them takes array operations, not a Python step per entry.  It
+    keeps only what goes into the shard, in arrays of its own (the caller
+    may change its arrays afterwards)."""
 
-    n_tokens: int
-    layer_idx: int
-    importance: float
-    signature: np.ndarray
-    pooled: np.ndarray
-    tensors: dict[str, np.ndarray]  # what goes into the shard, in the store's storage dtype
-    meta: str | None = None  # the entry's metadata as JSON
+    n_tokens: np.ndarray  # int64 [n]
+    starts: np.ndarray  # int64 [n + 1]: entry e's rows are starts[e] .. starts[e + 1] - 1 of rows[kind]
+    layer_idx: np.ndarray  # int64 [n]
+    importance: np.ndarray  # float64 [n]
+    signatures: np.ndarray  # uint8 [n, hdc_dim / 8]
+    pooled: np.ndarray  # float32 [n, embed_dim]
+    rows: dict[str, np.ndarray]  # "k", "v" in the storage dtype, every entry's rows back to back; int8: "ks", "vs"
+    meta: dict[int, str]  # position in the batch -> the entry's metadata as JSON (most have none)
+
+    def __len__(self) -> int:
+        return len(self.n_tokens)
 
 
-def prepare_all(state: StoreState, entries: Iterable[Entry | tuple]) -> list[PreparedEntry]:
-    """Every entry checked and converted; the first bad one raises, naming it."""
-    prepared = []
+_F32 = np.dtype(np.float32)
+
+
+def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: bool = False) -> PreparedBatch:
+    """Every entry checked and converted; the first bad one raises, naming
+    it (unless `single`: the one entry of a put).  Per entry, Python only
+    unpacks it and checks types and shapes; values are checked and
+    converted for the whole batch at once."""
+    dim = state.config.embed_dim
+    keys: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    tokens: list[int] = []
+    layers: list[int] = []
+    weights: list[float] = []
+    metas: dict[int, str] = {}
     for i, item in enumerate(entries):
+        if type(item) is tuple and len(item) == 4:  # the common form, unpacked without building an Entry
+            k, v, layer, imp = item
+            meta = None
+        else:
+            try:
+                k, v, layer, imp, meta = Entry(*item)
+            except TypeError:
+                raise InvalidArgumentError(
+                    f"entry {i}: expected (keys, values[, layer_idx[, importance]]), got {type(item).__name__}"
+                ) from None
         try:
-            entry = Entry(*item)
-        except TypeError:
-            raise InvalidArgumentError(
-                f"entry {i}: expected (keys, values[, layer_idx[, importance]]), got {type(item).__name__}"
-            ) from None
-        try:
-            prepared.append(prepare(state, *entry))
+            if not (type(k) is np.ndarray and type(v) is np.ndarray and k.dtype is _F32 and v.dtype is _F32
+                    and k.ndim == 2 and k.shape == v.shape and k.shape[1] == dim
+                    and 0 < k.shape[0] <= validation.U32_MAX):
+                k, v = _checked_rows(k, v, dim)  # converts, or raises with the reason
+            if type(layer) is not int or not 0 <= layer <= validation.U32_MAX:
+                layer = validation.layer_index(layer)
+            if type(imp) is not float or not 0.0 <= imp <= validation.F32_MAX:
+                imp = validation.importance(imp)
+            if meta is not None:
+                metas[i] = _meta_json(meta)
         except InvalidArgumentError as exc:
+            if single:
+                raise
             raise type(exc)(f"entry {i}: {exc.message}", hint=exc.hint) from None
-    return prepared
+        keys.append(k)
+        values.append(v)
+        tokens.append(k.shape[0])
+        layers.append(layer)
+        weights.append(imp)
+    n_tokens = np.array(tokens, dtype=np.int64)
+    starts = np.zeros(len(tokens) + 1, dtype=np.int64)
+    np.cumsum(n_tokens, out=starts[1:])
+    k_rows = _joined(keys, dim)
+    v_rows = _joined(values, dim)
+    rows = {}
+    for kind, joined, what in (("k", k_rows, "keys"), ("v", v_rows, "values")):
+        _check_finite(joined, starts, what, single)
+        try:
+            encoded = storage_codec.encode(joined, state.config.storage_dtype, what)
+        except InvalidTensorError as exc:
+            raise _naming_entry(exc, _first_failing(joined, starts, state.config.storage_dtype, what), single) from None
+        for suffix, array in encoded.items():
+            rows[kind + suffix] = array
+    if len(tokens):
+        signatures, means = state.projector.signatures_and_means(k_rows, starts)
+    else:
+        signatures = np.zeros((0, state.config.signature_bytes), dtype=np.uint8)
+        means = np.zeros((0, dim))
+    return PreparedBatch(n_tokens, starts, np.array(layers, dtype=np.int64), np.array(weights, dtype=np.float64),
+                         signatures, means.astype(np.float32), rows, metas)
+
 
 def prepare(state: StoreState, keys: Any, values: Any, layer_idx: Any, importance: Any,
-            meta: Any = None) -> PreparedEntry:
+            meta: Any = None) -> PreparedBatch:
     """One put checked and converted; bad input raises and changes nothing."""
-    dim = state.config.embed_dim
-    k = as_rows(keys, "keys", dim)  # the open shard copies them
+    return prepare_all(state, [(keys, values, layer_idx, importance, meta)], single=True)
+
+
+def _checked_rows(keys: Any, values: Any, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and values as float32 rows, or the error that says what is wrong."""
+    k = as_rows(keys, "keys", dim)
     v = as_rows(values, "values", dim)
     if k.shape != v.shape:
         raise InvalidTensorError(f"keys {list(k.shape)} and values {list(v.shape)} differ in shape")
     if k.shape[0] > validation.U32_MAX:
         raise InvalidTensorError(f"an entry holds at most {validation.U32_MAX} tokens")
-    layer = validation.layer_index(layer_idx)
-    imp = validation.importance(importance)
-    signature, mean = state.projector.signature_and_mean(k)
-    pooled = mean.astype(np.float32)
-    tensors = _entry_tensors(k, v, pooled, state.config.storage_dtype)
-    return PreparedEntry(int(k.shape[0]), layer, imp, signature, pooled, tensors, _meta_json(meta))
+    return k, v
 
 
-def _meta_json(meta: Any) -> str | None:
+def _joined(parts: list[np.ndarray], dim: int) -> np.ndarray:
+    """The rows of every entry back to back, in a new C-contiguous float32 array."""
+    out = np.empty((sum(len(part) for part in parts), dim), dtype=np.float32)
+    if parts:
+        np.concatenate(parts, axis=0, out=out)  # into `out`: C order whatever the inputs' order
+    return out
+
+
+def _check_finite(rows: np.ndarray, starts: np.ndarray, what: str, single: bool) -> None:
+    """Refuse NaN and infinities, naming the first entry that holds one.  A
+    sum is nonfinite whenever a term is (and rarely otherwise, by overflow),
+    so the exact check runs only then."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(rows.sum(dtype=np.float32)):
+            return
+    bad = ~np.isfinite(rows).all(axis=1)
+    if not bad.any():
+        return
+    entry = int(np.searchsorted(starts, int(np.argmax(bad)), side="right")) - 1
+    raise _naming_entry(InvalidTensorError(f"{what} holds NaN or infinite values"), entry, single)
+
+
+def _first_failing(rows: np.ndarray, starts: np.ndarray, storage: str, what: str) -> int:
+    """The first entry whose rows the storage dtype refuses."""
+    for e in range(len(starts) - 1):
+        try:
+            storage_codec.encode(rows[starts[e] : starts[e + 1]], storage, what)
+        except InvalidTensorError:
+            return e
+    return 0
+
+
+def _naming_entry(exc: InvalidArgumentError, entry: int, single: bool) -> InvalidArgumentError:
+    return exc if single else type(exc)(f"entry {entry}: {exc.message}", hint=exc.hint)
+
+
+def _meta_json(meta: Any) -> str:
     """An entry's metadata as compact JSON: an object of at most
     META_MAX_BYTES, its keys strings, its values numbers, strings, booleans,
     null or lists of those."""
-    if meta is None:
-        return None
     if not isinstance(meta, Mapping) or not all(isinstance(key, str) for key in meta):
         raise InvalidArgumentError(f"meta must be a mapping of strings, got {type(meta).__name__}")
     scalar = (str, int, float, bool, type(None))
@@ -100,13 +191,3 @@ def _meta_json(meta: Any) -> str | None:
     if len(text) > shard_file.META_MAX_BYTES:
         raise InvalidArgumentError(f"meta takes {len(text)} bytes as JSON; at most {shard_file.META_MAX_BYTES}")
     return text
-
-
-def _entry_tensors(keys: np.ndarray, values: np.ndarray, pooled: np.ndarray, storage: str) -> dict[str, np.ndarray]:
-    """An entry's shard tensors: keys and values in the storage dtype (with
-    their INT8 scales), and the float32 pooled key."""
-    tensors = {"p": pooled}
-    for kind, rows, what in (("k", keys, "keys"), ("v", values, "values")):
-        for suffix, array in storage_codec.encode(rows, storage, what).items():
-            tensors[kind + suffix] = array
-    return tensors

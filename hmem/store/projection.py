@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from hmem import threads
 from hmem.kernels import projection as projection_kernels
+
+MANY_PER_THREAD = 512  # entries a thread takes at least in signatures_and_means
 
 FAMILY = "srht"
 GENERATOR = "splitmix64"
@@ -56,6 +59,24 @@ class Projector:
         sums = np.zeros(rows.shape[1], dtype=np.float64)
         projection_kernels.signature(rows, self.signs, self.m, ROUNDS, self.hdc_dim, out, sums)
         return out, sums / rows.shape[0]
+
+
+    def signatures_and_means(self, rows: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """signature_and_mean of many entries at once: entry e is rows
+        starts[e] .. starts[e + 1] - 1 of the float32 matrix `rows`.  Returns
+        the signatures [n, hdc_dim / 8] and the float64 means [n, embed_dim];
+        the same bytes as one call per entry, on every core."""
+        count = len(starts) - 1
+        out = np.zeros((count, self.hdc_dim // 8), dtype=np.uint8)
+        sums = np.zeros((count, rows.shape[1]), dtype=np.float64)
+
+        def run(lo: int, hi: int) -> None:
+            first, last = int(starts[lo]), int(starts[hi])
+            projection_kernels.signature_many(rows[first:last], starts[lo : hi + 1] - first, self.signs, self.m,
+                                              ROUNDS, self.hdc_dim, out[lo:hi], sums[lo:hi])
+
+        threads.run_ranges(run, threads.split(count, MANY_PER_THREAD))
+        return out, sums / np.diff(starts)[:, None]
 
 
 def similarity(hamming: np.ndarray | int, hdc_dim: int) -> np.ndarray | float:

@@ -59,7 +59,6 @@ def rewrite(
     sizes: np.ndarray,
     deletes: Sequence[str],
     *,
-    arenas: tuple[shard_builder.Arena, shard_builder.Arena],
     config_json: str,
     crash_prefix: str,
     progress: Callable[[int, int], None] | None = None,
@@ -76,7 +75,7 @@ def rewrite(
     pooled_keys: list[tuple[_io.FileRange, int]] = []  # each entry's "p" tensor and its CRC
     start, done, total = 0, 0, int(sizes.sum())
     for j, count in enumerate(groups):
-        builder = shard_builder.ShardBuilder(j, uuid.uuid4().hex, arenas, config_json)
+        builder = shard_builder.ShardBuilder(j, uuid.uuid4().hex, config_json)
         for i in range(start, start + count):
             tensors, meta = sources[i]()
             builder.add_lent_entry(int(kept["entry_id"][i]), int(kept["n_tokens"][i]), tensors, meta)

@@ -39,7 +39,7 @@ from hmem.store.rwlock import ReadWriteLock
 from hmem.store.projection import Projector
 from hmem.store.results import LimitActivity
 from hmem.store.search import SearchIndex
-from hmem.store.shard_builder import Arena, ShardBuilder
+from hmem.store.shard_builder import ShardBuilder
 from hmem.store.shard_reader import ShardCache
 
 
@@ -75,7 +75,6 @@ class StoreState:
         # what an entry takes on disk outside its shard: its record and its row of pooled.bin
         self.entry_overhead = self.record_size + pooled.row_bytes(cfg.embed_dim)
         self.config_json = json.dumps(cfg.to_dict(), sort_keys=True)
-        self.arenas = (Arena(), Arena())  # reused by every open shard
         self.cache = ShardCache(cfg.max_open_shards)
         self.pooled = PooledKeys(path, cfg.embed_dim)  # pooled.bin, for re-rank
         self.next_id = committed.next_entry_id

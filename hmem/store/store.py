@@ -219,7 +219,7 @@ class Store:
         """Store one entry; returns its id.  Bad input raises and stores nothing."""
         self._state.check_writable()
         # checked and projected before the lock: queries go on meanwhile
-        batch = [prepare.prepare(self._state, keys, values, layer_idx, importance)]
+        batch = prepare.prepare(self._state, keys, values, layer_idx, importance)
         with self._state.lock.exclusive():
             self._state.check_writable()
             self._eviction.make_room(batch)

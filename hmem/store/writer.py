@@ -37,7 +37,7 @@ from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.formats.sources import SourcesInfo
 from hmem.store.search import SearchIndex
 from hmem.store.shard_builder import ShardBuilder
-from hmem.store.prepare import PreparedEntry
+from hmem.store.prepare import PreparedBatch
 from hmem.store.state import DeadBytes, StoreState
 
 ID_LEASE = 4096  # ids reserved per index.json write
@@ -51,60 +51,78 @@ class Writer:
 
     # ---- storing ----------------------------------------------------------------------
 
-    def insert(self, batch: list[PreparedEntry]) -> list[int]:
+    def insert(self, batch: PreparedBatch) -> list[int]:
         """Store a checked batch (the limits already made room); returns the
         new ids.  A failure, an interrupt included, takes the whole batch
         back: it is in (one last assignment) or every part of it is undone."""
         state = self.state
-        if not batch:
+        count = len(batch)
+        if not count:
             return []
-        self._reserve_ids(len(batch))
+        self._reserve_ids(count)
         first_id, start = state.next_id, state.n
-        ids = np.arange(first_id, first_id + len(batch), dtype=np.uint64)
-        shard_of = np.zeros(len(batch), dtype=np.uint32)
-        sizes = [int(state.entry_file_bytes(p.n_tokens)) for p in batch]
-        if self._batch_rolls_over(sizes):
+        ids = np.arange(first_id, first_id + count, dtype=np.int64)
+        sizes = np.asarray(state.entry_file_bytes(batch.n_tokens), dtype=np.int64)
+        for position, text in batch.meta.items():  # as the open shard counts it (shard_builder)
+            sizes[position] += 2 * len(text) + 40
+        plan = self._plan_shards(sizes)
+        if len(plan) > 1 or plan[0][2]:
             # Seal what came before, so every shard sealed below holds
             # entries of this batch only and a failure can take them back.
             self.seal_open_shard()
+            plan = self._plan_shards(sizes)
         builder = state.builder
         undo = (len(state.shards), builder, builder.mark() if builder is not None else None, _index_mark(state.index))
         try:
-            for i, p in enumerate(batch):  # each entry's own tensors go to the open shard
-                b = self._open_shard_for(sizes[i])
-                b.add_entry(first_id + i, p.n_tokens, p.tensors, p.meta)
-                shard_of[i] = b.index
-            state.grow(len(batch))
-            rows = state.records[start : start + len(batch)]  # past state.n: not yet part of the store
+            shard_of = np.zeros(count, dtype=np.uint32)
+            for n, (lo, hi, _) in enumerate(plan):
+                if n:
+                    self.seal_open_shard()
+                b = self._open_shard()
+                b.add_entries(ids[lo:hi], batch.n_tokens[lo:hi], _part_tensors(batch, lo, hi),
+                              {int(ids[p]): t for p, t in batch.meta.items() if lo <= p < hi})
+                shard_of[lo:hi] = b.index
+            state.grow(count)
+            rows = state.records[start : start + count]  # past state.n: not yet part of the store
             rows["entry_id"] = ids
-            rows["layer_idx"] = [p.layer_idx for p in batch]
-            rows["n_tokens"] = [p.n_tokens for p in batch]
-            rows["importance"] = [p.importance for p in batch]
+            rows["layer_idx"] = batch.layer_idx
+            rows["n_tokens"] = batch.n_tokens
+            rows["importance"] = batch.importance
             rows["timestamp"] = time.time_ns()
             rows["access_count"] = 0
             rows["shard_idx"] = shard_of
-            rows["signature"] = np.stack([p.signature for p in batch])
-            keys = np.stack([p.pooled for p in batch])
-            state.index.add_records(state.records, np.arange(start, start + len(batch), dtype=np.int64))
-            state.n, state.next_id = start + len(batch), first_id + len(batch)  # the batch is in
-            state.fresh_pooled.append(keys)
+            rows["signature"] = batch.signatures
+            state.index.add_records(state.records, np.arange(start, start + count, dtype=np.int64))
+            state.n, state.next_id = start + count, first_id + count  # the batch is in
+            state.fresh_pooled.append(batch.pooled)
         except BaseException:
             if state.n == start:
                 self._undo_insert(*undo)
             raise
-        return [int(i) for i in ids]
+        return ids.tolist()
 
-    def _batch_rolls_over(self, sizes: list[int]) -> bool:
-        """Whether adding entries of these file sizes will seal the open shard."""
+    def _plan_shards(self, sizes: np.ndarray) -> list[tuple[int, int, bool]]:
+        """How entries of these file sizes fill shards: (lo, hi, sealed
+        before) per shard, the first one the open shard.  A shard takes
+        entries while its bound stays within shard_max_bytes (an entry
+        larger than the limit gets a shard of its own)."""
+        limit = self.state.config.shard_max_bytes
         b = self.state.builder
-        entries = b.entries if b is not None else 0
         bound = b.file_bytes_bound() if b is not None else shard_file.HEADER_FIXED_BYTES
-        for size in sizes:
-            if entries and bound + size > self.state.config.shard_max_bytes:
-                return True
-            bound += size
-            entries += 1
-        return False
+        held = b.entries if b is not None else 0
+        ends = np.cumsum(sizes)
+        plan, lo, sealed = [], 0, False
+        while lo < len(sizes):
+            before = int(ends[lo - 1]) if lo else 0
+            hi = int(np.searchsorted(ends, before + limit - bound, side="right"))
+            if hi == lo:
+                if held:  # the open shard is full: seal it, start a fresh one
+                    bound, held, sealed = shard_file.HEADER_FIXED_BYTES, 0, True
+                    continue
+                hi = lo + 1
+            plan.append((lo, hi, sealed))
+            lo, bound, held, sealed = hi, shard_file.HEADER_FIXED_BYTES, 0, True
+        return plan
 
     def _undo_insert(self, shards_mark: int, builder: ShardBuilder | None, builder_mark: tuple | None,
                      index_mark: dict[int, int]) -> None:
@@ -133,18 +151,12 @@ class Writer:
         self.commit(mf)
         state.id_limit = mf.next_entry_id
 
-    def _open_shard_for(self, entry_bytes: int) -> ShardBuilder:
-        """The open shard, sealed first and replaced when this entry would
-        push it past shard_max_bytes (an entry larger than the limit gets a
-        shard of its own)."""
+    def _open_shard(self) -> ShardBuilder:
+        """The open shard, begun when there is none."""
         state = self.state
-        b = state.builder
-        if b is not None and b.entries and b.file_bytes_bound() + entry_bytes > state.config.shard_max_bytes:
-            self.seal_open_shard()
-            b = None
-        if b is None:
-            b = state.builder = ShardBuilder(len(state.shards), uuid.uuid4().hex, state.arenas, state.config_json)
-        return b
+        if state.builder is None:
+            state.builder = ShardBuilder(len(state.shards), uuid.uuid4().hex, state.config_json)
+        return state.builder
 
     def seal_open_shard(self) -> None:
         """Write the open shard into its file (not yet committed)."""
@@ -266,6 +278,15 @@ class Writer:
         self.flush(exact_ids=True)
         if state.listed_pending and not state.committed.pending:
             self.commit(dataclasses.replace(state.committed, generation=state.committed.generation + 1))
+
+
+def _part_tensors(batch: PreparedBatch, lo: int, hi: int) -> dict[str, np.ndarray]:
+    """The shard tensors of entries lo .. hi - 1 of a batch, by kind: views
+    of the batch's arrays."""
+    first, last = int(batch.starts[lo]), int(batch.starts[hi])
+    tensors = {kind: rows[first:last] for kind, rows in batch.rows.items()}
+    tensors["p"] = batch.pooled[lo:hi]
+    return tensors
 
 
 def _index_mark(index: SearchIndex) -> dict[int, int]:

@@ -19,7 +19,7 @@ import operator
 
 import numpy as np
 
-from libc.stdint cimport uint8_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 
 cdef extern from "projection.h" nogil:
     void hm_projection_init()
@@ -27,6 +27,9 @@ cdef extern from "projection.h" nogil:
     int hm_signature(const float *rows, size_t n, size_t d, const uint8_t *signs,
                      size_t m, size_t rounds, size_t hdc_dim, uint8_t *out, double *sum_out)
     void hm_splitmix64(uint64_t seed, size_t count, uint64_t *out)
+    int hm_signature_many(const float *rows, const int64_t *starts, size_t count, size_t d,
+                          const uint8_t *signs, size_t m, size_t rounds, size_t hdc_dim,
+                          uint8_t *out, double *sum_out)
 
 include "cpu_paths.pxi"
 
@@ -104,5 +107,50 @@ def signature(const float[:, ::1] rows, const unsigned char[::1] signs, m, round
         sum_out = &sums[0]
     with nogil:
         rc = hm_signature(&rows[0, 0], <size_t>n, <size_t>d, &signs[0], cm, crounds, cdim, &out[0], sum_out)
+    if rc != 0:
+        raise MemoryError()
+
+
+def signature_many(const float[:, ::1] rows, const int64_t[::1] starts, const unsigned char[::1] signs, m,
+                   rounds, hdc_dim, unsigned char[:, ::1] out, double[:, ::1] sums=None):
+    """signature() of many entries in one call: entry e is rows
+    starts[e] .. starts[e + 1] - 1 (at least one row; starts[0] = 0 and
+    starts[-1] = the row count); its signature goes to out[e] and, when
+    `sums` is given, its float64 token sum to sums[e]."""
+    m = _check_m(m)
+    rounds = _index("rounds", rounds, 1)
+    hdc_dim = _index("hdc_dim", hdc_dim, 8)
+    cdef Py_ssize_t n = rows.shape[0], d = rows.shape[1], count = starts.shape[0] - 1
+    if count < 0:
+        raise ValueError("starts must hold at least one offset")
+    if d < 1 or d > m:
+        raise ValueError(f"rows must have 1 <= d <= m = {m} columns, got {d}")
+    if hdc_dim % 8:
+        raise ValueError(f"hdc_dim must be a multiple of 8, got {hdc_dim}")
+    blocks = -(-hdc_dim // m)
+    if signs.shape[0] != blocks * rounds * m // 8:
+        raise ValueError(f"signs has {signs.shape[0]} bytes; m={m}, rounds={rounds}, "
+                         f"hdc_dim={hdc_dim} need {blocks * rounds * m // 8}")
+    if out.shape[0] != count or out.shape[1] != hdc_dim // 8:
+        raise ValueError(f"out must be ({count}, {hdc_dim // 8}), got ({out.shape[0]}, {out.shape[1]})")
+    cdef Py_ssize_t e
+    if starts[0] != 0 or starts[count] != n:
+        raise ValueError(f"starts must run from 0 to the row count {n}")
+    for e in range(count):
+        if starts[e + 1] <= starts[e]:
+            raise ValueError(f"entry {e} has no rows (starts must increase)")
+    cdef double *sum_out = NULL
+    if sums is not None:
+        if sums.shape[0] != count or sums.shape[1] != d:
+            raise ValueError(f"sums must be ({count}, {d}), got ({sums.shape[0]}, {sums.shape[1]})")
+        if count:
+            sum_out = &sums[0, 0]
+    if count == 0:
+        return
+    cdef size_t cm = m, crounds = rounds, cdim = hdc_dim
+    cdef int rc
+    with nogil:
+        rc = hm_signature_many(&rows[0, 0], &starts[0], <size_t>count, <size_t>d, &signs[0], cm, crounds, cdim,
+                               &out[0, 0], sum_out)
     if rc != 0:
         raise MemoryError()

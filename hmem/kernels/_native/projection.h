@@ -279,6 +279,200 @@ static int hm_signature(const float *rows, size_t n, size_t d, const uint8_t *si
     return 0;
 }
 
+/* ---- many entries at once -------------------------------------------- */
+
+/*
+ * hm_signature_many computes the signatures of HM_LANES entries at a time
+ * in "lane layout": value i of entry l at v[i * HM_LANES + l].  Every
+ * transform stage then pairs whole groups of HM_LANES values, so each
+ * vector add or subtract serves one value of each entry and no shuffle is
+ * needed.  Each entry still goes through exactly the operations of
+ * hm_signature_body in the same order (a sign flip, then stage 1, 2, 4, ...
+ * of each round, each output one add or subtract of the same two
+ * operands), so the bits are the same.  Three stages are done per pass
+ * (radix 8), the first pass with the sign flip in it, which cuts the
+ * stores, the bound of this loop, to a third of one pass per stage.
+ */
+#define HM_LANES 4
+
+HM_PROJ_INLINE double hm_flip(double x, uint64_t mask)
+{
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits ^= mask;
+    memcpy(&x, &bits, sizeof bits);
+    return x;
+}
+
+/* One radix-8 group: stages h, 2h and 4h of x[0..7] (offsets 0..7 times h
+   within a block of 8h), in place. */
+HM_PROJ_INLINE void hm_radix8(double *x)
+{
+    double a0 = x[0] + x[1], a1 = x[0] - x[1], a2 = x[2] + x[3], a3 = x[2] - x[3];
+    double a4 = x[4] + x[5], a5 = x[4] - x[5], a6 = x[6] + x[7], a7 = x[6] - x[7];
+    double b0 = a0 + a2, b2 = a0 - a2, b1 = a1 + a3, b3 = a1 - a3;
+    double b4 = a4 + a6, b6 = a4 - a6, b5 = a5 + a7, b7 = a5 - a7;
+    x[0] = b0 + b4; x[4] = b0 - b4; x[1] = b1 + b5; x[5] = b1 - b5;
+    x[2] = b2 + b6; x[6] = b2 - b6; x[3] = b3 + b7; x[7] = b3 - b7;
+}
+
+/* Stages h, 2h, 4h of the n values of v (blocks of 8h). */
+HM_PROJ_INLINE void hm_fwht_radix8(double *v, size_t n, size_t h)
+{
+    for (size_t i = 0; i < n; i += 8 * h) {
+        double *p = v + i;
+#pragma GCC ivdep
+        for (size_t j = 0; j < h; j++) {
+            double x[8];
+            for (unsigned k = 0; k < 8; k++)
+                x[k] = p[j + k * h];
+            hm_radix8(x);
+            for (unsigned k = 0; k < 8; k++)
+                p[j + k * h] = x[k];
+        }
+    }
+}
+
+/* One round in lane layout: flip by `signs` (m / 8 bytes), then stages 1,
+   2, 4, ..., m / 2. */
+HM_PROJ_INLINE void hm_lanes_round(double *v, const uint8_t *signs, size_t m)
+{
+    for (size_t i = 0; i < m; i += 8) { /* one byte of signs: flip + stages 1, 2, 4 */
+        unsigned byte = signs[i >> 3];
+        double *p = v + i * HM_LANES;
+#pragma GCC ivdep
+        for (size_t l = 0; l < HM_LANES; l++) {
+            double x[8];
+            for (unsigned k = 0; k < 8; k++)
+                x[k] = hm_flip(p[k * HM_LANES + l], (uint64_t)((byte >> k) & 1) << 63);
+            hm_radix8(x);
+            for (unsigned k = 0; k < 8; k++)
+                p[k * HM_LANES + l] = x[k];
+        }
+    }
+    size_t h = 8;
+    for (; 8 * h <= m; h *= 8)
+        hm_fwht_radix8(v, m * HM_LANES, h * HM_LANES);
+    if (4 * h <= m) {
+        hm_fwht_radix4(v, m * HM_LANES, h * HM_LANES);
+        h *= 4;
+    }
+    if (2 * h <= m) { /* one stage left */
+        double *a = v, *b = v + h * HM_LANES;
+#pragma GCC ivdep
+        for (size_t j = 0; j < h * HM_LANES; j++) {
+            double x = a[j], y = b[j];
+            a[j] = x + y;
+            b[j] = x - y;
+        }
+    }
+}
+
+/* Bits [0, nbits) of each lane's output (nbits a multiple of 8): bit i =
+   v[i * HM_LANES + l] > 0, gathered 64 at a time. */
+HM_PROJ_INLINE void hm_lanes_pack(uint8_t *const *out, size_t at, size_t lanes, const double *v, size_t nbits)
+{
+    for (size_t w0 = 0; w0 < nbits; w0 += 64) {
+        size_t count = nbits - w0 < 64 ? nbits - w0 : 64;
+        uint64_t acc[HM_LANES] = {0};
+        for (size_t i = 0; i < count; i++)
+            for (size_t l = 0; l < HM_LANES; l++)
+                acc[l] |= (uint64_t)(v[(w0 + i) * HM_LANES + l] > 0.0) << i;
+        for (size_t l = 0; l < lanes; l++)
+            for (size_t k = 0; k < count / 8; k++)
+                out[l][(at + w0) / 8 + k] = (uint8_t)(acc[l] >> (8 * k));
+    }
+}
+
+/* Up to HM_LANES entries (`lanes` of them): entry l has n[l] rows at
+   rows[l].  s: HM_LANES * m doubles (per-entry sums); t and v: as many, in
+   lane layout. */
+HM_PROJ_INLINE void hm_signature_lanes_body(const float *const *rows, const size_t *n, size_t lanes,
+                                            size_t d, const uint8_t *signs, size_t m, size_t rounds,
+                                            size_t hdc_dim, uint8_t *const *out, double *s, double *t,
+                                            double *v)
+{
+    for (size_t l = 0; l < HM_LANES; l++) {
+        if (l < lanes)
+            hm_proj_sum(s + l * m, rows[l], n[l], d, m);
+        else
+            memset(s + l * m, 0, m * sizeof(double));
+    }
+    for (size_t i = 0; i < m; i++)
+        for (size_t l = 0; l < HM_LANES; l++)
+            t[i * HM_LANES + l] = s[l * m + i];
+    size_t blocks = (hdc_dim + m - 1) / m;
+    for (size_t b = 0; b < blocks; b++) {
+        memcpy(v, t, m * HM_LANES * sizeof(double));
+        for (size_t r = 0; r < rounds; r++)
+            hm_lanes_round(v, signs + (b * rounds + r) * m / 8, m);
+        size_t nbits = hdc_dim - b * m < m ? hdc_dim - b * m : m;
+        hm_lanes_pack(out, b * m, lanes, v, nbits);
+    }
+}
+
+static void hm_signature_lanes_baseline(const float *const *rows, const size_t *n, size_t lanes, size_t d,
+                                        const uint8_t *signs, size_t m, size_t rounds, size_t hdc_dim,
+                                        uint8_t *const *out, double *s, double *t, double *v)
+{
+    hm_signature_lanes_body(rows, n, lanes, d, signs, m, rounds, hdc_dim, out, s, t, v);
+}
+
+#if HM_X86
+__attribute__((target("avx2")))
+static void hm_signature_lanes_avx2(const float *const *rows, const size_t *n, size_t lanes, size_t d,
+                                    const uint8_t *signs, size_t m, size_t rounds, size_t hdc_dim,
+                                    uint8_t *const *out, double *s, double *t, double *v)
+{
+    if (m == 64) /* the commonest block (embed_dim <= 64), a constant the compiler unrolls */
+        hm_signature_lanes_body(rows, n, lanes, d, signs, 64, rounds, hdc_dim, out, s, t, v);
+    else
+        hm_signature_lanes_body(rows, n, lanes, d, signs, m, rounds, hdc_dim, out, s, t, v);
+}
+#endif
+
+/*
+ * The signatures of `count` entries whose rows lie back to back in `rows`
+ * (entry e has rows starts[e] .. starts[e + 1] - 1, at least one; d <= m
+ * columns) into out (hdc_dim / 8 bytes per entry) and their float64 token
+ * sums into sum_out (d doubles per entry) unless it is NULL: the same bytes
+ * as hm_signature of each entry.  The AVX2 code serves the AVX-512 path
+ * too (four lanes of doubles are what its stages fill).  Returns 0, or -1
+ * when the workspace cannot be allocated.
+ */
+static int hm_signature_many(const float *rows, const int64_t *starts, size_t count, size_t d,
+                             const uint8_t *signs, size_t m, size_t rounds, size_t hdc_dim,
+                             uint8_t *out, double *sum_out)
+{
+    double *s = (double *)aligned_alloc(64, 3 * HM_LANES * m * sizeof(double));
+    if (s == NULL)
+        return -1;
+    double *t = s + HM_LANES * m, *v = t + HM_LANES * m;
+    size_t sig_bytes = hdc_dim / 8;
+    for (size_t e = 0; e < count; e += HM_LANES) {
+        size_t lanes = count - e < HM_LANES ? count - e : HM_LANES;
+        const float *lane_rows[HM_LANES];
+        size_t lane_n[HM_LANES];
+        uint8_t *lane_out[HM_LANES];
+        for (size_t l = 0; l < lanes; l++) {
+            lane_rows[l] = rows + (size_t)starts[e + l] * d;
+            lane_n[l] = (size_t)(starts[e + l + 1] - starts[e + l]);
+            lane_out[l] = out + (e + l) * sig_bytes;
+        }
+#if HM_X86
+        if (hm_path != HM_PATH_PORTABLE && hm_proj_has_avx2)
+            hm_signature_lanes_avx2(lane_rows, lane_n, lanes, d, signs, m, rounds, hdc_dim, lane_out, s, t, v);
+        else
+#endif
+            hm_signature_lanes_baseline(lane_rows, lane_n, lanes, d, signs, m, rounds, hdc_dim, lane_out, s, t, v);
+        if (sum_out != NULL)
+            for (size_t l = 0; l < lanes; l++)
+                memcpy(sum_out + (e + l) * d, s + l * m, d * sizeof(double));
+    }
+    free(s);
+    return 0;
+}
+
 /* ---- SplitMix64: the generator the format fixes ----------------------- */
 
 static void hm_splitmix64(uint64_t seed, size_t count, uint64_t *out)

@@ -88,3 +88,16 @@ def crc32c_rows(rows, skip_start: int, skip_end: int) -> np.ndarray:
     return np.array(
         [crc32c(row[skip_end:].tobytes(), crc32c(row[:skip_start].tobytes())) for row in matrix], dtype=np.uint32
     )
+
+
+def crc32c_pieces(data, bounds) -> np.ndarray:
+    """CRC-32C of each piece data[bounds[i] : bounds[i + 1]] of the bytes of
+    `data`, as a uint32 array [len(bounds) - 1]."""
+    view = _byte_view(data)
+    edges = [int(b) for b in bounds]
+    if not edges:
+        raise ValueError("bounds must hold at least one offset")
+    for i in range(len(edges) - 1):
+        if not 0 <= edges[i] <= edges[i + 1] <= len(view):
+            raise ValueError(f"piece {i} [{edges[i]}, {edges[i + 1]}) is not inside {len(view)} bytes in order")
+    return np.array([crc32c(view[a:b]) for a, b in zip(edges, edges[1:])], dtype=np.uint32)

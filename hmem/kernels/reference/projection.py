@@ -138,3 +138,28 @@ def signature(rows, signs, m, rounds, hdc_dim, out, sums=None) -> None:
             fwht(v)
         bits[b * m : (b + 1) * m] = v > 0.0
     target[:] = np.packbits(bits[:hdc_dim], bitorder="little")
+
+
+def signature_many(rows, starts, signs, m, rounds, hdc_dim, out, sums=None) -> None:
+    """signature() of many entries in one call: entry e is rows
+    starts[e] .. starts[e + 1] - 1 (at least one row; starts[0] = 0 and
+    starts[-1] = the row count); its signature goes to out[e] and, when
+    `sums` is given, its float64 token sum to sums[e]."""
+    x = np.asarray(rows)
+    bounds = np.asarray(starts)
+    count = len(bounds) - 1
+    if count < 0:
+        raise ValueError("starts must hold at least one offset")
+    if x.dtype != np.float32 or x.ndim != 2:
+        raise ValueError(f"rows must be a 2-d float32 array, got {x.ndim}-d {x.dtype}")
+    if bounds[0] != 0 or bounds[-1] != x.shape[0]:
+        raise ValueError(f"starts must run from 0 to the row count {x.shape[0]}")
+    if np.any(np.diff(bounds) <= 0):
+        raise ValueError(f"entry {int(np.argmax(np.diff(bounds) <= 0))} has no rows (starts must increase)")
+    if out.shape != (count, int(hdc_dim) // 8):
+        raise ValueError(f"out must be ({count}, {int(hdc_dim) // 8}), got {out.shape}")
+    if sums is not None and sums.shape != (count, x.shape[1]):
+        raise ValueError(f"sums must be ({count}, {x.shape[1]}), got {sums.shape}")
+    for e in range(count):
+        signature(x[bounds[e] : bounds[e + 1]], signs, m, rounds, hdc_dim, out[e],
+                  None if sums is None else sums[e])

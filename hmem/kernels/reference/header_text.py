@@ -1,0 +1,51 @@
+"""Plain-Python twin of hmem.kernels._native._header_text: the safetensors
+header entries of many tensors, each followed by a comma."""
+
+from __future__ import annotations
+
+import numpy as np
+
+PATH_NAMES = ("reference",)
+
+
+def best_path() -> int:
+    return 0
+
+
+def select_path(limit: int) -> int:
+    return 0
+
+
+def active_path() -> int:
+    return 0
+
+
+def _checked_text(value, what: str) -> bytes:
+    if not isinstance(value, bytes) or b'"' in value or b"\\" in value:
+        raise ValueError(f"{what} must be bytes without quotes or backslashes, got {value!r}")
+    return value
+
+
+def tensor_entries(prefix: bytes, ids, dtype: bytes, shapes, begins, ends) -> bytes:
+    """``"<prefix><id>":{"dtype":"<dtype>","shape":[..],"data_offsets":[b,e]},``
+    for each tensor, as one bytes object."""
+    _checked_text(prefix, "prefix")
+    _checked_text(dtype, "dtype")
+    shapes = np.asarray(shapes, dtype=np.int64)
+    if not len(shapes) == len(ids) == len(begins) == len(ends):
+        raise ValueError("ids, shapes, begins and ends must have one row per tensor")
+    name, kind = prefix.decode(), dtype.decode()
+    return "".join(
+        f'"{name}{int(i)}":{{"dtype":"{kind}","shape":[{",".join(str(int(x)) for x in shape)}],'
+        f'"data_offsets":[{int(b)},{int(e)}]}},'
+        for i, shape, b, e in zip(ids, shapes, begins, ends)
+    ).encode()
+
+
+def crc_entries(prefix: bytes, ids, crcs) -> bytes:
+    """``"<prefix><id>":"<crc as 8 lower-case hex digits>",`` for each tensor."""
+    _checked_text(prefix, "prefix")
+    if len(ids) != len(crcs):
+        raise ValueError("ids and crcs must have one value per tensor")
+    name = prefix.decode()
+    return "".join(f'"{name}{int(i)}":"{int(c):08x}",' for i, c in zip(ids, crcs)).encode()
