@@ -4,7 +4,8 @@ Writing into freshly allocated memory faults its pages in one at a time;
 on virtual machines each fault is costly (filling 512 MB that way measured
 7x slower than having the kernel map it at once, MAP_POPULATE).  Arrays
 of at least POPULATE_MIN_BYTES that hmem fills whole right away (the
-signature matrices built at open) come from here.
+signature matrices built at open, the rows and records of a bulk put)
+come from here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,15 @@ import numpy as np
 
 POPULATE_MIN_BYTES = 1 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", None)  # Linux only
+
+
+def zeros(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+    """np.zeros, its pages mapped at once when it is large (anonymous
+    memory comes zeroed): for arrays about to be written all over."""
+    dt = np.dtype(dtype)
+    if _POPULATE is None or math.prod(shape) * dt.itemsize < POPULATE_MIN_BYTES:
+        return np.zeros(shape, dtype=dt)
+    return filled_soon(shape, dt)
 
 
 def filled_soon(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:

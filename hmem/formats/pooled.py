@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hmem import threads
+from hmem import memory, threads
 from hmem.kernels import checksum as checksum_kernels
 
 POOLED_FILE = "pooled.bin"  # the store directory's files are listed in hmem/formats/layout.py
@@ -57,7 +57,7 @@ def _checksums(rows: np.ndarray) -> np.ndarray:
 
 def make_rows(entry_ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """Sealed rows for these entries (keys: float32 [n, embed_dim])."""
-    rows = np.zeros(len(entry_ids), dtype=row_dtype(keys.shape[1]))
+    rows = memory.filled_soon((len(entry_ids),), row_dtype(keys.shape[1]))
     rows["entry_id"] = entry_ids
     rows["key"] = keys
     if len(rows):

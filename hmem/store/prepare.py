@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hmem import validation
+from hmem import memory, validation
 from hmem.errors import InvalidArgumentError, InvalidTensorError
 from hmem.formats import shard_file
 from hmem.store import storage as storage_codec
@@ -140,7 +140,7 @@ def _checked_rows(keys: Any, values: Any, dim: int) -> tuple[np.ndarray, np.ndar
 
 def _joined(parts: list[np.ndarray], dim: int) -> np.ndarray:
     """The rows of every entry back to back, in a new C-contiguous float32 array."""
-    out = np.empty((sum(len(part) for part in parts), dim), dtype=np.float32)
+    out = memory.filled_soon((sum(len(part) for part in parts), dim), np.float32)
     if parts:
         np.concatenate(parts, axis=0, out=out)  # into `out`: C order whatever the inputs' order
     return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hmem import threads
+from hmem import memory, threads
 from hmem.kernels import projection as projection_kernels
 
 MANY_PER_THREAD = 512  # entries a thread takes at least in signatures_and_means
@@ -67,8 +67,8 @@ class Projector:
         the signatures [n, hdc_dim / 8] and the float64 means [n, embed_dim];
         the same bytes as one call per entry, on every core."""
         count = len(starts) - 1
-        out = np.zeros((count, self.hdc_dim // 8), dtype=np.uint8)
-        sums = np.zeros((count, rows.shape[1]), dtype=np.float64)
+        out = memory.filled_soon((count, self.hdc_dim // 8), np.uint8)
+        sums = memory.filled_soon((count, rows.shape[1]), np.float64)
 
         def run(lo: int, hi: int) -> None:
             first, last = int(starts[lo]), int(starts[hi])

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from hmem import memory
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError, Hint, ReadOnlyStoreError, StoreClosedError, UnsupportedFormatError
 from hmem.formats import layout, manifest, pooled, records, shard_file
@@ -128,7 +129,7 @@ class StoreState:
         need = self.n + extra
         if need <= len(self.records):
             return
-        grown = records.empty(max(need, 2 * len(self.records), 64), self.config.signature_bytes)
+        grown = memory.zeros((max(need, 2 * len(self.records), 64),), records.record_dtype(self.config.signature_bytes))
         grown[: self.n] = self.records[: self.n]
         self.records = grown
 

@@ -30,7 +30,7 @@ import uuid
 
 import numpy as np
 
-from hmem import _io
+from hmem import _io, memory
 from hmem.formats import layout, manifest, pooled, records, shard_file, stamp
 from hmem.formats import sources as source_registry
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
@@ -207,7 +207,8 @@ class Writer:
         start, end = state.committed_n, state.n
         with state.counts_lock:
             # One moment's access counts, sealed: queries go on counting.
-            fresh = state.records[start:end].copy()
+            fresh = memory.filled_soon((end - start,), state.records.dtype)
+            fresh[:] = state.records[start:end]
             records.seal(fresh)
             state.records["checksum"][start:end] = fresh["checksum"]
             dirty = np.array(sorted(p for p in taken if p < start), dtype=np.int64)
@@ -217,13 +218,14 @@ class Writer:
             changed = records.updates_for(state.records, dirty)
         entries_path = state.path / layout.ENTRIES_FILE
         if new:
-            _io.write_at(entries_path, start * state.record_size, [fresh.tobytes()], create=True)
+            _io.write_at(entries_path, start * state.record_size, [fresh.view(np.uint8).data], create=True)
             # over whatever rows a failed flush left past the commit: a
             # committed record's row is always its own (hmem/formats/pooled.py)
-            keys = np.concatenate(state.fresh_pooled)
+            keys = state.fresh_pooled[0] if len(state.fresh_pooled) == 1 else np.concatenate(state.fresh_pooled)
             assert len(keys) == new
+            rows = pooled.make_rows(fresh["entry_id"], keys)
             _io.write_at(state.path / pooled.POOLED_FILE, start * pooled.row_bytes(state.config.embed_dim),
-                         [pooled.make_rows(fresh["entry_id"], keys).tobytes()], create=True)
+                         [rows.view(np.uint8).data], create=True)
         _io.crash_point("flush.records_written")
         sources_info = self._append_sources()
         # Updates a failed earlier flush could not write in place go again.

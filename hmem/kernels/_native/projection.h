@@ -38,6 +38,8 @@
 
 /* Sign-bit masks of four doubles for each nibble of sign bits. */
 static uint64_t hm_nibble_signs[16][4];
+/* Sign-bit masks of the eight values of each byte of sign bits (hm_signature_many). */
+static uint64_t hm_byte_flips[256][8];
 
 /* ---- the generic pieces (every path) ---------------------------------- */
 
@@ -233,6 +235,9 @@ static void hm_projection_init(void)
     for (unsigned n = 0; n < 16; n++)
         for (unsigned k = 0; k < 4; k++)
             hm_nibble_signs[n][k] = (uint64_t)((n >> k) & 1) << 63;
+    for (unsigned n = 0; n < 256; n++)
+        for (unsigned k = 0; k < 8; k++)
+            hm_byte_flips[n][k] = (uint64_t)((n >> k) & 1) << 63;
 #if HM_X86
     __builtin_cpu_init();
     hm_proj_has_avx2 = __builtin_cpu_supports("avx2") != 0;
@@ -419,15 +424,117 @@ static void hm_signature_lanes_baseline(const float *const *rows, const size_t *
 }
 
 #if HM_X86
+/* The same in AVX2 intrinsics: one __m256d holds one value of each of the
+   four entries, so every line below is the scalar code's line, lane by
+   lane (the compiler's own vectorisation of the generic code spends more
+   on moving values than on adding them). */
+__attribute__((target("avx2"))) HM_PROJ_INLINE void hm_radix8_avx2(__m256d *x)
+{
+    __m256d a0 = _mm256_add_pd(x[0], x[1]), a1 = _mm256_sub_pd(x[0], x[1]);
+    __m256d a2 = _mm256_add_pd(x[2], x[3]), a3 = _mm256_sub_pd(x[2], x[3]);
+    __m256d a4 = _mm256_add_pd(x[4], x[5]), a5 = _mm256_sub_pd(x[4], x[5]);
+    __m256d a6 = _mm256_add_pd(x[6], x[7]), a7 = _mm256_sub_pd(x[6], x[7]);
+    __m256d b0 = _mm256_add_pd(a0, a2), b2 = _mm256_sub_pd(a0, a2);
+    __m256d b1 = _mm256_add_pd(a1, a3), b3 = _mm256_sub_pd(a1, a3);
+    __m256d b4 = _mm256_add_pd(a4, a6), b6 = _mm256_sub_pd(a4, a6);
+    __m256d b5 = _mm256_add_pd(a5, a7), b7 = _mm256_sub_pd(a5, a7);
+    x[0] = _mm256_add_pd(b0, b4); x[4] = _mm256_sub_pd(b0, b4);
+    x[1] = _mm256_add_pd(b1, b5); x[5] = _mm256_sub_pd(b1, b5);
+    x[2] = _mm256_add_pd(b2, b6); x[6] = _mm256_sub_pd(b2, b6);
+    x[3] = _mm256_add_pd(b3, b7); x[7] = _mm256_sub_pd(b3, b7);
+}
+
+__attribute__((target("avx2"))) HM_PROJ_INLINE
+void hm_lanes_round_avx2(double *v, const uint8_t *signs, size_t m)
+{
+    for (size_t i = 0; i < m; i += 8) {
+        const uint64_t *flips = hm_byte_flips[signs[i >> 3]];
+        __m256d x[8];
+        for (unsigned k = 0; k < 8; k++)
+            x[k] = _mm256_xor_pd(_mm256_load_pd(v + (i + k) * HM_LANES),
+                                 _mm256_castsi256_pd(_mm256_set1_epi64x((long long)flips[k])));
+        hm_radix8_avx2(x);
+        for (unsigned k = 0; k < 8; k++)
+            _mm256_store_pd(v + (i + k) * HM_LANES, x[k]);
+    }
+    size_t h = 8;
+    for (; 8 * h <= m; h *= 8)
+        for (size_t b = 0; b < m; b += 8 * h)
+            for (size_t j = b; j < b + h; j++) {
+                __m256d x[8];
+                for (unsigned k = 0; k < 8; k++)
+                    x[k] = _mm256_load_pd(v + (j + k * h) * HM_LANES);
+                hm_radix8_avx2(x);
+                for (unsigned k = 0; k < 8; k++)
+                    _mm256_store_pd(v + (j + k * h) * HM_LANES, x[k]);
+            }
+    if (4 * h <= m) {
+        hm_fwht_radix4(v, m * HM_LANES, h * HM_LANES);
+        h *= 4;
+    }
+    if (2 * h <= m) {
+        for (size_t j = 0; j < h; j++) {
+            __m256d a = _mm256_load_pd(v + j * HM_LANES), b = _mm256_load_pd(v + (j + h) * HM_LANES);
+            _mm256_store_pd(v + j * HM_LANES, _mm256_add_pd(a, b));
+            _mm256_store_pd(v + (j + h) * HM_LANES, _mm256_sub_pd(a, b));
+        }
+    }
+}
+
+/* hm_lanes_pack with a compare per value of the four entries: bit i of
+   each lane is gathered by masking the compare with 1 << i. */
+__attribute__((target("avx2"))) HM_PROJ_INLINE
+void hm_lanes_pack_avx2(uint8_t *const *out, size_t at, size_t lanes, const double *v, size_t nbits)
+{
+    const __m256d zero = _mm256_setzero_pd();
+    for (size_t w0 = 0; w0 < nbits; w0 += 64) {
+        size_t count = nbits - w0 < 64 ? nbits - w0 : 64;
+        __m256i acc = _mm256_setzero_si256();
+        for (size_t i = 0; i < count; i++) {
+            __m256i gt = _mm256_castpd_si256(_mm256_cmp_pd(_mm256_load_pd(v + (w0 + i) * HM_LANES), zero, _CMP_GT_OQ));
+            acc = _mm256_or_si256(acc, _mm256_and_si256(gt, _mm256_set1_epi64x((long long)(1ULL << i))));
+        }
+        uint64_t words[HM_LANES];
+        _mm256_storeu_si256((__m256i *)words, acc);
+        for (size_t l = 0; l < lanes; l++)
+            for (size_t k = 0; k < count / 8; k++)
+                out[l][(at + w0) / 8 + k] = (uint8_t)(words[l] >> (8 * k));
+    }
+}
+
+__attribute__((target("avx2"))) HM_PROJ_INLINE
+void hm_signature_lanes_avx2_body(const float *const *rows, const size_t *n, size_t lanes, size_t d,
+                                  const uint8_t *signs, size_t m, size_t rounds, size_t hdc_dim,
+                                  uint8_t *const *out, double *s, double *t, double *v)
+{
+    for (size_t l = 0; l < HM_LANES; l++) {
+        if (l < lanes)
+            hm_proj_sum(s + l * m, rows[l], n[l], d, m);
+        else
+            memset(s + l * m, 0, m * sizeof(double));
+    }
+    for (size_t i = 0; i < m; i++)
+        for (size_t l = 0; l < HM_LANES; l++)
+            t[i * HM_LANES + l] = s[l * m + i];
+    size_t blocks = (hdc_dim + m - 1) / m;
+    for (size_t b = 0; b < blocks; b++) {
+        memcpy(v, t, m * HM_LANES * sizeof(double));
+        for (size_t r = 0; r < rounds; r++)
+            hm_lanes_round_avx2(v, signs + (b * rounds + r) * m / 8, m);
+        size_t nbits = hdc_dim - b * m < m ? hdc_dim - b * m : m;
+        hm_lanes_pack_avx2(out, b * m, lanes, v, nbits);
+    }
+}
+
 __attribute__((target("avx2")))
 static void hm_signature_lanes_avx2(const float *const *rows, const size_t *n, size_t lanes, size_t d,
                                     const uint8_t *signs, size_t m, size_t rounds, size_t hdc_dim,
                                     uint8_t *const *out, double *s, double *t, double *v)
 {
     if (m == 64) /* the commonest block (embed_dim <= 64), a constant the compiler unrolls */
-        hm_signature_lanes_body(rows, n, lanes, d, signs, 64, rounds, hdc_dim, out, s, t, v);
+        hm_signature_lanes_avx2_body(rows, n, lanes, d, signs, 64, rounds, hdc_dim, out, s, t, v);
     else
-        hm_signature_lanes_body(rows, n, lanes, d, signs, m, rounds, hdc_dim, out, s, t, v);
+        hm_signature_lanes_avx2_body(rows, n, lanes, d, signs, m, rounds, hdc_dim, out, s, t, v);
 }
 #endif
 

@@ -1,0 +1,297 @@
+"""The bulk put path (docs/architecture.md, "Writing"): the batch kernels
+against their pure-Python twins on every CPU path (signatures of many
+entries, CRC-32C of many pieces, a shard header's text), and put_many of
+many entries against one put per entry: the same signatures, records and
+K/V, shards that any safetensors reader opens, and bad entries named and
+refused with the store unchanged."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hmem
+from hmem.formats import safetensors
+from hmem.kernels._native import _checksum, _header_text, _projection
+from hmem.kernels.reference import checksum as ref_checksum
+from hmem.kernels.reference import header_text as ref_header_text
+from hmem.kernels.reference import projection as ref_projection
+from hmem.store.projection import Projector, block_size
+
+# ---- signatures of many entries ------------------------------------------------
+
+
+def _rows(rng: np.random.Generator, n: int, d: int, style: str) -> np.ndarray:
+    if style == "integers":  # sums that cancel exactly, zeros in the transform
+        x = rng.integers(-2, 3, (n, d)).astype(np.float32)
+    elif style == "wide":  # magnitudes far apart: rounding order matters
+        x = rng.standard_normal((n, d)) * 10.0 ** rng.integers(-20, 20, (n, d))
+    else:
+        x = rng.standard_normal((n, d))
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+@st.composite
+def many_cases(draw):
+    d = draw(st.sampled_from([1, 3, 63, 64, 100, 300]))
+    m = block_size(d) * draw(st.sampled_from([1, 1, 2]))
+    rounds = draw(st.integers(1, 3))
+    hdc_dim = draw(st.sampled_from([8, 64, m, m + 64, 3 * m, 2 * m + 8]))
+    tokens = draw(st.lists(st.integers(1, 5), min_size=0, max_size=11))  # partial groups of four lanes
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    rows = _rows(rng, sum(tokens), d, draw(st.sampled_from(["normal", "integers", "wide"])))
+    starts = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
+    return rows, starts, m, rounds, hdc_dim, draw(st.integers(0, 2**64 - 1))
+
+
+def _one_by_one(module, rows, starts, signs, m, rounds, hdc_dim):
+    count = len(starts) - 1
+    out = np.zeros((count, hdc_dim // 8), np.uint8)
+    sums = np.zeros((count, rows.shape[1]))
+    for e in range(count):
+        module.signature(rows[starts[e] : starts[e + 1]], signs, m, rounds, hdc_dim, out[e], sums[e])
+    return out, sums
+
+
+def _many(module, rows, starts, signs, m, rounds, hdc_dim):
+    count = len(starts) - 1
+    out = np.full((count, hdc_dim // 8), 0xAA, np.uint8)  # every byte must be written
+    sums = np.full((count, rows.shape[1]), np.nan)
+    module.signature_many(rows, starts, signs, m, rounds, hdc_dim, out, sums)
+    return out, sums
+
+
+@settings(max_examples=60)
+@given(case=many_cases())
+def test_signature_many_is_bit_identical_to_one_signature_per_entry_on_every_path(case, on_every_cpu_path):
+    rows, starts, m, rounds, hdc_dim, seed = case
+    signs = ref_projection.signs_table(seed, m, rounds, -(-hdc_dim // m))
+    want_out, want_sums = _one_by_one(ref_projection, rows, starts, signs, m, rounds, hdc_dim)
+    got_ref = _many(ref_projection, rows, starts, signs, m, rounds, hdc_dim)
+    assert got_ref[0].tobytes() == want_out.tobytes() and got_ref[1].tobytes() == want_sums.tobytes()
+    for path, (out, sums) in on_every_cpu_path(lambda: _many(_projection, rows, starts, signs, m, rounds,
+                                                               hdc_dim)).items():
+        assert out.tobytes() == want_out.tobytes(), f"signatures differ on {path} ({_projection.variant()})"
+        assert sums.tobytes() == want_sums.tobytes(), f"token sums differ on {path}"
+
+
+def test_signature_many_at_the_store_sizes_on_every_path(on_every_cpu_path):
+    rng = np.random.default_rng(5)
+    for d, hdc_dim, tokens in ((64, 4096, [4] * 9), (128, 4096, [1, 16, 3, 2, 7]), (3584, 1024, [2, 1, 3])):
+        m = block_size(d)
+        signs = ref_projection.signs_table(d, m, 3, -(-hdc_dim // m))
+        rows = _rows(rng, sum(tokens), d, "normal")
+        starts = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
+        want, _ = _one_by_one(_projection, rows, starts, signs, m, 3, hdc_dim)  # the single kernel, twin-tested
+        for path, (out, _) in on_every_cpu_path(lambda: _many(_projection, rows, starts, signs, m, 3,
+                                                                hdc_dim)).items():
+            np.testing.assert_array_equal(out, want, err_msg=f"{path}, d={d}")
+
+
+@pytest.mark.parametrize("module", [_projection, ref_projection], ids=["native", "reference"])
+@pytest.mark.parametrize("starts, message", [
+    ([0, 2, 2, 4], "entry 1 has no rows"),
+    ([0, 3, 2, 4], "no rows"),
+    ([1, 2, 4], "from 0 to the row count"),
+    ([0, 2, 3], "from 0 to the row count"),
+])
+def test_signature_many_refuses_bad_starts(module, starts, message):
+    rows = np.ones((4, 8), np.float32)
+    signs = ref_projection.signs_table(0, 64, 3, 1)
+    count = len(starts) - 1
+    out = np.zeros((count, 8), np.uint8)
+    with pytest.raises(ValueError, match=message):
+        module.signature_many(rows, np.array(starts, np.int64), signs, 64, 3, 64, out)
+    assert not out.any()
+
+
+@pytest.mark.parametrize("module", [_projection, ref_projection], ids=["native", "reference"])
+def test_signature_many_checks_its_output_shapes(module):
+    rows = np.ones((4, 8), np.float32)
+    starts = np.array([0, 2, 4], np.int64)
+    signs = ref_projection.signs_table(0, 64, 3, 1)
+    with pytest.raises(ValueError, match="out must be"):
+        module.signature_many(rows, starts, signs, 64, 3, 64, np.zeros((3, 8), np.uint8))
+    with pytest.raises(ValueError, match="sums must be"):
+        module.signature_many(rows, starts, signs, 64, 3, 64, np.zeros((2, 8), np.uint8), np.zeros((2, 7)))
+
+
+def test_projector_signatures_of_a_batch_match_one_entry_at_a_time_across_threads():
+    projector = Projector(48, 512, seed=7)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(1, 6, 1500)  # more than one thread's share
+    rows = rng.standard_normal((int(tokens.sum()), 48)).astype(np.float32)
+    starts = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
+    signatures, means = projector.signatures_and_means(rows, starts)
+    for e in (0, 1, 749, 750, 751, 1499):
+        signature, mean = projector.signature_and_mean(rows[starts[e] : starts[e + 1]])
+        assert signatures[e].tobytes() == signature.tobytes()
+        assert means[e].tobytes() == mean.tobytes()
+
+
+# ---- checksums of many pieces --------------------------------------------------
+
+
+@given(data=st.binary(max_size=300), cuts=st.lists(st.integers(0, 300), max_size=8))
+def test_crc32c_pieces_match_one_checksum_per_piece(data, cuts):
+    bounds = np.array(sorted({0, len(data), *(min(c, len(data)) for c in cuts)}), np.int64)
+    want = [ref_checksum.crc32c(data[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert _checksum.crc32c_pieces(data, bounds).tolist() == want
+    assert ref_checksum.crc32c_pieces(data, bounds).tolist() == want
+
+
+@pytest.mark.parametrize("module", [_checksum, ref_checksum], ids=["native", "reference"])
+def test_crc32c_pieces_refuses_pieces_outside_the_data(module):
+    for bounds in ([0, 11], [3, 2], [-1, 4]):
+        with pytest.raises(ValueError, match="not inside"):
+            module.crc32c_pieces(b"0123456789", np.array(bounds, np.int64))
+    with pytest.raises(ValueError, match="at least one"):
+        module.crc32c_pieces(b"", np.zeros(0, np.int64))
+
+
+# ---- a shard header's text -----------------------------------------------------
+
+ints = st.integers(-(2**63), 2**63 - 1)
+
+
+@given(rows=st.lists(st.tuples(ints, ints, ints, ints, ints), max_size=6), rank=st.integers(0, 2),
+       crcs=st.lists(st.integers(0, 2**32 - 1), min_size=6, max_size=6))
+def test_header_text_matches_its_twin_and_is_json(rows, rank, crcs):
+    ids = np.array([r[0] for r in rows], np.int64)
+    shapes = np.array([r[1 : 1 + rank] for r in rows], np.int64).reshape(len(rows), rank)
+    begins = np.array([r[3] for r in rows], np.int64)
+    ends = np.array([r[4] for r in rows], np.int64)
+    text = _header_text.tensor_entries(b"k_", ids, b"F32", shapes, begins, ends)
+    assert text == ref_header_text.tensor_entries(b"k_", ids, b"F32", shapes, begins, ends)
+    parsed = json.loads(b"{" + text[:-1] + b"}") if rows else {}
+    assert [(name, e["shape"], e["data_offsets"]) for name, e in parsed.items()] == [
+        (f"k_{r[0]}", list(r[1 : 1 + rank]), [r[3], r[4]]) for r in {f"k_{r[0]}": r for r in rows}.values()]
+    crc = np.array(crcs[: len(rows)], np.uint32)
+    crc_text = _header_text.crc_entries(b"crc32c:k_", ids, crc)
+    assert crc_text == ref_header_text.crc_entries(b"crc32c:k_", ids, crc)
+    assert json.loads(b"{" + crc_text[:-1] + b"}") == {f"crc32c:k_{i}": f"{c:08x}" for i, c in zip(ids, crc)}
+
+
+@pytest.mark.parametrize("module", [_header_text, ref_header_text], ids=["native", "reference"])
+def test_header_text_refuses_names_that_would_break_the_json(module):
+    one = np.zeros(1, np.int64)
+    with pytest.raises(ValueError, match="quotes"):
+        module.tensor_entries(b'k"_', one, b"F32", np.zeros((1, 1), np.int64), one, one)
+    with pytest.raises(ValueError, match="quotes"):
+        module.crc_entries(b"k\\", one, np.zeros(1, np.uint32))
+    with pytest.raises(ValueError, match="one row per tensor"):
+        module.tensor_entries(b"k_", one, b"F32", np.zeros((2, 1), np.int64), one, one)
+
+
+# ---- put_many as a whole -------------------------------------------------------
+
+
+def _entries(rng, count, dim, max_tokens=5):
+    return [(rng.standard_normal((int(t), dim)).astype(np.float32), rng.standard_normal((int(t), dim)).astype(np.float32),
+             i % 3, float(i % 7) + 0.5) for i, t in enumerate(rng.integers(1, max_tokens + 1, count))]
+
+
+@pytest.mark.parametrize("storage", ["f32", "f16", "bf16", "int8"])
+def test_put_many_stores_what_one_put_per_entry_stores(store_factory, storage):
+    entries = _entries(np.random.default_rng(3), 300, 24)
+    bulk = store_factory("bulk", embed_dim=24, storage_dtype=storage)
+    single = store_factory("single", embed_dim=24, storage_dtype=storage)
+    ids = bulk.put_many(entries)
+    assert ids == [single.put(*entry) for entry in entries]
+    for store in (bulk, single):
+        store.flush()
+    for entry_id in ids[::37] + ids[-3:]:
+        a, b = bulk.get(entry_id), single.get(entry_id)
+        assert a.keys.tobytes() == b.keys.tobytes() and a.values.tobytes() == b.values.tobytes()
+        assert (a.info.layer_idx, a.info.n_tokens, a.info.importance) == (b.info.layer_idx, b.info.n_tokens,
+                                                                          b.info.importance)
+    query = entries[10][0]
+    assert [r.entry_id for r in bulk.query(query, 1, top_k=5)] == [r.entry_id for r in single.query(query, 1, top_k=5)]
+    bulk.close()
+    report = hmem.verify(bulk.path, full=True)
+    assert report.ok and report.tensors_checked >= 3 * 300
+
+
+def test_put_many_over_several_shards_reads_back_and_opens_in_a_safetensors_reader(tmp_path):
+    rng = np.random.default_rng(4)
+    entries = _entries(rng, 400, 16, max_tokens=8)
+    with hmem.Store.create(tmp_path / "s", embed_dim=16, hdc_dim=256, shard_max_bytes=64 << 10) as store:
+        first = store.put_many(entries[:150])
+        second = store.put_many(entries[150:])  # rolls over the open shard, several times
+        ids = first + second
+        for entry_id, (keys, values, layer, importance) in zip(ids, entries):
+            got = store.get(entry_id)  # from the open shard or a sealed one
+            assert got.keys.tobytes() == keys.tobytes() and got.values.tobytes() == values.tobytes()
+    shards = sorted((tmp_path / "s").glob("shard_*.safetensors"))
+    assert len(shards) > 3
+    seen = set()
+    for shard in shards:
+        # The format test reads the files themselves: the header must be
+        # strict safetensors with tensors back to back, and each tensor's
+        # recorded CRC must be its bytes'.
+        buf = shard.read_bytes()
+        header = safetensors.parse(buf, contiguous=True)
+        for name, spec in header.tensors.items():
+            data = buf[header.data_start + spec.begin : header.data_start + spec.end]
+            assert int(header.metadata["crc32c:" + name], 16) == _checksum.crc32c(data)
+            if name.startswith("k_"):
+                entry = entries[ids.index(int(name[2:]))]
+                assert data == entry[0].tobytes()
+                seen.add(int(name[2:]))
+        (length,) = struct.unpack_from("<Q", buf, 0)
+        assert (8 + length) % 8 == 0
+    assert seen == set(ids)
+    assert hmem.verify(tmp_path / "s", full=True).ok
+    with hmem.Store.open(tmp_path / "s") as store:
+        assert store.stats().entries == 400
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda e: (np.full_like(e[0], np.nan), e[1], 0, 1.0), "entry 5: keys holds NaN or infinite values"),
+    (lambda e: (e[0], np.where(np.arange(e[1].size).reshape(e[1].shape) == 3, np.inf, e[1]).astype(np.float32), 0, 1.0),
+     "entry 5: values holds NaN or infinite values"),
+    (lambda e: (e[0], e[1][:, :8], 0, 1.0), "entry 5: .*differ in shape|entry 5: values has rows of 8"),
+    (lambda e: (e[0], e[1], -1, 1.0), "entry 5: layer_idx"),
+    (lambda e: (e[0], e[1], 0, float("nan")), "entry 5: importance"),
+    (lambda e: (e[0].astype(np.int32), e[1], 0, 1.0), "entry 5: keys must hold floats"),
+    (lambda e: ("keys", e[1], 0, 1.0), "entry 5: keys must be a numpy array"),
+])
+def test_a_bad_entry_is_named_and_the_batch_stores_nothing(store_factory, snapshot_dir, bad, message):
+    store = store_factory(embed_dim=16)
+    store.put_many(_entries(np.random.default_rng(6), 4, 16))
+    store.flush()
+    before = snapshot_dir(store.path)
+    entries = _entries(np.random.default_rng(7), 9, 16)
+    entries[5] = bad(entries[5])
+    with pytest.raises(hmem.InvalidArgumentError, match=message):
+        store.put_many(entries)
+    store.flush()
+    assert store.stats().entries == 4
+    assert snapshot_dir(store.path) == before
+
+
+def test_an_entry_too_large_for_f16_is_named(store_factory):
+    store = store_factory(embed_dim=16, storage_dtype="f16")
+    entries = _entries(np.random.default_rng(8), 6, 16)
+    entries[4] = (entries[4][0] * 1e6, entries[4][1], 0, 1.0)
+    with pytest.raises(hmem.InvalidTensorError, match="entry 4: keys holds values too large"):
+        store.put_many(entries)
+    assert store.stats().entries == 0
+
+
+def test_put_many_takes_other_float_dtypes_and_layouts(store_factory):
+    rng = np.random.default_rng(9)
+    store = store_factory(embed_dim=16)
+    keys = rng.standard_normal((3, 16))  # float64, rounded to float32
+    values = np.asfortranarray(rng.standard_normal((3, 16)).astype(np.float32))  # not C order
+    half = rng.standard_normal((2, 16)).astype(np.float16)
+    ids = store.put_many([(keys, values, 0, 1.0), (half, half, 1, 2.0), (keys[::-1], values[::-1], 2, 1.0)])
+    assert store.get(ids[0]).keys.tobytes() == keys.astype(np.float32).tobytes()
+    assert store.get(ids[0]).values.tobytes() == np.ascontiguousarray(values).tobytes()
+    assert store.get(ids[1]).keys.tobytes() == half.astype(np.float32).tobytes()
+    assert store.get(ids[2]).keys.tobytes() == keys[::-1].astype(np.float32).tobytes()
