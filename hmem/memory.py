@@ -5,13 +5,14 @@ on virtual machines each fault is costly (filling 512 MB that way measured
 7x slower than having the kernel map it at once, MAP_POPULATE).  Arrays
 of at least POPULATE_MIN_BYTES that hmem fills whole right away (the
 signature matrices built at open, the rows and records of a bulk put)
-come from here.
+come from here, and BufferPool keeps large buffers for reuse.
 """
 
 from __future__ import annotations
 
-import mmap
 import math
+import mmap
+import threading
 
 import numpy as np
 
@@ -40,3 +41,43 @@ def filled_soon(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     except OSError:  # no room to map it whole at once: fault it in as usual
         return np.empty(shape, dtype=dt)
     return np.frombuffer(buf, dtype=dt).reshape(shape)
+
+
+class BufferPool:
+    """Large byte buffers kept for reuse, shared by the process's stores.
+
+    Fresh memory costs more than the copy into it (every page is faulted in
+    and zeroed; on virtual machines about 1-3 ms per MB, ten times a copy),
+    so the buffers a put copies rows into come back here when the put is
+    done, and a store's open-shard memory when the store closes.  The pool
+    keeps at most `keep_bytes` of free buffers."""
+
+    GRAIN = 1 << 20  # sizes are rounded up to this, so that buffers fit other uses
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._free: list[np.ndarray] = []
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of at least `nbytes` (its contents undefined)."""
+        with self._lock:
+            fits = [b for b in self._free if len(b) >= nbytes]
+            if fits:
+                best = min(fits, key=len)
+                self._free = [b for b in self._free if b is not best]
+                self._free_bytes -= len(best)
+                return best
+        size = -(-max(nbytes, 1) // self.GRAIN) * self.GRAIN
+        return filled_soon((size,), np.uint8)
+
+    def give(self, buffer: np.ndarray) -> None:
+        """Return a buffer taken from the pool: nothing may use it afterwards."""
+        with self._lock:
+            if self._free_bytes + len(buffer) <= self.keep_bytes:
+                self._free.append(buffer)
+                self._free_bytes += len(buffer)
+
+
+POOL = BufferPool(1 << 30)

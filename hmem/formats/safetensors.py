@@ -169,21 +169,33 @@ def entry_text(name: str, dtype: str, shape: Sequence[int], begin: int, end: int
     return json.dumps({name: entry}, separators=(",", ":"))[1:-1].encode() + b","
 
 
-def encode_text(metadata: Mapping[str, str], metadata_entries: bytes, tensor_entries: bytes) -> bytes:
+def encode_text(metadata: Mapping[str, str], metadata_entries: Sequence[bytes],
+                tensor_entries: Sequence[bytes]) -> bytes:
     """The length word and JSON header of a file whose tensor entries (with
     their offsets) are already written as JSON text, each followed by a
-    comma (entry_text, or hmem.kernels.header_text for many at once);
-    ``__metadata__`` holds `metadata` and then `metadata_entries`, text of
-    the same form."""
-    inner = [json.dumps(dict(metadata), separators=(",", ":"))[1:-1].encode()] if metadata else []
-    if metadata_entries:
-        inner.append(metadata_entries[:-1])
-    text = b'{"' + METADATA.encode() + b'":{' + b",".join(inner) + b"}"
-    if tensor_entries:
-        text += b"," + tensor_entries[:-1]
-    text += b"}"
-    text += b" " * (-len(text) % HEADER_ALIGN)
-    return struct.pack("<Q", len(text)) + text
+    comma (entry_text, or hmem.kernels.header_text for many at once), in
+    pieces; ``__metadata__`` holds `metadata` and then `metadata_entries`,
+    pieces of the same form.  The header is joined once: it is tens of MB
+    for a shard of many small entries."""
+    meta_pieces = [json.dumps(dict(metadata), separators=(",", ":"))[1:-1].encode() + b","] if metadata else []
+    meta_pieces += [piece for piece in metadata_entries if piece]
+    tensor_pieces = [piece for piece in tensor_entries if piece]
+    parts: list[Any] = [b"", b'{"' + METADATA.encode() + b'":{', *_without_last_comma(meta_pieces), b"}"]
+    if tensor_pieces:
+        parts += [b",", *_without_last_comma(tensor_pieces)]
+    parts.append(b"}")
+    length = sum(len(part) for part in parts)
+    pad = -length % HEADER_ALIGN
+    parts[0] = struct.pack("<Q", length + pad)
+    parts.append(b" " * pad)
+    return b"".join(parts)
+
+
+def _without_last_comma(pieces: list[bytes]) -> list[Any]:
+    if not pieces:
+        return []
+    assert pieces[-1].endswith(b",")
+    return [*pieces[:-1], memoryview(pieces[-1])[:-1]]
 
 
 def bytes_view(array: np.ndarray) -> memoryview:

@@ -47,9 +47,18 @@ class PreparedBatch:
     pooled: np.ndarray  # float32 [n, embed_dim]
     rows: dict[str, np.ndarray]  # "k", "v" in the storage dtype, every entry's rows back to back; int8: "ks", "vs"
     meta: dict[int, str]  # position in the batch -> the entry's metadata as JSON (most have none)
+    buffers: list[np.ndarray]  # memory.POOL buffers that rows[...] may view
 
     def __len__(self) -> int:
         return len(self.n_tokens)
+
+    def release(self) -> None:
+        """Give the batch's buffers back to the pool once what it holds is
+        stored (copied into the open shard) or dropped: the batch's rows are
+        not to be read afterwards."""
+        buffers, self.buffers, self.rows = self.buffers, [], {}
+        for buffer in buffers:
+            memory.POOL.give(buffer)
 
 
 _F32 = np.dtype(np.float32)
@@ -99,10 +108,26 @@ def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: 
         layers.append(layer)
         weights.append(imp)
     n_tokens = np.array(tokens, dtype=np.int64)
-    starts = np.zeros(len(tokens) + 1, dtype=np.int64)
+    buffers: list[np.ndarray] = []
+    try:
+        return _converted(state, keys, values, n_tokens, layers, weights, metas, buffers, single)
+    except BaseException:
+        for buffer in buffers:
+            memory.POOL.give(buffer)
+        raise
+
+
+def _converted(state: StoreState, keys: list[np.ndarray], values: list[np.ndarray], n_tokens: np.ndarray,
+               layers: list[int], weights: list[float], metas: dict[int, str], buffers: list[np.ndarray],
+               single: bool) -> PreparedBatch:
+    """The batch of entries whose types and shapes are checked: rows joined
+    (into pool buffers, listed in `buffers`), checked and encoded, and
+    signatures and pooled keys computed."""
+    dim = state.config.embed_dim
+    starts = np.zeros(len(n_tokens) + 1, dtype=np.int64)
     np.cumsum(n_tokens, out=starts[1:])
-    k_rows = _joined(keys, dim)
-    v_rows = _joined(values, dim)
+    k_rows = _joined(keys, int(starts[-1]), dim, buffers)
+    v_rows = _joined(values, int(starts[-1]), dim, buffers)
     rows = {}
     for kind, joined, what in (("k", k_rows, "keys"), ("v", v_rows, "values")):
         _check_finite(joined, starts, what, single)
@@ -112,13 +137,13 @@ def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: 
             raise _naming_entry(exc, _first_failing(joined, starts, state.config.storage_dtype, what), single) from None
         for suffix, array in encoded.items():
             rows[kind + suffix] = array
-    if len(tokens):
+    if len(n_tokens):
         signatures, means = state.projector.signatures_and_means(k_rows, starts)
     else:
         signatures = np.zeros((0, state.config.signature_bytes), dtype=np.uint8)
         means = np.zeros((0, dim))
     return PreparedBatch(n_tokens, starts, np.array(layers, dtype=np.int64), np.array(weights, dtype=np.float64),
-                         signatures, means.astype(np.float32), rows, metas)
+                         signatures, means.astype(np.float32), rows, metas, buffers)
 
 
 def prepare(state: StoreState, keys: Any, values: Any, layer_idx: Any, importance: Any,
@@ -138,9 +163,12 @@ def _checked_rows(keys: Any, values: Any, dim: int) -> tuple[np.ndarray, np.ndar
     return k, v
 
 
-def _joined(parts: list[np.ndarray], dim: int) -> np.ndarray:
-    """The rows of every entry back to back, in a new C-contiguous float32 array."""
-    out = memory.filled_soon((sum(len(part) for part in parts), dim), np.float32)
+def _joined(parts: list[np.ndarray], count: int, dim: int, buffers: list[np.ndarray]) -> np.ndarray:
+    """The `count` rows of every entry back to back, in a C-contiguous
+    float32 array of a pool buffer (appended to `buffers`)."""
+    buffer = memory.POOL.take(count * dim * 4)
+    buffers.append(buffer)
+    out = buffer[: count * dim * 4].view(np.float32).reshape(count, dim)
     if parts:
         np.concatenate(parts, axis=0, out=out)  # into `out`: C order whatever the inputs' order
     return out

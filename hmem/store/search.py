@@ -87,7 +87,7 @@ class LayerIndex:
         if need <= len(self.positions):
             return
         cap = max(need, 2 * len(self.positions))
-        sigs = np.zeros((cap, self.sigs.shape[1]), dtype=np.uint8)
+        sigs = memory.zeros((cap, self.sigs.shape[1]), np.uint8)  # mapped at once: a bulk put grows it by MBs
         sigs[: self.n] = self.sigs[: self.n]
         positions = np.zeros(cap, dtype=np.int64)
         positions[: self.n] = self.positions[: self.n]
@@ -95,7 +95,7 @@ class LayerIndex:
         alive[: self.n] = self.alive[: self.n]
         self.sigs, self.positions, self.alive = sigs, positions, alive
         if self.prefixes is not None:
-            prefixes = np.zeros((cap, self.prefixes.shape[1]), dtype=np.uint8)
+            prefixes = memory.zeros((cap, self.prefixes.shape[1]), np.uint8)
             prefixes[: self.n] = self.prefixes[: self.n]
             self.prefixes = prefixes
 

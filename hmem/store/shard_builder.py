@@ -7,7 +7,8 @@ or, for compaction and repair, entries whose tensors stay in another file
 until the shard is written.  Everything per entry (index rows, tensor
 offsets, checksums, the JSON header) is computed part by part with array
 operations and the kernels, never in a Python loop per tensor: a bulk put
-of 100,000 small entries writes 300,000 tensors.
+of 100,000 small entries writes 300,000 tensors.  Put tensors are copied
+into an arena whose memory is reused shard after shard (memory.POOL).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from hmem import _io
+from hmem import _io, memory
 from hmem.formats import safetensors
 from hmem.formats.shard_file import (
     CRC_PREFIX,
@@ -42,6 +43,57 @@ from hmem.kernels import checksum as checksum_kernels
 from hmem.kernels import header_text
 
 PER_ENTRY_KINDS = ("p",)  # one tensor row per entry; the other kinds hold one row per token
+
+
+class Arena:
+    """Byte segments that the open shard's tensors are copied into, back
+    to back.  One arena serves shard after shard of a store (``reset``
+    keeps its segments) and its segments come from and go back to
+    memory.POOL, so steady-state puts copy into memory that is already
+    mapped.  Segments are never reallocated, so nothing is copied twice."""
+
+    SEGMENT_BYTES = 16 << 20
+
+    def __init__(self) -> None:
+        self._segments: list[np.ndarray] = []
+        self._used: list[int] = []
+        self._current = 0
+
+    def reset(self) -> None:
+        self._current, self._used = 0, [0] * len(self._segments)
+
+    def mark(self) -> tuple:
+        return (self._current, list(self._used))
+
+    def rollback(self, mark: tuple) -> None:
+        """Forget what was appended since `mark` (one assignment: an interrupt
+        leaves the arena rolled back or not, never half)."""
+        current, used = mark
+        self._current, self._used = current, used + [0] * (len(self._segments) - len(used))
+
+    def append(self, array: np.ndarray) -> memoryview:
+        """Copy `array`'s bytes after the previous ones; returns where they now are."""
+        n = array.nbytes
+        while self._current < len(self._segments) and self._used[self._current] + n > len(self._segments[self._current]):
+            if self._used[self._current] == 0:  # too small for this block: replace it
+                memory.POOL.give(self._segments[self._current])
+                self._segments[self._current] = memory.POOL.take(max(n, self.SEGMENT_BYTES))
+                break
+            self._current += 1
+        if self._current == len(self._segments):
+            segment = memory.POOL.take(max(n, self.SEGMENT_BYTES))
+            self._segments, self._used = [*self._segments, segment], [*self._used, 0]  # both or neither
+        seg, offset = self._current, self._used[self._current]
+        target = self._segments[seg][offset : offset + n]
+        target[:] = np.frombuffer(bytes_view(array), dtype=np.uint8)
+        self._used[seg] += n
+        return target.data
+
+    def release(self) -> None:
+        """Give every segment back to the pool (the store is closing: nothing reads them any more)."""
+        segments, self._segments, self._used, self._current = self._segments, [], [], 0
+        for segment in segments:
+            memory.POOL.give(segment)
 
 
 @dataclasses.dataclass
@@ -77,13 +129,18 @@ def _meta_bytes(meta: str) -> int:
 
 class ShardBuilder:
     """The entries of one shard until it is sealed into its file.  Parts
-    added by puts keep the arrays they are given (the caller hands over
-    arrays it no longer changes); lent entries keep where their tensors lie
-    and their checked CRCs, so nothing is copied or checksummed twice."""
+    added by puts are copied into the store's arena (the caller's arrays
+    go back to the buffer pool); lent entries keep where their tensors lie
+    and their checked CRCs, so nothing is copied or checksummed twice.
+    Views handed out are valid until the arena is reset for the next shard."""
 
-    def __init__(self, index: int, uid: str, store_config: str = "") -> None:
+    def __init__(self, index: int, uid: str, store_config: str = "", arena: Arena | None = None) -> None:
         """`store_config`, the store's config as JSON, goes into the shard's
-        metadata so that a lost index.json can be rebuilt."""
+        metadata so that a lost index.json can be rebuilt; `arena` is where
+        put tensors are copied (builders of lent entries need none)."""
+        self._arena = arena
+        if arena is not None:
+            arena.reset()
         self.index = index
         self.uid = uid
         self.store_config = store_config
@@ -102,9 +159,11 @@ class ShardBuilder:
                     meta: dict[int, str] | None = None) -> None:
         """Add entries (increasing ids, past every id here) whose tensors of
         each kind lie back to back in tensors[kind]: one row per entry for
-        "p", n_tokens rows per entry for the others.  The arrays are kept,
-        not copied.  The part goes in whole, in one assignment, or not at all."""
+        "p", n_tokens rows per entry for the others.  The arrays are copied
+        in.  The part goes in whole, in one assignment, or not at all (an
+        arena not rolled back only wastes its tail)."""
         self._gather_lent()
+        assert self._arena is not None
         ids = np.asarray(ids, dtype=np.int64)
         n_tokens = np.asarray(n_tokens, dtype=np.int64)
         blocks = {}
@@ -124,7 +183,7 @@ class ShardBuilder:
                 shapes[:, 1:] = row_shape
             bounds = np.zeros(len(ids) + 1, dtype=np.int64)
             np.cumsum(rows * row_bytes, out=bounds[1:])
-            blocks[kind] = _Block(array.dtype, np.ascontiguousarray(shapes), bounds, [bytes_view(array)], None)
+            blocks[kind] = _Block(array.dtype, np.ascontiguousarray(shapes), bounds, [self._arena.append(array)], None)
         meta = dict(meta or {})
         added = sum(int(b.bounds[-1]) for b in blocks.values()) + sum(_meta_bytes(m) for m in meta.values())
         part = _Part(ids, n_tokens, blocks, meta)
@@ -170,14 +229,17 @@ class ShardBuilder:
 
     def mark(self) -> tuple:
         self._gather_lent()
-        return (len(self._parts), self.data_bytes, self._entries, self._tensors)
+        arena = self._arena.mark() if self._arena is not None else None
+        return (len(self._parts), self.data_bytes, self._entries, self._tensors, arena)
 
     def rollback(self, mark: tuple) -> None:
         """Forget every part added since `mark` (one assignment: an
         interrupt leaves the builder rolled back or not, never half)."""
-        parts, data_bytes, entries, tensors = mark
+        parts, data_bytes, entries, tensors, arena = mark
         self._parts, self._first_ids, self.data_bytes, self._entries, self._tensors = (
             self._parts[:parts], self._first_ids[:parts], data_bytes, entries, tensors)
+        if self._arena is not None:
+            self._arena.rollback(arena)
 
     def file_bytes_bound(self) -> int:
         """An upper bound of the file size if sealed now."""
@@ -251,7 +313,7 @@ class ShardBuilder:
             metadata.update((META_PREFIX + str(entry_id), text) for entry_id, text in part.meta.items())
         metadata[CRC_PREFIX + INDEX_TENSOR] = f"{index_crc:08x}"
         index_entry = safetensors.entry_text(INDEX_TENSOR, "I64", index.shape, 0, index.nbytes)
-        header = safetensors.encode_text(metadata, b"".join(crc_text), index_entry + b"".join(tensor_text))
+        header = safetensors.encode_text(metadata, crc_text, [index_entry, *tensor_text])
         return [header, bytes_view(index), *data], index_crc
 
     def seal(self, path: Path) -> tuple[int, int]:

@@ -40,7 +40,7 @@ from hmem.store.rwlock import ReadWriteLock
 from hmem.store.projection import Projector
 from hmem.store.results import LimitActivity
 from hmem.store.search import SearchIndex
-from hmem.store.shard_builder import ShardBuilder
+from hmem.store.shard_builder import Arena, ShardBuilder
 from hmem.store.shard_reader import ShardCache
 
 
@@ -76,6 +76,7 @@ class StoreState:
         # what an entry takes on disk outside its shard: its record and its row of pooled.bin
         self.entry_overhead = self.record_size + pooled.row_bytes(cfg.embed_dim)
         self.config_json = json.dumps(cfg.to_dict(), sort_keys=True)
+        self.arena = Arena()  # the open shard's memory, reused shard after shard
         self.cache = ShardCache(cfg.max_open_shards)
         self.pooled = PooledKeys(path, cfg.embed_dim)  # pooled.bin, for re-rank
         self.next_id = committed.next_entry_id
@@ -163,6 +164,8 @@ class StoreState:
         self.closed = True
         self.cache.drop()
         self.pooled.drop()
+        self.builder = None  # its tensors live in the arena, given back now
+        self.arena.release()
         if self.writer is not None:
             self.writer.release()
 

@@ -220,27 +220,35 @@ class Store:
         self._state.check_writable()
         # checked and projected before the lock: queries go on meanwhile
         batch = prepare.prepare(self._state, keys, values, layer_idx, importance)
-        with self._state.lock.exclusive():
-            self._state.check_writable()
-            self._eviction.make_room(batch)
-            return self._writer.insert(batch)[0]
+        try:
+            with self._state.lock.exclusive():
+                self._state.check_writable()
+                self._eviction.make_room(batch)
+                return self._writer.insert(batch)[0]
+        finally:
+            batch.release()  # copied into the open shard, or not stored
 
     def put_many(self, entries: Iterable[Entry | tuple]) -> list[int]:
         """Store many entries; returns their ids in order.  Every entry is
         checked before any is stored, so one bad entry stores nothing."""
         self._state.check_writable()
         batch = prepare.prepare_all(self._state, entries)  # before the lock, as in put
-        with self._state.lock.exclusive():
-            self._state.check_writable()
-            self._eviction.make_room(batch)
-            return self._writer.insert(batch)
+        try:
+            with self._state.lock.exclusive():
+                self._state.check_writable()
+                self._eviction.make_room(batch)
+                return self._writer.insert(batch)
+        finally:
+            batch.release()
 
     def check_entries(self, entries: Iterable[Entry | tuple]) -> int:
         """Check entries as put_many would, storing nothing (also on a
         read-only store); returns how many there are."""
         with self._state.lock.shared():
             self._state.check_open()
-            return len(prepare.prepare_all(self._state, entries))
+            batch = prepare.prepare_all(self._state, entries)
+            batch.release()
+            return len(batch)
 
     # ---- reading ---------------------------------------------------------------------
 

@@ -155,7 +155,8 @@ class Writer:
         """The open shard, begun when there is none."""
         state = self.state
         if state.builder is None:
-            state.builder = ShardBuilder(len(state.shards), uuid.uuid4().hex, state.config_json)
+            state.builder = ShardBuilder(len(state.shards), uuid.uuid4().hex, state.config_json,
+                                                        state.arena)
         return state.builder
 
     def seal_open_shard(self) -> None:
