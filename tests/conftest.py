@@ -463,6 +463,18 @@ class _StoreInternals:
             del cache.get  # back to the class's method
 
     @staticmethod
+    def prepared_joined(store, entries) -> bool:
+        """Whether put_many would join these entries' rows into one array
+        (small entries) rather than take them one by one (large ones):
+        the two ways a batch is prepared (hmem/store/prepare.py), which
+        tests of both need to know they reach."""
+        from hmem.store import prepare
+
+        batch = prepare.prepare_all(store._state, entries)  # private: the way taken is not visible outside
+        batch.release()
+        return batch.joined
+
+    @staticmethod
     def abandon_writer(store) -> None:
         """The writer vanishes as a killed process would: its lock is
         released, nothing is flushed, and the object is closed without
@@ -473,7 +485,7 @@ class _StoreInternals:
 @pytest.fixture(scope="session")
 def store_internals() -> _StoreInternals:
     """``store_internals.open_shard_maps(store)``, ``.shard_map_limit(store)``,
-    ``.watch_shard_maps(store)`` (a context manager) and
+    ``.watch_shard_maps(store)`` (a context manager), ``.prepared_joined(store, entries)`` and
     ``.abandon_writer(store)``: the only checks that reach past the Store's
     public API (see the comment above _StoreInternals)."""
     return _StoreInternals()

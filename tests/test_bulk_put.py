@@ -191,21 +191,33 @@ def test_header_text_refuses_names_that_would_break_the_json(module):
 # ---- put_many as a whole -------------------------------------------------------
 
 
-def _entries(rng, count, dim, max_tokens=5):
+def _entries(rng, count, dim, max_tokens=5, min_tokens=1):
     return [(rng.standard_normal((int(t), dim)).astype(np.float32), rng.standard_normal((int(t), dim)).astype(np.float32),
-             i % 3, float(i % 7) + 0.5) for i, t in enumerate(rng.integers(1, max_tokens + 1, count))]
+             i % 3, float(i % 7) + 0.5) for i, t in enumerate(rng.integers(min_tokens, max_tokens + 1, count))]
 
 
+# Small entries are joined and converted batch-wide; large ones (64 KiB of
+# keys and more on average) one by one (hmem/store/prepare.py): both ways.
+SIZES = {"small": dict(max_tokens=5), "large": dict(min_tokens=1100, max_tokens=1300)}
+
+
+@pytest.mark.parametrize("size, joined", [("small", True), ("large", False)])
+def test_the_sizes_take_both_ways(store_factory, store_internals, size, joined):
+    store = store_factory(embed_dim=16)
+    assert store_internals.prepared_joined(store, _entries(np.random.default_rng(1), 5, 16, **SIZES[size])) is joined
+
+
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("storage", ["f32", "f16", "bf16", "int8"])
-def test_put_many_stores_what_one_put_per_entry_stores(store_factory, storage):
-    entries = _entries(np.random.default_rng(3), 300, 24)
+def test_put_many_stores_what_one_put_per_entry_stores(store_factory, storage, size):
+    entries = _entries(np.random.default_rng(3), 300 if size == "small" else 30, 24, **SIZES[size])
     bulk = store_factory("bulk", embed_dim=24, storage_dtype=storage)
     single = store_factory("single", embed_dim=24, storage_dtype=storage)
     ids = bulk.put_many(entries)
     assert ids == [single.put(*entry) for entry in entries]
     for store in (bulk, single):
         store.flush()
-    for entry_id in ids[::37] + ids[-3:]:
+    for entry_id in ids[::7] + ids[-3:]:
         a, b = bulk.get(entry_id), single.get(entry_id)
         assert a.keys.tobytes() == b.keys.tobytes() and a.values.tobytes() == b.values.tobytes()
         assert (a.info.layer_idx, a.info.n_tokens, a.info.importance) == (b.info.layer_idx, b.info.n_tokens,
@@ -214,7 +226,7 @@ def test_put_many_stores_what_one_put_per_entry_stores(store_factory, storage):
     assert [r.entry_id for r in bulk.query(query, 1, top_k=5)] == [r.entry_id for r in single.query(query, 1, top_k=5)]
     bulk.close()
     report = hmem.verify(bulk.path, full=True)
-    assert report.ok and report.tensors_checked >= 3 * 300
+    assert report.ok and report.tensors_checked >= 3 * len(entries)
 
 
 def test_put_many_over_several_shards_reads_back_and_opens_in_a_safetensors_reader(tmp_path):
@@ -261,12 +273,13 @@ def test_put_many_over_several_shards_reads_back_and_opens_in_a_safetensors_read
     (lambda e: (e[0].astype(np.int32), e[1], 0, 1.0), "entry 5: keys must hold floats"),
     (lambda e: ("keys", e[1], 0, 1.0), "entry 5: keys must be a numpy array"),
 ])
-def test_a_bad_entry_is_named_and_the_batch_stores_nothing(store_factory, snapshot_dir, bad, message):
+@pytest.mark.parametrize("size", SIZES)
+def test_a_bad_entry_is_named_and_the_batch_stores_nothing(store_factory, snapshot_dir, bad, message, size):
     store = store_factory(embed_dim=16)
     store.put_many(_entries(np.random.default_rng(6), 4, 16))
     store.flush()
     before = snapshot_dir(store.path)
-    entries = _entries(np.random.default_rng(7), 9, 16)
+    entries = _entries(np.random.default_rng(7), 9, 16, **SIZES[size])
     entries[5] = bad(entries[5])
     with pytest.raises(hmem.InvalidArgumentError, match=message):
         store.put_many(entries)
@@ -275,9 +288,10 @@ def test_a_bad_entry_is_named_and_the_batch_stores_nothing(store_factory, snapsh
     assert snapshot_dir(store.path) == before
 
 
-def test_an_entry_too_large_for_f16_is_named(store_factory):
+@pytest.mark.parametrize("size", SIZES)
+def test_an_entry_too_large_for_f16_is_named(store_factory, size):
     store = store_factory(embed_dim=16, storage_dtype="f16")
-    entries = _entries(np.random.default_rng(8), 6, 16)
+    entries = _entries(np.random.default_rng(8), 6, 16, **SIZES[size])
     entries[4] = (entries[4][0] * 1e6, entries[4][1], 0, 1.0)
     with pytest.raises(hmem.InvalidTensorError, match="entry 4: keys holds values too large"):
         store.put_many(entries)

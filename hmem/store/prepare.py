@@ -45,7 +45,11 @@ class PreparedBatch:
     importance: np.ndarray  # float64 [n]
     signatures: np.ndarray  # uint8 [n, hdc_dim / 8]
     pooled: np.ndarray  # float32 [n, embed_dim]
-    rows: dict[str, np.ndarray]  # "k", "v" in the storage dtype, every entry's rows back to back; int8: "ks", "vs"
+    # "k", "v" in the storage dtype; int8 also "ks", "vs" (scales): pieces
+    # whose rows, back to back, are every entry's rows: one piece (`joined`)
+    # or one per entry
+    rows: dict[str, list[np.ndarray]]
+    joined: bool
     meta: dict[int, str]  # position in the batch -> the entry's metadata as JSON (most have none)
     buffers: list[np.ndarray]  # memory.POOL buffers that rows[...] may view
 
@@ -62,6 +66,8 @@ class PreparedBatch:
 
 
 _F32 = np.dtype(np.float32)
+# Entries of at least this many bytes of keys on average are prepared one by one (_converted).
+LARGE_ENTRY_BYTES = 64 << 10
 
 
 def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: bool = False) -> PreparedBatch:
@@ -120,30 +126,63 @@ def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: 
 def _converted(state: StoreState, keys: list[np.ndarray], values: list[np.ndarray], n_tokens: np.ndarray,
                layers: list[int], weights: list[float], metas: dict[int, str], buffers: list[np.ndarray],
                single: bool) -> PreparedBatch:
-    """The batch of entries whose types and shapes are checked: rows joined
-    (into pool buffers, listed in `buffers`), checked and encoded, and
-    signatures and pooled keys computed."""
+    """The batch of entries whose types and shapes are checked: rows
+    checked and encoded, signatures and pooled keys computed.  Small
+    entries are joined into pool buffers (listed in `buffers`) and
+    converted in whole-batch operations; large ones (LARGE_ENTRY_BYTES and
+    more on average) are taken one by one, where the per-entry Python cost
+    is small against their size and joining would be one more copy."""
     dim = state.config.embed_dim
     starts = np.zeros(len(n_tokens) + 1, dtype=np.int64)
     np.cumsum(n_tokens, out=starts[1:])
+    if len(n_tokens) and int(starts[-1]) * dim * 4 >= LARGE_ENTRY_BYTES * len(n_tokens):
+        return _one_by_one(state, keys, values, n_tokens, starts, layers, weights, metas, single)
     k_rows = _joined(keys, int(starts[-1]), dim, buffers)
     v_rows = _joined(values, int(starts[-1]), dim, buffers)
     rows = {}
     for kind, joined, what in (("k", k_rows, "keys"), ("v", v_rows, "values")):
-        _check_finite(joined, starts, what, single)
+        bad = _first_nonfinite_row(joined)
+        if bad is not None:
+            entry = int(np.searchsorted(starts, bad, side="right")) - 1
+            raise _naming_entry(InvalidTensorError(f"{what} holds NaN or infinite values"), entry, single)
         try:
             encoded = storage_codec.encode(joined, state.config.storage_dtype, what)
         except InvalidTensorError as exc:
             raise _naming_entry(exc, _first_failing(joined, starts, state.config.storage_dtype, what), single) from None
         for suffix, array in encoded.items():
-            rows[kind + suffix] = array
+            rows[kind + suffix] = [array]
     if len(n_tokens):
         signatures, means = state.projector.signatures_and_means(k_rows, starts)
     else:
         signatures = np.zeros((0, state.config.signature_bytes), dtype=np.uint8)
         means = np.zeros((0, dim))
     return PreparedBatch(n_tokens, starts, np.array(layers, dtype=np.int64), np.array(weights, dtype=np.float64),
-                         signatures, means.astype(np.float32), rows, metas, buffers)
+                         signatures, means.astype(np.float32), rows, True, metas, buffers)
+
+
+def _one_by_one(state: StoreState, keys: list[np.ndarray], values: list[np.ndarray], n_tokens: np.ndarray,
+                starts: np.ndarray, layers: list[int], weights: list[float], metas: dict[int, str],
+                single: bool) -> PreparedBatch:
+    """_converted for large entries, entry by entry, without joining their rows."""
+    storage = state.config.storage_dtype
+    rows: dict[str, list[np.ndarray]] = {}
+    signatures, means = [], []
+    for e, (k, v) in enumerate(zip(keys, values)):
+        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+        for kind, array, what in (("k", k, "keys"), ("v", v, "values")):
+            if _first_nonfinite_row(array) is not None:
+                raise _naming_entry(InvalidTensorError(f"{what} holds NaN or infinite values"), e, single)
+            try:
+                encoded = storage_codec.encode(array, storage, what)
+            except InvalidTensorError as exc:
+                raise _naming_entry(exc, e, single) from None
+            for suffix, stored in encoded.items():
+                rows.setdefault(kind + suffix, []).append(stored)
+        signature, mean = state.projector.signature_and_mean(k)
+        signatures.append(signature)
+        means.append(mean)
+    return PreparedBatch(n_tokens, starts, np.array(layers, dtype=np.int64), np.array(weights, dtype=np.float64),
+                         np.stack(signatures), np.stack(means).astype(np.float32), rows, False, metas, [])
 
 
 def prepare(state: StoreState, keys: Any, values: Any, layer_idx: Any, importance: Any,
@@ -174,18 +213,15 @@ def _joined(parts: list[np.ndarray], count: int, dim: int, buffers: list[np.ndar
     return out
 
 
-def _check_finite(rows: np.ndarray, starts: np.ndarray, what: str, single: bool) -> None:
-    """Refuse NaN and infinities, naming the first entry that holds one.  A
-    sum is nonfinite whenever a term is (and rarely otherwise, by overflow),
-    so the exact check runs only then."""
+def _first_nonfinite_row(rows: np.ndarray) -> int | None:
+    """The first row holding NaN or an infinity, if any.  A sum is
+    nonfinite whenever a term is (and rarely otherwise, by overflow), so
+    the exact check runs only then."""
     with np.errstate(over="ignore", invalid="ignore"):
         if np.isfinite(rows.sum(dtype=np.float32)):
-            return
+            return None
     bad = ~np.isfinite(rows).all(axis=1)
-    if not bad.any():
-        return
-    entry = int(np.searchsorted(starts, int(np.argmax(bad)), side="right")) - 1
-    raise _naming_entry(InvalidTensorError(f"{what} holds NaN or infinite values"), entry, single)
+    return int(np.argmax(bad)) if bad.any() else None
 
 
 def _first_failing(rows: np.ndarray, starts: np.ndarray, storage: str, what: str) -> int:

@@ -71,9 +71,10 @@ class Arena:
         current, used = mark
         self._current, self._used = current, used + [0] * (len(self._segments) - len(used))
 
-    def append(self, array: np.ndarray) -> memoryview:
-        """Copy `array`'s bytes after the previous ones; returns where they now are."""
-        n = array.nbytes
+    def append(self, arrays: list[np.ndarray]) -> memoryview:
+        """Copy the arrays' bytes, back to back, after the previous ones;
+        returns where they now are."""
+        n = sum(array.nbytes for array in arrays)
         while self._current < len(self._segments) and self._used[self._current] + n > len(self._segments[self._current]):
             if self._used[self._current] == 0:  # too small for this block: replace it
                 memory.POOL.give(self._segments[self._current])
@@ -85,7 +86,10 @@ class Arena:
             self._segments, self._used = [*self._segments, segment], [*self._used, 0]  # both or neither
         seg, offset = self._current, self._used[self._current]
         target = self._segments[seg][offset : offset + n]
-        target[:] = np.frombuffer(bytes_view(array), dtype=np.uint8)
+        at = 0
+        for array in arrays:
+            target[at : at + array.nbytes] = np.frombuffer(bytes_view(array), dtype=np.uint8)
+            at += array.nbytes
         self._used[seg] += n
         return target.data
 
@@ -155,24 +159,26 @@ class ShardBuilder:
     def entries(self) -> int:
         return self._entries
 
-    def add_entries(self, ids: np.ndarray, n_tokens: np.ndarray, tensors: dict[str, np.ndarray],
+    def add_entries(self, ids: np.ndarray, n_tokens: np.ndarray, tensors: dict[str, list[np.ndarray]],
                     meta: dict[int, str] | None = None) -> None:
         """Add entries (increasing ids, past every id here) whose tensors of
-        each kind lie back to back in tensors[kind]: one row per entry for
-        "p", n_tokens rows per entry for the others.  The arrays are copied
-        in.  The part goes in whole, in one assignment, or not at all (an
+        each kind are the rows of the arrays tensors[kind], back to back:
+        one row per entry for "p", n_tokens rows per entry for the others.
+        The arrays are copied in.  The part goes in whole, in one assignment, or not at all (an
         arena not rolled back only wastes its tail)."""
         self._gather_lent()
         assert self._arena is not None
         ids = np.asarray(ids, dtype=np.int64)
         n_tokens = np.asarray(n_tokens, dtype=np.int64)
         blocks = {}
-        for kind, array in tensors.items():
-            if kind not in KINDS or array.dtype not in DTYPE_NAMES or not array.flags.c_contiguous:
+        for kind, arrays in tensors.items():
+            array = arrays[0]
+            if kind not in KINDS or any(a.dtype != array.dtype or a.shape[1:] != array.shape[1:]
+                                        or not a.flags.c_contiguous for a in arrays) or array.dtype not in DTYPE_NAMES:
                 raise AssertionError(f"bad shard tensor {kind} ({array.dtype})")
             rows = np.ones_like(n_tokens) if kind in PER_ENTRY_KINDS else n_tokens
-            if int(rows.sum()) != len(array):
-                raise AssertionError(f"{kind}: {len(array)} rows for {int(rows.sum())}")
+            if int(rows.sum()) != sum(len(a) for a in arrays):
+                raise AssertionError(f"{kind}: {sum(len(a) for a in arrays)} rows for {int(rows.sum())}")
             row_shape = array.shape[1:]
             row_bytes = array.itemsize * int(np.prod(row_shape, dtype=np.int64))
             if kind in PER_ENTRY_KINDS:
@@ -183,7 +189,7 @@ class ShardBuilder:
                 shapes[:, 1:] = row_shape
             bounds = np.zeros(len(ids) + 1, dtype=np.int64)
             np.cumsum(rows * row_bytes, out=bounds[1:])
-            blocks[kind] = _Block(array.dtype, np.ascontiguousarray(shapes), bounds, [self._arena.append(array)], None)
+            blocks[kind] = _Block(array.dtype, np.ascontiguousarray(shapes), bounds, [self._arena.append(arrays)], None)
         meta = dict(meta or {})
         added = sum(int(b.bounds[-1]) for b in blocks.values()) + sum(_meta_bytes(m) for m in meta.values())
         part = _Part(ids, n_tokens, blocks, meta)

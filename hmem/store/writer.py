@@ -283,12 +283,15 @@ class Writer:
             self.commit(dataclasses.replace(state.committed, generation=state.committed.generation + 1))
 
 
-def _part_tensors(batch: PreparedBatch, lo: int, hi: int) -> dict[str, np.ndarray]:
+def _part_tensors(batch: PreparedBatch, lo: int, hi: int) -> dict[str, list[np.ndarray]]:
     """The shard tensors of entries lo .. hi - 1 of a batch, by kind: views
-    of the batch's arrays."""
-    first, last = int(batch.starts[lo]), int(batch.starts[hi])
-    tensors = {kind: rows[first:last] for kind, rows in batch.rows.items()}
-    tensors["p"] = batch.pooled[lo:hi]
+    of the batch's arrays whose rows, back to back, are those entries'."""
+    if batch.joined:
+        first, last = int(batch.starts[lo]), int(batch.starts[hi])
+        tensors = {kind: [pieces[0][first:last]] for kind, pieces in batch.rows.items()}
+    else:
+        tensors = {kind: pieces[lo:hi] for kind, pieces in batch.rows.items()}
+    tensors["p"] = [batch.pooled[lo:hi]]
     return tensors
 
 
