@@ -61,7 +61,10 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
-        """A uint8 buffer of at least `nbytes` (its contents undefined)."""
+        """A uint8 buffer of at least `nbytes` (its contents undefined).
+        Small ones are plain allocations: the allocator reuses those well."""
+        if nbytes < POPULATE_MIN_BYTES:
+            return np.empty(nbytes, dtype=np.uint8)
         with self._lock:
             fits = [b for b in self._free if len(b) >= nbytes]
             if fits:
@@ -74,6 +77,8 @@ class BufferPool:
 
     def give(self, buffer: np.ndarray) -> None:
         """Return a buffer taken from the pool: nothing may use it afterwards."""
+        if len(buffer) < POPULATE_MIN_BYTES:
+            return
         with self._lock:
             if self._free_bytes + len(buffer) <= self.keep_bytes:
                 self._free.append(buffer)

@@ -22,6 +22,7 @@ from hmem import memory, threads
 from hmem.kernels import projection as projection_kernels
 
 MANY_PER_THREAD = 512  # entries a thread takes at least in signatures_and_means
+FEW = 4  # signatures_and_means of this many entries or fewer: one kernel call each
 
 FAMILY = "srht"
 GENERATOR = "splitmix64"
@@ -67,6 +68,11 @@ class Projector:
         the signatures [n, hdc_dim / 8] and the float64 means [n, embed_dim];
         the same bytes as one call per entry, on every core."""
         count = len(starts) - 1
+        if count <= FEW:  # the batch kernel's set-up costs more than it saves here
+            pairs = [self.signature_and_mean(rows[starts[e] : starts[e + 1]]) for e in range(count)]
+            if not pairs:
+                return np.zeros((0, self.hdc_dim // 8), dtype=np.uint8), np.zeros((0, rows.shape[1]))
+            return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
         out = memory.filled_soon((count, self.hdc_dim // 8), np.uint8)
         sums = memory.filled_soon((count, rows.shape[1]), np.float64)
 
@@ -75,8 +81,11 @@ class Projector:
             projection_kernels.signature_many(rows[first:last], starts[lo : hi + 1] - first, self.signs, self.m,
                                               ROUNDS, self.hdc_dim, out[lo:hi], sums[lo:hi])
 
-        threads.run_ranges(run, threads.split(count, MANY_PER_THREAD))
-        return out, sums / np.diff(starts)[:, None]
+        if count < 2 * MANY_PER_THREAD:
+            run(0, count)  # one thread's share: no pool
+        else:
+            threads.run_ranges(run, threads.split(count, MANY_PER_THREAD))
+        return out, sums / (starts[1:] - starts[:-1])[:, None]
 
 
 def similarity(hamming: np.ndarray | int, hdc_dim: int) -> np.ndarray | float:

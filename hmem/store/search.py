@@ -252,7 +252,8 @@ class SearchIndex:
         def fill(lo: int, hi: int) -> list[np.ndarray]:
             return [targets[i].fill(signatures, groups[i]) for i in empty[lo:hi]]
 
-        filled = [rows for part in threads.run_ranges(fill, threads.split(len(empty), 1)) for rows in part]
+        filled = [rows for part in threads.run_ranges(fill, threads.split(len(empty), 1)) for rows in part] \
+            if empty else []
         rows_of = dict(zip(empty, filled))
         for i, (group, layer) in enumerate(zip(groups, targets)):
             rows = rows_of[i] if i in rows_of else layer.append(signatures[group], group)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -85,13 +86,13 @@ class Arena:
             segment = memory.POOL.take(max(n, self.SEGMENT_BYTES))
             self._segments, self._used = [*self._segments, segment], [*self._used, 0]  # both or neither
         seg, offset = self._current, self._used[self._current]
-        target = self._segments[seg][offset : offset + n]
+        target = self._segments[seg].data[offset : offset + n]
         at = 0
         for array in arrays:
-            target[at : at + array.nbytes] = np.frombuffer(bytes_view(array), dtype=np.uint8)
+            target[at : at + array.nbytes] = bytes_view(array)
             at += array.nbytes
         self._used[seg] += n
-        return target.data
+        return target
 
     def release(self) -> None:
         """Give every segment back to the pool (the store is closing: nothing reads them any more)."""
@@ -105,7 +106,9 @@ class _Block:
     """The tensors of one kind of a part's entries, in entry order."""
 
     dtype: np.dtype
-    shapes: np.ndarray  # int64 [m, rank]
+    # the tensors' shapes: int64 [m, rank], or made when needed from the
+    # row shape (one row per entry, or n_tokens rows) for put parts
+    shapes: np.ndarray | tuple[tuple[int, ...], bool]
     bounds: np.ndarray  # int64 [m + 1]: tensor i is bytes bounds[i] .. bounds[i + 1] of the block
     data: list[Any]  # one buffer holding every tensor (puts), or one FileRange per tensor (lent)
     crcs: np.ndarray | None  # uint32 [m], None until the shard is sealed (puts)
@@ -115,6 +118,17 @@ class _Block:
         """F32 data first, then the narrower dtypes (docs/format.md, "Shards")."""
         return 0 if self.dtype == DTYPES["F32"] else 1
 
+    def shape_rows(self, n_tokens: np.ndarray) -> np.ndarray:
+        """The tensors' shapes, int64 [m, rank], for entries of `n_tokens`."""
+        if isinstance(self.shapes, np.ndarray):
+            return self.shapes
+        row_shape, per_entry = self.shapes
+        shapes = np.empty((len(n_tokens), len(row_shape) + (0 if per_entry else 1)), dtype=np.int64)
+        shapes[:, shapes.shape[1] - len(row_shape):] = row_shape
+        if not per_entry:
+            shapes[:, 0] = n_tokens
+        return shapes
+
 
 @dataclasses.dataclass
 class _Part:
@@ -122,6 +136,10 @@ class _Part:
     n_tokens: np.ndarray  # int64 [m]
     blocks: dict[str, _Block]
     meta: dict[int, str]  # entry_id -> its metadata as JSON (docs/format.md, "Shards")
+    # entries, tensors and data bytes of the builder up to this part
+    # included: adding a part is one list append, which an interrupt
+    # cannot cut in two
+    totals: tuple[int, int, int]
 
 
 def _meta_bytes(meta: str) -> int:
@@ -148,55 +166,54 @@ class ShardBuilder:
         self.index = index
         self.uid = uid
         self.store_config = store_config
-        self.data_bytes = 0
         self._parts: list[_Part] = []
-        self._first_ids: list[int] = []  # of each part, for lookups
         self._lent: list[tuple] = []  # lent entries not yet gathered into a part
-        self._entries = 0
-        self._tensors = 0
+        self._lent_totals = (0, 0, 0)  # their entries, tensors and data bytes
+
+    def _totals(self) -> tuple[int, int, int]:
+        """Entries, tensors and data bytes (metadata's share included)."""
+        parts = self._parts[-1].totals if self._parts else (0, 0, 0)
+        return (parts[0] + self._lent_totals[0], parts[1] + self._lent_totals[1], parts[2] + self._lent_totals[2])
 
     @property
     def entries(self) -> int:
-        return self._entries
+        return self._totals()[0]
+
+    @property
+    def data_bytes(self) -> int:
+        return self._totals()[2]
 
     def add_entries(self, ids: np.ndarray, n_tokens: np.ndarray, tensors: dict[str, list[np.ndarray]],
                     meta: dict[int, str] | None = None) -> None:
         """Add entries (increasing ids, past every id here) whose tensors of
         each kind are the rows of the arrays tensors[kind], back to back:
         one row per entry for "p", n_tokens rows per entry for the others.
-        The arrays are copied in.  The part goes in whole, in one assignment, or not at all (an
+        The arrays are copied in.  The part goes in whole or not at all (an
         arena not rolled back only wastes its tail)."""
         self._gather_lent()
         assert self._arena is not None
         ids = np.asarray(ids, dtype=np.int64)
         n_tokens = np.asarray(n_tokens, dtype=np.int64)
+        count = len(ids)
+        token_bounds = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(n_tokens, out=token_bounds[1:])
+        entry_bounds = np.arange(count + 1, dtype=np.int64)
         blocks = {}
         for kind, arrays in tensors.items():
             array = arrays[0]
-            if kind not in KINDS or any(a.dtype != array.dtype or a.shape[1:] != array.shape[1:]
-                                        or not a.flags.c_contiguous for a in arrays) or array.dtype not in DTYPE_NAMES:
-                raise AssertionError(f"bad shard tensor {kind} ({array.dtype})")
-            rows = np.ones_like(n_tokens) if kind in PER_ENTRY_KINDS else n_tokens
-            if int(rows.sum()) != sum(len(a) for a in arrays):
-                raise AssertionError(f"{kind}: {sum(len(a) for a in arrays)} rows for {int(rows.sum())}")
+            per_entry = kind in PER_ENTRY_KINDS
             row_shape = array.shape[1:]
-            row_bytes = array.itemsize * int(np.prod(row_shape, dtype=np.int64))
-            if kind in PER_ENTRY_KINDS:
-                shapes = np.broadcast_to(np.array(row_shape, dtype=np.int64), (len(ids), len(row_shape)))
-            else:
-                shapes = np.empty((len(ids), 1 + len(row_shape)), dtype=np.int64)
-                shapes[:, 0] = n_tokens
-                shapes[:, 1:] = row_shape
-            bounds = np.zeros(len(ids) + 1, dtype=np.int64)
-            np.cumsum(rows * row_bytes, out=bounds[1:])
-            blocks[kind] = _Block(array.dtype, np.ascontiguousarray(shapes), bounds, [self._arena.append(arrays)], None)
+            rows = count if per_entry else int(token_bounds[-1])
+            if kind not in KINDS or array.dtype not in DTYPE_NAMES or sum(len(a) for a in arrays) != rows or any(
+                    a.dtype != array.dtype or a.shape[1:] != row_shape or not a.flags.c_contiguous for a in arrays):
+                raise AssertionError(f"bad shard tensor {kind} ({array.dtype}, {len(arrays)} pieces)")
+            bounds = (entry_bounds if per_entry else token_bounds) * (array.itemsize * math.prod(row_shape))
+            blocks[kind] = _Block(array.dtype, (row_shape, per_entry), bounds, [self._arena.append(arrays)], None)
         meta = dict(meta or {})
         added = sum(int(b.bounds[-1]) for b in blocks.values()) + sum(_meta_bytes(m) for m in meta.values())
-        part = _Part(ids, n_tokens, blocks, meta)
-        # One assignment: an interrupt leaves the part in or out, never half.
-        (self._parts, self._first_ids, self.data_bytes, self._entries, self._tensors) = (
-            [*self._parts, part], [*self._first_ids, int(ids[0])], self.data_bytes + added,
-            self._entries + len(ids), self._tensors + len(ids) * len(blocks))
+        entries, tensor_count, data_bytes = self._totals()
+        totals = (entries + count, tensor_count + count * len(blocks), data_bytes + added)
+        self._parts.append(_Part(ids, n_tokens, blocks, meta, totals))  # one step: in or out, never half
 
     def add_lent_entry(self, entry_id: int, n_tokens: int,
                        tensors: dict[str, tuple[np.dtype, tuple[int, ...], _io.FileRange, int]],
@@ -205,17 +222,17 @@ class ShardBuilder:
         shape, the bytes in another file, their checked CRC): the sealed
         file copies them inside the kernel."""
         self._lent.append((entry_id, n_tokens, tensors, meta))
-        self.data_bytes += sum(part.length for _, _, part, _ in tensors.values())
-        if meta is not None:
-            self.data_bytes += _meta_bytes(meta)
-        self._entries += 1
-        self._tensors += len(tensors)
+        added = sum(part.length for _, _, part, _ in tensors.values()) + (_meta_bytes(meta) if meta is not None else 0)
+        entries, count, data_bytes = self._lent_totals
+        self._lent_totals = (entries + 1, count + len(tensors), data_bytes + added)
 
     def _gather_lent(self) -> None:
         """Turn the lent entries added so far into one part."""
         if not self._lent:
             return
         lent, self._lent = self._lent, []
+        totals = self._totals()
+        self._lent_totals = (0, 0, 0)
         ids = np.array([item[0] for item in lent], dtype=np.int64)
         n_tokens = np.array([item[1] for item in lent], dtype=np.int64)
         blocks = {}
@@ -230,31 +247,29 @@ class ShardBuilder:
             blocks[kind] = _Block(dtype, shapes, bounds, [spec[2] for spec in specs],
                                   np.array([spec[3] for spec in specs], dtype=np.uint32))
         meta = {item[0]: item[3] for item in lent if item[3] is not None}
-        self._parts.append(_Part(ids, n_tokens, blocks, meta))
-        self._first_ids.append(int(ids[0]))
+        self._parts.append(_Part(ids, n_tokens, blocks, meta, totals))
 
     def mark(self) -> tuple:
         self._gather_lent()
         arena = self._arena.mark() if self._arena is not None else None
-        return (len(self._parts), self.data_bytes, self._entries, self._tensors, arena)
+        return (len(self._parts), arena)
 
     def rollback(self, mark: tuple) -> None:
         """Forget every part added since `mark` (one assignment: an
         interrupt leaves the builder rolled back or not, never half)."""
-        parts, data_bytes, entries, tensors, arena = mark
-        self._parts, self._first_ids, self.data_bytes, self._entries, self._tensors = (
-            self._parts[:parts], self._first_ids[:parts], data_bytes, entries, tensors)
+        parts, arena = mark
+        self._parts = self._parts[:parts]
         if self._arena is not None:
             self._arena.rollback(arena)
 
     def file_bytes_bound(self) -> int:
         """An upper bound of the file size if sealed now."""
-        return (self.data_bytes + HEADER_FIXED_BYTES + HEADER_BYTES_PER_TENSOR * self._tensors
-                + INDEX_ROW_BYTES * self._entries)
+        entries, tensors, data_bytes = self._totals()
+        return data_bytes + HEADER_FIXED_BYTES + HEADER_BYTES_PER_TENSOR * tensors + INDEX_ROW_BYTES * entries
 
     def _find(self, entry_id: int) -> tuple[_Part, int]:
         self._gather_lent()
-        at = bisect.bisect_right(self._first_ids, entry_id) - 1
+        at = bisect.bisect_right(self._parts, entry_id, key=lambda part: int(part.ids[0])) - 1
         if at >= 0:
             part = self._parts[at]
             row = int(np.searchsorted(part.ids, entry_id))
@@ -274,13 +289,13 @@ class ShardBuilder:
         if len(block.data) != 1:
             raise AssertionError("a lent tensor is not readable from the open shard")
         raw = np.frombuffer(block.data[0], dtype=np.uint8)[block.bounds[row] : block.bounds[row + 1]]
-        return raw.view(block.dtype).reshape(tuple(int(x) for x in block.shapes[row]))
+        return raw.view(block.dtype).reshape(tuple(int(x) for x in block.shape_rows(part.n_tokens)[row]))
 
     def encode(self) -> tuple[list[Any], int]:
         """The file's bytes as buffers and file ranges (header, index, F32
         data, then the narrower data), and the CRC-32C of the index tensor."""
         self._gather_lent()
-        n = self._entries
+        n = self.entries
         index = np.full((n + 1, INDEX_COLUMNS), -1, dtype="<i8")
         uid = int(self.uid, 16)
         index[0, :5] = [INDEX_MAGIC, INDEX_VERSION, n, *np.array([uid >> 64, uid & (2**64 - 1)], dtype="<u8").view("<i8")]
@@ -307,7 +322,7 @@ class ShardBuilder:
                     index[rows, 7 + column] = block.crcs
                     name = f"{kind}_".encode()
                     tensor_text.append(header_text.tensor_entries(
-                        name, part.ids, DTYPE_NAMES[block.dtype].encode(), block.shapes, begins, ends))
+                        name, part.ids, DTYPE_NAMES[block.dtype].encode(), block.shape_rows(part.n_tokens), begins, ends))
                     crc_text.append(header_text.crc_entries(CRC_PREFIX.encode() + name, part.ids, block.crcs))
                     data.extend(block.data)
                     at += int(block.bounds[-1])
