@@ -93,8 +93,9 @@ class Writer:
             rows["shard_idx"] = shard_of
             rows["signature"] = batch.signatures
             state.index.add_records(state.records, np.arange(start, start + count, dtype=np.int64))
-            state.n, state.next_id = start + count, first_id + count  # the batch is in
-            state.fresh_pooled.append(batch.pooled)
+            # the batch is in: one assignment, its pooled keys with it
+            state.fresh_pooled, state.n, state.next_id = [*state.fresh_pooled, batch.pooled], start + count, \
+                first_id + count
         except BaseException:
             if state.n == start:
                 self._undo_insert(*undo)
