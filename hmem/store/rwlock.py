@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 SLOTS = 32  # readers at once; more wait for a slot
 
@@ -58,11 +58,15 @@ class ReadWriteLock:
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
-        with self._writers, self._turnstile, ExitStack() as held:
-            for slot in self._slots:  # every reader gone, none let in
-                slot.acquire()
-                held.callback(slot.release)
-            yield
+        with self._writers, self._turnstile:
+            held = 0
+            try:
+                for slot in self._slots:  # every reader gone, none let in
+                    held += slot.acquire()  # True: counted in the same step as taken
+                yield
+            finally:
+                for slot in self._slots[:held]:
+                    slot.release()
 
     @contextmanager
     def intent(self) -> Iterator[None]:

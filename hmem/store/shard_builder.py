@@ -308,24 +308,31 @@ class ShardBuilder:
         crc_text: list[bytes] = []
         at = index.nbytes  # data offsets count from the start of the data, where hmem_index is
         for region in (0, 1):
-            for part, first in zip(self._parts, starts):
-                rows = slice(1 + first, 1 + first + len(part.ids))
-                for kind, block in part.blocks.items():
-                    if block.region != region:
+            for kind in KINDS:  # each kind's tensors together: one header-text call for all of them
+                column = KINDS.index(kind)
+                groups: dict[np.dtype, list[tuple]] = {}
+                for part, first in zip(self._parts, starts):
+                    block = part.blocks.get(kind)
+                    if block is None or block.region != region:
                         continue
                     if block.crcs is None:
                         block.crcs = checksum_kernels.crc32c_pieces(block.data[0], block.bounds)
-                    column = KINDS.index(kind)
-                    begins = at + block.bounds[:-1]
-                    ends = at + block.bounds[1:]
-                    index[rows, 2 + column] = begins
+                    rows = slice(1 + first, 1 + first + len(part.ids))
+                    index[rows, 2 + column] = at + block.bounds[:-1]
                     index[rows, 7 + column] = block.crcs
-                    name = f"{kind}_".encode()
-                    tensor_text.append(header_text.tensor_entries(
-                        name, part.ids, DTYPE_NAMES[block.dtype].encode(), block.shape_rows(part.n_tokens), begins, ends))
-                    crc_text.append(header_text.crc_entries(CRC_PREFIX.encode() + name, part.ids, block.crcs))
+                    groups.setdefault(block.dtype, []).append((part, block, at))
                     data.extend(block.data)
                     at += int(block.bounds[-1])
+                name = f"{kind}_".encode()
+                for dtype, members in groups.items():
+                    ids = np.concatenate([part.ids for part, _, _ in members])
+                    shapes = np.concatenate([block.shape_rows(part.n_tokens) for part, block, _ in members])
+                    begins = np.concatenate([start + block.bounds[:-1] for _, block, start in members])
+                    ends = np.concatenate([start + block.bounds[1:] for _, block, start in members])
+                    crcs = np.concatenate([block.crcs for _, block, _ in members])
+                    tensor_text.append(header_text.tensor_entries(name, ids, DTYPE_NAMES[dtype].encode(), shapes,
+                                                                  begins, ends))
+                    crc_text.append(header_text.crc_entries(CRC_PREFIX.encode() + name, ids, crcs))
         index_crc = checksum_kernels.crc32c(bytes_view(index))
         metadata = {"format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION, "shard_uid": self.uid}
         if self.store_config:
