@@ -93,11 +93,12 @@ class Writer:
             rows["shard_idx"] = shard_of
             rows["signature"] = batch.signatures
             state.index.add_records(state.records, np.arange(start, start + count, dtype=np.int64))
-            # the batch is in: one assignment, its pooled keys with it
-            state.fresh_pooled, state.n, state.next_id = [*state.fresh_pooled, batch.pooled], start + count, \
-                first_id + count
+            state.fresh_pooled.append(batch.pooled)  # taken back below unless the batch goes in
+            state.n, state.next_id = start + count, first_id + count  # the batch is in
         except BaseException:
             if state.n == start:
+                if state.fresh_pooled and state.fresh_pooled[-1] is batch.pooled:
+                    state.fresh_pooled.pop()
                 self._undo_insert(*undo)
             raise
         return ids.tolist()
