@@ -85,4 +85,4 @@ class BufferPool:
                 self._free_bytes += len(buffer)
 
 
-POOL = BufferPool(1 << 30)
+POOL = BufferPool(256 << 20)  # free buffers kept: a few batches' rows, a closed store's open-shard memory

@@ -129,6 +129,13 @@ class _Block:
             shapes[:, 0] = n_tokens
         return shapes
 
+    def shape_of(self, n_tokens: np.ndarray, row: int) -> tuple[int, ...]:
+        """The shape of tensor `row`."""
+        if isinstance(self.shapes, np.ndarray):
+            return tuple(int(x) for x in self.shapes[row])
+        row_shape, per_entry = self.shapes
+        return row_shape if per_entry else (int(n_tokens[row]), *row_shape)
+
 
 @dataclasses.dataclass
 class _Part:
@@ -151,10 +158,10 @@ def _meta_bytes(meta: str) -> int:
 
 class ShardBuilder:
     """The entries of one shard until it is sealed into its file.  Parts
-    added by puts are copied into the store's arena (the caller's arrays
-    go back to the buffer pool); lent entries keep where their tensors lie
-    and their checked CRCs, so nothing is copied or checksummed twice.
-    Views handed out are valid until the arena is reset for the next shard."""
+    added by puts are copied into the store's arena; lent entries keep
+    where their tensors lie and their checked CRCs, so nothing is copied or
+    checksummed twice.  Views handed out are valid until the arena is reset
+    for the next shard."""
 
     def __init__(self, index: int, uid: str, store_config: str = "", arena: Arena | None = None) -> None:
         """`store_config`, the store's config as JSON, goes into the shard's
@@ -289,7 +296,7 @@ class ShardBuilder:
         if len(block.data) != 1:
             raise AssertionError("a lent tensor is not readable from the open shard")
         raw = np.frombuffer(block.data[0], dtype=np.uint8)[block.bounds[row] : block.bounds[row + 1]]
-        return raw.view(block.dtype).reshape(tuple(int(x) for x in block.shape_rows(part.n_tokens)[row]))
+        return raw.view(block.dtype).reshape(block.shape_of(part.n_tokens, row))
 
     def encode(self) -> tuple[list[Any], int]:
         """The file's bytes as buffers and file ranges (header, index, F32
