@@ -147,9 +147,12 @@ class Writer:
         state = self.state
         if state.next_id + count <= state.id_limit:
             return
-        # Commit a new reservation (state otherwise unchanged) before use.
+        # Commit a new reservation (state otherwise unchanged) before use:
+        # room for ID_LEASE more ids, or for as many again as this batch, so
+        # that a bulk import of large batches commits once per two batches
+        # or fewer, not once per batch.
         mf = dataclasses.replace(state.committed, generation=state.committed.generation + 1,
-                                 next_entry_id=state.next_id + count + ID_LEASE)
+                                 next_entry_id=state.next_id + count + max(ID_LEASE, count))
         self.commit(mf)
         state.id_limit = mf.next_entry_id
 
