@@ -80,8 +80,8 @@ def tensor_entries(bytes prefix, const int64_t[::1] ids, bytes dtype, const int6
     if shapes.shape[0] != n or begins.shape[0] != n or ends.shape[0] != n:
         raise ValueError("ids, shapes, begins and ends must have one row per tensor")
     cdef Py_ssize_t lp = len(prefix), ld = len(dtype)
-    # 20 digits and a sign per number, and the fixed text around them
-    cdef Py_ssize_t per = lp + ld + 21 * (3 + rank) + 64
+    # 20 digits, a sign and a comma per number, and the fixed text around them
+    cdef Py_ssize_t per = lp + ld + 22 * (3 + rank) + 64
     if n == 0:
         return b""
     cdef char *o = <char *>malloc(n * per)
