@@ -177,6 +177,15 @@ def test_header_text_matches_its_twin_and_is_json(rows, rank, crcs):
     assert json.loads(b"{" + crc_text[:-1] + b"}") == {f"crc32c:k_{i}": f"{c:08x}" for i, c in zip(ids, crc)}
 
 
+def test_header_text_of_the_widest_numbers_and_many_dimensions():
+    # every number at its longest (a sign and 19 digits), 40 dimensions: the
+    # native formatter must size its buffer for all of it
+    low = np.full(3, -(2**63), np.int64)
+    shapes = np.full((3, 40), -(2**63), np.int64)
+    args = (b"k" * 50 + b"_", low, b"BF16", shapes, low, low)
+    assert _header_text.tensor_entries(*args) == ref_header_text.tensor_entries(*args)
+
+
 @pytest.mark.parametrize("module", [_header_text, ref_header_text], ids=["native", "reference"])
 def test_header_text_refuses_names_that_would_break_the_json(module):
     one = np.zeros(1, np.int64)
