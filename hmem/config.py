@@ -14,6 +14,11 @@ from hmem.errors import InvalidArgumentError, UnsupportedFormatError
 MiB = 1 << 20
 STORAGE_DTYPES = ("f32", "f16", "bf16", "int8")
 U64_MAX = validation.U64_MAX
+MAX_SIGNATURES_PER_ENTRY = 64
+# A span signature is the first SPAN_SIGNATURE_BITS bits of the signature
+# of its span's mean (all of it when hdc_dim is smaller): spans only pick
+# candidates, which their exact pooled keys then rank (docs/format.md).
+SPAN_SIGNATURE_BITS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +37,12 @@ class StoreConfig:
                      for rows that came in that dtype, half the disk) or
                      "int8" (one F32 scale per row); similarity math is F32
     quantize_stored  the older name of storage_dtype="int8" (kept in step)
+    signatures_per_entry
+                     1 (default): one signature per entry, of its mean key;
+                     S > 1: also S - 1 span signatures, of the means of the
+                     entry's tokens cut into S - 1 equal spans, so that a
+                     query of a few tokens finds the entry that holds them
+                     (docs/format.md, "Span signatures")
     """
 
     embed_dim: int
@@ -43,6 +54,7 @@ class StoreConfig:
     max_open_shards: int = 4
     quantize_stored: bool = False
     storage_dtype: str = "f32"
+    signatures_per_entry: int = 1
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int, high: int) -> None:
@@ -57,6 +69,7 @@ class StoreConfig:
         integer("max_disk_bytes", 0, U64_MAX)
         integer("shard_max_bytes", 1, U64_MAX)
         integer("max_open_shards", 1, 1 << 16)
+        integer("signatures_per_entry", 1, MAX_SIGNATURES_PER_ENTRY)
         validation.flag(self.quantize_stored, "quantize_stored")
         validation.choice(self.storage_dtype, "storage_dtype", STORAGE_DTYPES)
         if self.quantize_stored and self.storage_dtype not in ("f32", "int8"):
@@ -69,6 +82,21 @@ class StoreConfig:
     def signature_bytes(self) -> int:
         return self.hdc_dim // 8
 
+    @property
+    def spans(self) -> int:
+        """Span signatures (and span means) per entry: signatures_per_entry - 1."""
+        return self.signatures_per_entry - 1
+
+    @property
+    def span_signature_bytes(self) -> int:
+        """Bytes of one span signature."""
+        return min(self.hdc_dim, SPAN_SIGNATURE_BITS) // 8
+
+    @property
+    def pooled_width(self) -> int:
+        """Floats of an entry's pooled keys: its mean key, then each span's mean."""
+        return self.signatures_per_entry * self.embed_dim
+
     def to_dict(self) -> dict[str, Any]:
         # f32 and int8 stores are saved as before storage_dtype existed, so
         # older hmem releases keep opening them; f16 and bf16 stores name it,
@@ -76,6 +104,8 @@ class StoreConfig:
         out = dataclasses.asdict(self)
         if self.storage_dtype in ("f32", "int8"):
             del out["storage_dtype"]
+        if self.signatures_per_entry == 1:  # likewise: a store without spans is saved as before they existed
+            del out["signatures_per_entry"]
         return out
 
     @classmethod

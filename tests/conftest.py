@@ -231,9 +231,10 @@ def read_records():
     from hmem.formats import records
 
     def read(store_dir) -> _np.ndarray:
+        from hmem import StoreConfig
+
         doc = _json.loads((_Path(store_dir) / "index.json").read_text())
-        sig_bytes = doc["config"]["hdc_dim"] // 8
-        return records.read(_Path(store_dir) / "entries.bin", doc["record_count"], sig_bytes)
+        return records.read(_Path(store_dir) / "entries.bin", doc["record_count"], StoreConfig.from_dict(doc["config"]))
 
     return read
 

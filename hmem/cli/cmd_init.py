@@ -28,6 +28,9 @@ def init(
     storage_dtype: Annotated[str, typer.Option("--storage-dtype", help="How K/V rows are stored: f32, f16, bf16 "
                                                "(half the disk, exact for rows of that dtype) or int8.")] = "f32",
     quantize: Annotated[bool, typer.Option("--quantize", help="The same as --storage-dtype int8.")] = False,
+    signatures_per_entry: Annotated[int, typer.Option(
+        "--signatures-per-entry", help="1: one signature per entry, of its mean key.  S > 1: also S - 1 span "
+        "signatures, so that a query of a few tokens finds the entry holding them (docs/cli.md).")] = 1,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -37,6 +40,7 @@ def init(
         embed_dim=embed_dim, hdc_dim=hdc_dim, seed=seed, max_entries=max_entries,
         max_disk_bytes=parse_size(max_disk, "--max-disk"), shard_max_bytes=parse_size(shard_max, "--shard-max"),
         max_open_shards=max_open_shards, storage_dtype="int8" if quantize else storage_dtype,
+        signatures_per_entry=signatures_per_entry,
     )
     with signals.stoppable():  # creating a store is short: a signal lets it finish (hmem/cli/signals.py)
         with Store.create(path, config) as store:

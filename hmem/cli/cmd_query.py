@@ -78,7 +78,9 @@ def query(
     search: Annotated[str, typer.Option(
         "--search", metavar="MODE",
         help="How signatures are scanned: full (every signature whole), two-stage (the first 1024 bits of each, "
-        "then the best 50x shortlist whole) or auto (two-stage on layers of 100,000 entries and more).")] = "auto",
+        "then the best 50x shortlist whole), spans (a store's span signatures: an entry ranks by its best "
+        "span) or auto (spans on a store that has them, else two-stage on layers of 100,000 entries and "
+        "more).")] = "auto",
     export: Annotated[Path | None, typer.Option("--export", help="Write the retrieved K/V to this safetensors file.")] = None,
     export_layout: ExportLayoutOption = "entries",
     kv_heads: KvHeadsOption = None,

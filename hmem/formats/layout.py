@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING
 
 from hmem._io import TEMP_PREFIX
 from hmem.formats.pooled import POOLED_FILE
-from hmem.formats.records import ENTRIES_FILE, HEADER_BYTES
+from hmem.formats.records import ENTRIES_FILE, record_dtype
 from hmem.formats.sources import SOURCES_FILE
 
 if TYPE_CHECKING:
+    from hmem.config import StoreConfig
     from hmem.formats.manifest import Pending, ShardInfo
 
 INDEX_FILE = "index.json"
@@ -104,9 +105,10 @@ def files_without_index(root: Path) -> list[str]:
     return [name for name in files.committed if name == ENTRIES_FILE] + files.unnamed_shards
 
 
-def record_bytes(signature_bytes: int) -> int:
-    """The size of one record of entries.bin."""
-    return HEADER_BYTES + signature_bytes
+def record_bytes(config: StoreConfig | int) -> int:
+    """The size of one record of entries.bin (an int: the signature bytes
+    of a store without span signatures)."""
+    return record_dtype(config).itemsize
 
 
 @dataclasses.dataclass(frozen=True)

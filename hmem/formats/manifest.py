@@ -115,7 +115,7 @@ class Manifest:
             "generation": self.generation,
             "config": self.config.to_dict(),
             "projection": self.projection,
-            "record_size": record_bytes(self.config.signature_bytes),
+            "record_size": record_bytes(self.config),
             "record_count": self.record_count,
             "next_entry_id": self.next_entry_id,
             "shards": [dataclasses.asdict(s) for s in self.shards],
@@ -205,7 +205,7 @@ def parse(store_dir: Path, data: bytes) -> Manifest:
     except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e400)
         raise CorruptStoreError(f"{where} is missing or has a malformed field ({exc})",
                                 hint=Hint.REPAIR) from None
-    if doc.get("record_size") != record_bytes(config.signature_bytes):
+    if doc.get("record_size") != record_bytes(config):
         raise CorruptStoreError(f"{where} gives a record size that does not match hdc_dim")
     problem = _problem(doc, manifest)
     if problem is not None:  # a crafted or damaged index.json: docs/security.md

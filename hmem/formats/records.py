@@ -1,6 +1,7 @@
 """entries.bin: one fixed-size record per entry, defined once here.
 
-Record layout (little-endian, packed, 40 bytes + hdc_dim/8):
+Record layout (little-endian, packed, 40 bytes + hdc_dim/8, plus the span
+signatures of a store that keeps them):
 
     offset  field          type
          0  entry_id       u64
@@ -13,6 +14,10 @@ Record layout (little-endian, packed, 40 bytes + hdc_dim/8):
         36  checksum       u32   the seed's padding word: CRC-32C of bytes
                                  0-35 followed by the signature
         40  signature      hdc_dim/8 bytes, bit j in byte j//8, mask 1<<(j%8)
+  40+hdc_dim/8  spans          signatures_per_entry - 1 span signatures of
+                               min(hdc_dim, 512)/8 bytes each (none when
+                               signatures_per_entry is 1), covered by the
+                               checksum like the signature
 
 Records are in ascending entry_id order.  Only access_count, shard_idx and
 checksum of a committed record ever change, and they are adjacent (bytes
@@ -27,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from hmem import _io, threads
+from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, Hint, storage_error
 from hmem.kernels import checksum as checksum_kernels
 
@@ -53,14 +59,24 @@ HEADER_FIELDS = [
 UPDATE_DTYPE = np.dtype([("position", "<u8"), ("access_count", "<u4"), ("shard_idx", "<u4"), ("checksum", "<u4")])
 
 
-def record_dtype(signature_bytes: int) -> np.dtype:
-    dtype = np.dtype([*HEADER_FIELDS, ("signature", "u1", (signature_bytes,))])
-    assert dtype.itemsize == HEADER_BYTES + signature_bytes
+def record_dtype(config: StoreConfig | int) -> np.dtype:
+    """The record of a store of this config: the header, the signature,
+    and in a store with span signatures each span's, back to back.  An int
+    stands for the signature bytes of a store without span signatures."""
+    if isinstance(config, int):
+        signature_bytes, spans, span_bytes = config, 0, 0
+    else:
+        signature_bytes, spans, span_bytes = config.signature_bytes, config.spans, config.span_signature_bytes
+    fields: list[tuple] = [*HEADER_FIELDS, ("signature", "u1", (signature_bytes,))]
+    if spans:
+        fields.append(("spans", "u1", (spans, span_bytes)))
+    dtype = np.dtype(fields)
+    assert dtype.itemsize == HEADER_BYTES + signature_bytes + spans * span_bytes
     return dtype
 
 
-def empty(count: int, signature_bytes: int) -> np.ndarray:
-    return np.zeros(count, dtype=record_dtype(signature_bytes))
+def empty(count: int, config: StoreConfig | int) -> np.ndarray:
+    return np.zeros(count, dtype=record_dtype(config))
 
 
 def _rows(records: np.ndarray) -> np.ndarray:
@@ -112,14 +128,14 @@ def problem(records: np.ndarray, shard_count: int, next_entry_id: int) -> str | 
     return None
 
 
-def read(path: Path, count: int, signature_bytes: int) -> np.ndarray:
+def read(path: Path, count: int, config: StoreConfig | int) -> np.ndarray:
     """The first `count` records of entries.bin (bytes past them are ignored)."""
-    dtype = record_dtype(signature_bytes)
+    dtype = record_dtype(config)
     try:
         fd = _io.open_regular(path)
     except FileNotFoundError:
         if count == 0:
-            return empty(0, signature_bytes)
+            return empty(0, config)
         raise CorruptStoreError(f"{path} is missing but the store commits {count} records",
                                 hint=Hint.VERIFY) from None
     except OSError as exc:  # permissions, a disk error: docs/reliability.md, "OS errors"

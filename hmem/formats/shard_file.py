@@ -75,11 +75,12 @@ def kinds(storage: str) -> tuple[str, ...]:
     return KINDS if storage == "int8" else KINDS[:3]
 
 
-def entry_bytes(n_tokens: Any, embed_dim: int, storage: str) -> Any:
-    """Tensor bytes one entry adds to a shard (keys, values, pooled key,
+def entry_bytes(n_tokens: Any, embed_dim: int, storage: str, pooled_keys: int = 1) -> Any:
+    """Tensor bytes one entry adds to a shard (keys, values, pooled keys,
     scales), not counting its index row and header entries (an int, or an
-    array for an array of n_tokens)."""
-    kv = 2 * DTYPES[KV_DTYPES[storage]].itemsize * n_tokens * embed_dim + 4 * embed_dim
+    array for an array of n_tokens).  `pooled_keys`: the store's
+    signatures_per_entry."""
+    kv = 2 * DTYPES[KV_DTYPES[storage]].itemsize * n_tokens * embed_dim + 4 * embed_dim * pooled_keys
     return kv + 2 * 4 * n_tokens if storage == "int8" else kv
 
 
@@ -131,11 +132,15 @@ class ShardScan:
     problems: list[tuple[str, str]]  # (finding code, message)
 
 
-def tensor_layout(kind: str, n_tokens: int, embed_dim: int, storage: str) -> tuple[np.dtype, tuple[int, ...]]:
-    """dtype and shape of one tensor of an entry in a store of this storage_dtype."""
+def tensor_layout(kind: str, n_tokens: int, embed_dim: int, storage: str,
+                  pooled_keys: int = 1) -> tuple[np.dtype, tuple[int, ...]]:
+    """dtype and shape of one tensor of an entry in a store of this
+    storage_dtype and signatures_per_entry (`pooled_keys`)."""
     if kind in ("k", "v"):
         return DTYPES[KV_DTYPES[storage]], (n_tokens, embed_dim)
-    return DTYPES["F32"], ((embed_dim,) if kind == "p" else (n_tokens,))
+    if kind == "p":
+        return DTYPES["F32"], ((embed_dim,) if pooled_keys == 1 else (pooled_keys, embed_dim))
+    return DTYPES["F32"], (n_tokens,)
 
 
 _MAGIC_BYTES = INDEX_MAGIC.to_bytes(8, "little")
@@ -173,7 +178,8 @@ def _find_index(buf: Any, data_start: int | None) -> tuple[np.ndarray | None, in
     return None, -1
 
 
-def scan_shard(path: Path, *, embed_dim: int, storage: str, index_crc: int | None = None) -> ShardScan:
+def scan_shard(path: Path, *, embed_dim: int, storage: str, index_crc: int | None = None,
+               pooled_keys: int = 1) -> ShardScan:
     """Read a shard without trusting its header or its index.  `index_crc`
     is what index.json records for the index (None when it is lost)."""
     problems: list[tuple[str, str]] = []
@@ -220,7 +226,7 @@ def scan_shard(path: Path, *, embed_dim: int, storage: str, index_crc: int | Non
             offset = int(row[2 + column])
             if offset < 0:
                 continue
-            dtype, shape = tensor_layout(kind, n_tokens, embed_dim, storage)
+            dtype, shape = tensor_layout(kind, n_tokens, embed_dim, storage, pooled_keys)
             start = index_start + offset
             end = start + math.prod(shape) * dtype.itemsize
             from_index[(entry_id, kind)] = (dtype, shape, start, end, int(row[7 + column]))

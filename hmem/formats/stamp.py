@@ -84,7 +84,7 @@ def stale_evidence(root: Path, mf: Manifest) -> str | None:
     if found is not None and found.generation > mf.generation:
         return (f"index.json holds generation {mf.generation}, but generation {found.generation} was "
                 f"committed after it ({found.record_count} records): index.json is older than the store's files")
-    size = record_bytes(mf.config.signature_bytes)
+    size = record_bytes(mf.config)
     try:  # a link or a file of another kind is no evidence: readers and writers refuse it (docs/security.md)
         fd = _io.open_regular(root / ENTRIES_FILE)
     except (OSError, HmemError):
@@ -95,7 +95,7 @@ def stale_evidence(root: Path, mf: Manifest) -> str | None:
             return None
         f.seek(mf.record_count * size)
         tail = np.frombuffer(f.read((whole - mf.record_count) * size),
-                             dtype=records.record_dtype(mf.config.signature_bytes))
+                             dtype=records.record_dtype(mf.config))
     sound = np.setdiff1d(np.arange(len(tail)), records.damaged(tail))
     ids = tail["entry_id"][sound]
     unreserved = ids[ids >= mf.next_entry_id]

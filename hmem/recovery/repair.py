@@ -167,12 +167,12 @@ def _registry(root: Path, base: Manifest, rebuilt: bool) -> source_registry.Sour
 def _salvage(root: Path, base: Manifest, rebuilt: bool):
     """The records to keep, why others go, and where the kept tensors lie."""
     config: StoreConfig = base.config
-    size = layout.record_bytes(config.signature_bytes)
+    size = layout.record_bytes(config)
     path = root / ENTRIES_FILE
     available = path.stat().st_size // size if path.exists() else 0
     count = available if rebuilt else min(available, base.record_count)
-    loaded = _read_records(path, config.signature_bytes, count) if count else \
-        records.empty(0, config.signature_bytes)
+    loaded = _read_records(path, config, count) if count else \
+        records.empty(0, config)
     dropped: list[tuple[int | None, str]] = []
     if not rebuilt and available < base.record_count:
         dropped.append((None, f"{base.record_count - available} committed records are missing from entries.bin"))
@@ -198,8 +198,9 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool):
             try:
                 known = base.shards[shard_idx].index_crc if not rebuilt and shard_idx < len(base.shards) else None
                 scans[shard_idx] = shard_file.scan_shard(file, embed_dim=config.embed_dim,
-                                                     storage=config.storage_dtype,
-                                                     index_crc=known) if file.exists() else None
+                                                     storage=config.storage_dtype, index_crc=known,
+                                                     pooled_keys=config.signatures_per_entry) \
+                    if file.exists() else None
             except (OSError, HmemError):  # unreadable, or not a regular file (docs/security.md)
                 scans[shard_idx] = None
         found = _tensors_of(root, scans[shard_idx], shard_idx, entry_id, int(loaded["n_tokens"][pos]), config,
@@ -230,9 +231,9 @@ def _sound_meta(scan: shard_file.ShardScan | None, entry_id: int) -> str | None:
         return None
 
 
-def _read_records(path: Path, signature_bytes: int, count: int) -> np.ndarray:
+def _read_records(path: Path, config: StoreConfig, count: int) -> np.ndarray:
     with open(_io.open_regular(path), "rb") as f:
-        return np.fromfile(f, dtype=records.record_dtype(signature_bytes), count=count)
+        return np.fromfile(f, dtype=records.record_dtype(config), count=count)
 
 
 def _tensors_of(root: Path, scan: shard_file.ShardScan | None, shard_idx: int, entry_id: int, n_tokens: int,
@@ -248,7 +249,8 @@ def _tensors_of(root: Path, scan: shard_file.ShardScan | None, shard_idx: int, e
             if spec is None:
                 return f"tensor {kind}_{entry_id} is not in {file.name}"
             dtype, shape, start, end, crc = spec
-            want = shard_file.tensor_layout(kind, n_tokens, config.embed_dim, config.storage_dtype)
+            want = shard_file.tensor_layout(kind, n_tokens, config.embed_dim, config.storage_dtype,
+                                            config.signatures_per_entry)
             if (dtype, tuple(shape)) != want or end > scan.size:
                 return f"tensor {kind}_{entry_id} has the wrong dtype or shape"
             f.seek(start)

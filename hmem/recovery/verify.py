@@ -171,7 +171,7 @@ def _check_pooled(root: Path, mf: manifest.Manifest, loaded: np.ndarray, out: _C
     live = np.flatnonzero((loaded["shard_idx"] != EVICTED) & (records.checksums(loaded) == loaded["checksum"]))
     if not len(live) or _unsafe(root / pooled.POOLED_FILE):
         return
-    dtype = pooled.row_dtype(mf.config.embed_dim)
+    dtype = pooled.row_dtype(mf.config.pooled_width)
     try:
         with open(_io.open_regular(root / pooled.POOLED_FILE), "rb") as f:
             rows = np.fromfile(f, dtype=dtype, count=len(loaded))
@@ -192,15 +192,15 @@ def _check_pooled(root: Path, mf: manifest.Manifest, loaded: np.ndarray, out: _C
 
 def _check_records(root: Path, mf: manifest.Manifest, out: _Collector, *, stale: bool) -> np.ndarray:
     path = layout.resolve(root, ENTRIES_FILE, mf.pending)
-    size = layout.record_bytes(mf.config.signature_bytes)
+    size = layout.record_bytes(mf.config)
     committed = mf.record_count * size
     if _unsafe(path):
-        return records.empty(0, mf.config.signature_bytes)  # file.unsafe
+        return records.empty(0, mf.config)  # file.unsafe
     try:
         actual = path.stat().st_size
     except FileNotFoundError:
         out.add("entries.missing", ERROR, ENTRIES_FILE, "entries.bin is missing", f"{mf.record_count} records")
-        return records.empty(0, mf.config.signature_bytes)
+        return records.empty(0, mf.config)
     if actual < committed:
         out.add("entries.truncated", ERROR, ENTRIES_FILE,
                 f"holds {actual // size} whole records of {mf.record_count} committed", f"{committed} bytes")
@@ -210,7 +210,7 @@ def _check_records(root: Path, mf: manifest.Manifest, out: _Collector, *, stale:
         out.add("entries.tail", WARNING, ENTRIES_FILE, f"{actual - committed} bytes past the committed records ({why})")
     count = min(actual // size, mf.record_count)
     with open(_io.open_regular(path), "rb") as f:
-        loaded = np.fromfile(f, dtype=records.record_dtype(mf.config.signature_bytes), count=count)
+        loaded = np.fromfile(f, dtype=records.record_dtype(mf.config), count=count)
     records.apply_updates(loaded, mf.pending.record_updates)
     for pos in records.damaged(loaded):
         out.add("record.checksum", ERROR, ENTRIES_FILE, f"record {int(pos)} fails its checksum",
@@ -246,7 +246,7 @@ def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
         if size != info.bytes:
             out.add("shard.size", ERROR, info.file, f"{size} bytes", f"{info.bytes} bytes")
         scan = shard_file.scan_shard(path, embed_dim=mf.config.embed_dim, storage=mf.config.storage_dtype,
-                                 index_crc=info.index_crc)
+                                 index_crc=info.index_crc, pooled_keys=mf.config.signatures_per_entry)
         scans[idx] = scan
         for code, message in scan.problems:
             out.add(code, ERROR, info.file, message)
@@ -314,7 +314,8 @@ def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans:
                     continue  # reported by the quick check
                 dtype, shape, start, end, crc = spec
                 want_dtype, want_shape = shard_file.tensor_layout(kind, n_tokens, mf.config.embed_dim,
-                                                              mf.config.storage_dtype)
+                                                              mf.config.storage_dtype,
+                                                              mf.config.signatures_per_entry)
                 name = f"{kind}_{entry_id}"
                 if dtype != want_dtype or tuple(shape) != want_shape:
                     out.add("tensor.shape", ERROR, info.file, f"{name} is {dtype} {list(shape)}",

@@ -136,7 +136,7 @@ class Compaction:
             found = {}
             for kind in kinds:
                 dtype, shape = shard_file.tensor_layout(kind, int(row["n_tokens"]), state.config.embed_dim,
-                                                        state.config.storage_dtype)
+                                                        state.config.storage_dtype, state.config.signatures_per_entry)
                 nbytes = math.prod(shape) * dtype.itemsize
                 crc = reader.crc(entry_id, kind)
                 where = reader.file_range(entry_id, kind, nbytes)

@@ -44,7 +44,8 @@ class PreparedBatch:
     layer_idx: np.ndarray  # int64 [n]
     importance: np.ndarray  # float64 [n]
     signatures: np.ndarray  # uint8 [n, hdc_dim / 8]
-    pooled: np.ndarray  # float32 [n, embed_dim]
+    # float32 [n, signatures_per_entry x embed_dim]: the mean key, then each span's mean
+    pooled: np.ndarray
     # "k", "v" in the storage dtype; int8 also "ks", "vs" (scales): pieces
     # whose rows, back to back, are every entry's rows: one piece (`joined`)
     # or one per entry
@@ -52,6 +53,7 @@ class PreparedBatch:
     joined: bool
     meta: dict[int, str]  # position in the batch -> the entry's metadata as JSON (most have none)
     buffers: list[np.ndarray]  # memory.POOL buffers that rows[...] may view
+    spans: np.ndarray | None = None  # uint8 [n, spans, span bytes]: span signatures (None: the store keeps none)
 
     def __len__(self) -> int:
         return len(self.n_tokens)
@@ -156,8 +158,20 @@ def _converted(state: StoreState, keys: list[np.ndarray], values: list[np.ndarra
     else:
         signatures = np.zeros((0, state.config.signature_bytes), dtype=np.uint8)
         means = np.zeros((0, dim))
+    spans, pooled = _with_spans(state, k_rows, starts, means)
     return PreparedBatch(n_tokens, starts, np.array(layers, dtype=np.int64), np.array(weights, dtype=np.float64),
-                         signatures, means.astype(np.float32), rows, True, metas, buffers)
+                         signatures, pooled, rows, True, metas, buffers, spans)
+
+
+def _with_spans(state: StoreState, k_rows: np.ndarray, starts: np.ndarray, means: np.ndarray
+                ) -> tuple[np.ndarray | None, np.ndarray]:
+    """(span signatures or None, pooled keys float32 [n, signatures_per_entry
+    x embed_dim]) of entries whose mean keys are `means`."""
+    if state.span_projector is None:
+        return None, means.astype(np.float32)
+    spans, span_means = state.span_projector.signatures_and_means(k_rows, starts)
+    pooled = np.concatenate([means[:, None, :], span_means], axis=1).astype(np.float32)
+    return spans, pooled.reshape(len(means), -1)
 
 
 def _one_by_one(state: StoreState, keys: list[np.ndarray], values: list[np.ndarray], n_tokens: np.ndarray,
@@ -167,6 +181,8 @@ def _one_by_one(state: StoreState, keys: list[np.ndarray], values: list[np.ndarr
     storage = state.config.storage_dtype
     rows: dict[str, list[np.ndarray]] = {}
     signatures, means = [], []
+    spans: list[np.ndarray] = []
+    pooled_keys: list[np.ndarray] = []
     for e, (k, v) in enumerate(zip(keys, values)):
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
         for kind, array, what in (("k", k, "keys"), ("v", v, "values")):
@@ -181,8 +197,17 @@ def _one_by_one(state: StoreState, keys: list[np.ndarray], values: list[np.ndarr
         signature, mean = state.projector.signature_and_mean(k)
         signatures.append(signature)
         means.append(mean)
+        if state.span_projector is not None:
+            span_sigs, pooled = _with_spans(state, k, np.array([0, len(k)], dtype=np.int64), mean[None, :])
+            assert span_sigs is not None
+            spans.append(span_sigs)
+            pooled_keys.append(pooled)
+    if not spans:
+        return PreparedBatch(n_tokens, starts, np.array(layers, dtype=np.int64), np.array(weights, dtype=np.float64),
+                             np.stack(signatures), np.stack(means).astype(np.float32), rows, False, metas, [])
     return PreparedBatch(n_tokens, starts, np.array(layers, dtype=np.int64), np.array(weights, dtype=np.float64),
-                         np.stack(signatures), np.stack(means).astype(np.float32), rows, False, metas, [])
+                         np.stack(signatures), np.concatenate(pooled_keys), rows, False, metas, [],
+                         np.concatenate(spans))
 
 
 def prepare(state: StoreState, keys: Any, values: Any, layer_idx: Any, importance: Any,

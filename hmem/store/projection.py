@@ -88,6 +88,48 @@ class Projector:
         return out, sums / (starts[1:] - starts[:-1])[:, None]
 
 
+def span_bounds(starts: np.ndarray, spans: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first, end) rows of each span of each entry, int64 [n, spans] each:
+    entry e (rows starts[e] .. starts[e + 1] - 1, n_e of them) cut into
+    `spans` spans, span j covering its rows j * n_e // spans up to
+    (j + 1) * n_e // spans.  An entry of fewer tokens than spans gives
+    some spans a single row of their own instead of none (docs/format.md,
+    "Span signatures")."""
+    n = (starts[1:] - starts[:-1])[:, None]
+    j = np.arange(spans, dtype=np.int64)[None, :]
+    first = np.minimum(j * n // spans, n - 1)
+    end = np.maximum((j + 1) * n // spans, first + 1)
+    return starts[:-1, None] + first, starts[:-1, None] + end
+
+
+class SpanProjector:
+    """Span signatures: the first min(hdc_dim, 512) bits of the signature
+    of each span's mean, which is the whole signature of the same
+    projection made with fewer bits (its first blocks)."""
+
+    def __init__(self, embed_dim: int, span_bits: int, seed: int, spans: int) -> None:
+        self.spans = spans
+        self.projector = Projector(embed_dim, span_bits, seed)
+
+    def signatures_and_means(self, rows: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The span signatures (uint8 [n, spans, span bytes]) and span means
+        (float64 [n, spans, embed_dim]) of the entries of `rows` (as in
+        Projector.signatures_and_means), in one kernel call for the batch."""
+        count = len(starts) - 1
+        first, end = span_bounds(np.asarray(starts, dtype=np.int64), self.spans)
+        if count == 0 or bool(np.all(end[:, :-1] == first[:, 1:])):
+            # every entry has a row per span: the spans are consecutive row ranges
+            span_starts = np.append(first.ravel(), starts[-1]) if count else np.zeros(1, dtype=np.int64)
+            source = rows
+        else:  # some spans share a row: each span's rows copied out, back to back
+            lengths = (end - first).ravel()
+            span_starts = np.concatenate([[0], np.cumsum(lengths)])
+            source = np.ascontiguousarray(rows[np.repeat(first.ravel() - span_starts[:-1], lengths)
+                                               + np.arange(span_starts[-1])])
+        sigs, means = self.projector.signatures_and_means(source, span_starts)
+        return sigs.reshape(count, self.spans, -1), means.reshape(count, self.spans, -1)
+
+
 def similarity(hamming: np.ndarray | int, hdc_dim: int) -> np.ndarray | float:
     """1 - hamming / hdc_dim, in [0, 1]."""
     return 1.0 - np.asarray(hamming, dtype=np.float64) / hdc_dim

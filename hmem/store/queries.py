@@ -27,6 +27,11 @@ from hmem.store.state import StoreState
 from hmem.store.tensors import as_rows
 
 FRAMEWORKS = ("numpy", "torch")
+# A span search shortlists SPAN_SHORTLIST times more entries for re-rank:
+# its short span signatures pick candidates less sharply, and the exact
+# re-rank over each candidate's pooled keys is cheap (docs/benchmarks.md,
+# "Span retrieval").
+SPAN_SHORTLIST = 5
 ON_DAMAGE = ("raise", "skip")
 
 T = TypeVar("T")
@@ -75,17 +80,27 @@ class Queries:
         skip = validation.choice(on_damage, "on_damage", ON_DAMAGE) == "skip"
         factor = validation.integer(shortlist_factor, "shortlist_factor", low=1) if rerank else 1
         search = validation.choice(search, "search", SEARCHES)
+        if search == "spans" and not state.config.spans:
+            raise InvalidArgumentError("search='spans' needs a store with span signatures (signatures_per_entry > 1)")
+        if search == "auto" and state.config.spans:
+            search = "spans"
+        if search == "spans":
+            factor *= SPAN_SHORTLIST if rerank else 1
         if not rows:
             return []
         prepared = [state.projector.signature_and_mean(q) for q in rows]
         check = True if skip else None
-        if len(prepared) == 1:
+        pooled: dict[int, np.ndarray] = {}
+        kvs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if search == "spans":  # one span scan per query (a scan of S rows per entry)
+            shortlists = [state.index.search_spans(layer, sig, k * factor) for sig, _ in prepared]
+            if len(prepared) > 1:
+                pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check, True)
+        elif len(prepared) == 1:
             shortlists = [state.index.search(layer, prepared[0][0], k * factor, search)]
-            pooled: dict[int, np.ndarray] = {}
-            kvs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         else:
             shortlists = state.index.search_many(layer, np.stack([sig for sig, _ in prepared]), k * factor, search)
-            pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check)
+            pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check, False)
         answers = [self._answer(layer, sig, mean, shortlist, k, factor, rerank=rerank, framework=framework,
                                 skip=skip, search=search, pooled=pooled, kvs=kvs)
                    for (sig, mean), shortlist in zip(prepared, shortlists)]
@@ -103,7 +118,7 @@ class Queries:
         return counted
 
     def _read_ahead(self, shortlists: list[tuple[np.ndarray, np.ndarray]], means: list[np.ndarray], k: int,
-                    rerank: bool, check: bool | None) -> tuple[dict[int, np.ndarray], dict[int, tuple]]:
+                    rerank: bool, check: bool | None, spans: bool) -> tuple[dict[int, np.ndarray], dict[int, tuple]]:
         """The pooled keys of every shortlisted entry of a batch (from
         pooled.bin, or else its shard) and the K/V of every entry its
         queries will return, read shard by shard: each query alone would
@@ -117,13 +132,14 @@ class Queries:
             wanted = np.unique(np.concatenate([pos for pos, _ in shortlists]))
             keys, found = self._from_pooled_file(wanted, skip=check is True)
             pooled = dict(zip(wanted[found].tolist(), keys[found]))
-            pooled.update(self._read_by_shard(wanted[~found], lambda pos: self.reader.tensor(pos, "p", check=check)))
+            pooled.update(self._read_by_shard(wanted[~found],
+                                              lambda pos: self.reader.tensor(pos, "p", check=check).ravel()))
         finals = []
         for (positions, _), mean in zip(shortlists, means):
             if rerank and len(positions):
                 if not all(int(pos) in pooled for pos in positions):
                     continue  # damaged: this query reads on its own
-                cosines = _cosines([pooled[int(pos)] for pos in positions], mean)
+                cosines = self._rerank_cosines(np.stack([pooled[int(pos)] for pos in positions]), mean, spans)
                 positions = positions[np.lexsort((records["entry_id"][positions], -cosines))[:k]]
             finals.append(positions)
         kvs = self._read_by_shard(np.concatenate(finals) if finals else np.zeros(0, dtype=np.int64),
@@ -155,8 +171,9 @@ class Queries:
         # have been checked (docs/reliability.md, "Degraded reads").
         skipped: dict[int, SkippedEntry] | None = {} if skip else None
         check = True if skip else None
+        spans = search == "spans"
         positions, dists = shortlist
-        sims = np.asarray(similarity(dists, state.config.hdc_dim))
+        sims = np.asarray(similarity(dists, state.config.span_signature_bytes * 8 if spans else state.config.hdc_dim))
         while True:  # each pass that finds damage leaves more out, so this ends
             cosines: np.ndarray | None = None
             if rerank and len(positions):
@@ -164,7 +181,7 @@ class Queries:
                 if keys is None:
                     positions, sims = self._shortlist(layer, signature, k * factor, search, skipped)
                     continue
-                cosines = _cosines(keys, q_mean)
+                cosines = self._rerank_cosines(keys, q_mean, spans)
                 order = np.lexsort((state.records["entry_id"][positions], -cosines))[:k]
                 positions, sims, cosines = positions[order], sims[order], cosines[order]
             kv = self._read_all(positions, lambda pos: kvs[pos] if pos in kvs
@@ -184,7 +201,7 @@ class Queries:
         takes its place (docs/reliability.md, "Degraded reads")."""
         state = self.state
         committed = positions < state.committed_n
-        keys = np.zeros((len(positions), state.config.embed_dim), dtype=np.float32)
+        keys = np.zeros((len(positions), state.config.pooled_width), dtype=np.float32)
         found = np.zeros(len(positions), dtype=bool)
         if committed.any() and not skip:
             where = np.flatnonzero(committed)
@@ -201,7 +218,7 @@ class Queries:
             return keys
         missing = np.flatnonzero(~found)
         rest = self._read_all(positions[missing], lambda pos: pooled[pos] if pos in pooled
-                              else self.reader.tensor(pos, "p", check=check), skipped)
+                              else self.reader.tensor(pos, "p", check=check).ravel(), skipped)
         if rest is None:
             return None
         keys[missing] = np.stack(rest)
@@ -213,11 +230,27 @@ class Queries:
         nearest by signature, the skipped ones left out (so the next take
         their places: the order is the same total order either way)."""
         state = self.state
-        positions, dists = state.index.search(layer, signature, n + (len(skipped) if skipped else 0), search)
+        wanted = n + (len(skipped) if skipped else 0)
+        if search == "spans":
+            positions, dists = state.index.search_spans(layer, signature, wanted)
+        else:
+            positions, dists = state.index.search(layer, signature, wanted, search)
         if skipped:
             keep = ~np.isin(positions, np.fromiter(skipped, dtype=np.int64, count=len(skipped)))
             positions, dists = positions[keep][:n], dists[keep][:n]
-        return positions, np.asarray(similarity(dists, state.config.hdc_dim))
+        bits = state.config.span_signature_bytes * 8 if search == "spans" else state.config.hdc_dim
+        return positions, np.asarray(similarity(dists, bits))
+
+    def _rerank_cosines(self, keys: np.ndarray, q_mean: np.ndarray, spans: bool) -> np.ndarray:
+        """The re-rank score of each candidate from its pooled keys (float32
+        [m, signatures_per_entry x embed_dim]): the cosine of its mean key,
+        or for a span search the best cosine over its mean and span keys."""
+        dim = self.state.config.embed_dim
+        if not spans:
+            return _cosines(keys[:, :dim], q_mean)
+        per_entry = keys.shape[1] // dim
+        scores = _cosines(keys.reshape(-1, dim), q_mean).reshape(len(keys), per_entry)
+        return scores.max(axis=1) if len(keys) else np.zeros(0)
 
     def _read_all(self, positions: np.ndarray, read: Callable[[int], T],
                   skipped: dict[int, SkippedEntry] | None) -> list[T] | None:

@@ -74,7 +74,7 @@ class EntryReader:
             return builder.get(entry_id, kind).copy()
         reader = self.shard(shard_idx)
         dtype, shape = shard_file.tensor_layout(kind, int(row["n_tokens"]), state.config.embed_dim,
-                                                state.config.storage_dtype)
+                                                state.config.storage_dtype, state.config.signatures_per_entry)
         array = reader.tensor(entry_id, kind, dtype, shape)
         wanted = state.verify_reads if check is None else check
         if wanted and (entry_id, kind) not in reader.verified and not reader.check(entry_id, kind, array):

@@ -97,7 +97,7 @@ def rewrite(
     renames.append((entries_temp, ENTRIES_FILE))
     pooled_temp = TEMP_PREFIX + POOLED_FILE
     _io.write_file(root / pooled_temp, [_pooled_rows(new_records["entry_id"], pooled_keys,
-                                                     base.config.embed_dim).tobytes()])
+                                                     base.config.pooled_width).tobytes()])
     renames.append((pooled_temp, POOLED_FILE))
     _io.crash_point(f"{crash_prefix}.records_written")
     keep = {info.file for info in new_shards}
@@ -117,11 +117,11 @@ def rewrite(
     return clean, new_records
 
 
-def _pooled_rows(entry_ids: np.ndarray, keys: Sequence[tuple[_io.FileRange, int]], embed_dim: int) -> np.ndarray:
+def _pooled_rows(entry_ids: np.ndarray, keys: Sequence[tuple[_io.FileRange, int]], width: int) -> np.ndarray:
     """pooled.bin's rows for the kept entries, their keys read from the
     shards and checked against their CRC-32C."""
     raw = np.frombuffer(_io.read_ranges([where for where, _ in keys]), dtype=np.uint8)
-    raw = raw.reshape(len(keys), 4 * embed_dim)
+    raw = raw.reshape(len(keys), 4 * width)
     bad = np.flatnonzero(checksum_kernels.crc32c_rows(raw, 0, 0) != np.array([crc for _, crc in keys], np.uint32))
     if len(bad):
         where = keys[int(bad[0])][0]
@@ -136,7 +136,7 @@ def finish_pending(root: Path, mf: Manifest) -> None:
     _io.rename_many([(root / src, root / dst) for src, dst in mf.pending.renames if (root / src).exists()])
     updates = mf.pending.record_updates
     if len(updates):
-        size = layout.record_bytes(mf.config.signature_bytes)
+        size = layout.record_bytes(mf.config)
         _io.write_pieces(root / ENTRIES_FILE,
                          records.update_pieces(updates[updates["position"] < mf.record_count], size))
     _io.unlink_many([root / name for name in mf.pending.deletes])
@@ -167,8 +167,8 @@ def remove_leftovers(root: Path, mf: Manifest) -> None:
     for name in files.orphans:  # regular files only: a link or directory is never hmem's
         if name in files.temporary or (layout.shard_index(name) or 0) >= len(mf.shards):
             _io.unlink(root / name)
-    for name, row in ((ENTRIES_FILE, layout.record_bytes(mf.config.signature_bytes)),
-                      (POOLED_FILE, pooled.row_bytes(mf.config.embed_dim))):
+    for name, row in ((ENTRIES_FILE, layout.record_bytes(mf.config)),
+                      (POOLED_FILE, pooled.row_bytes(mf.config.pooled_width))):
         # rows past the commit: no reader ever reads them (nor has them mapped in use)
         path, committed_size = root / name, mf.record_count * row
         if path.exists() and path.stat().st_size > committed_size:

@@ -21,6 +21,13 @@ It is made on a layer's first two-stage search and kept up to date after.
 "auto" uses two stages on layers of at least TWO_STAGE_MIN_ROWS rows,
 where recall@10 after re-rank stays within 0.01 of the full scan's
 (docs/benchmarks.md, "Two-stage search").
+
+A store with span signatures (signatures_per_entry S > 1) also keeps, per
+layer, a span matrix of S rows per entry: the first span-signature bytes of
+the entry's signature, then its S - 1 span signatures.  A span search scans
+it whole and ranks an entry by its best row, so a query of a few tokens
+finds the entry whose span holds them ("auto" on such stores;
+docs/benchmarks.md, "Span retrieval").
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ _MIN_CAPACITY = 64
 # Below this many rows a second thread costs more than it saves.
 _ROWS_PER_THREAD = 65536
 
-SEARCHES = ("auto", "full", "two-stage")
+SEARCHES = ("auto", "full", "two-stage", "spans")
 PREFIX_BYTES = 128  # 1024 bits: a quarter of a 4096-bit signature
 SURVIVORS_PER_PLACE = 50  # stage one keeps 50 x k rows for stage two
 TWO_STAGE_MIN_ROWS = 100_000
@@ -67,8 +74,11 @@ def _best(rows: np.ndarray, dists: np.ndarray, k: int) -> tuple[np.ndarray, np.n
 class LayerIndex:
     """Signatures of the live entries of one layer."""
 
-    def __init__(self, signature_bytes: int) -> None:
+    def __init__(self, signature_bytes: int, spans: int = 0, span_bytes: int = 0) -> None:
         self.sigs = np.zeros((_MIN_CAPACITY, signature_bytes), dtype=np.uint8)
+        # spans + 1 rows of span_bytes per entry (hmem/store/search.py, above); None without spans
+        self.per_entry = spans + 1
+        self.span_rows = np.zeros((_MIN_CAPACITY * self.per_entry, span_bytes), dtype=np.uint8) if spans else None
         self.positions = np.zeros(_MIN_CAPACITY, dtype=np.int64)
         self.alive = np.ones(_MIN_CAPACITY, dtype=np.uint8)
         # the first PREFIX_BYTES of each row, contiguous; None until a
@@ -98,8 +108,22 @@ class LayerIndex:
             prefixes = memory.zeros((cap, self.prefixes.shape[1]), np.uint8)
             prefixes[: self.n] = self.prefixes[: self.n]
             self.prefixes = prefixes
+        if self.span_rows is not None:
+            span_rows = memory.zeros((cap * self.per_entry, self.span_rows.shape[1]), np.uint8)
+            span_rows[: self.n * self.per_entry] = self.span_rows[: self.n * self.per_entry]
+            self.span_rows = span_rows
 
-    def fill(self, signatures: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def _set_span_rows(self, first: int, signatures: np.ndarray, spans: np.ndarray) -> None:
+        """The span-matrix rows of entries first, first + 1, ...: each one's
+        signature prefix, then its span signatures."""
+        assert self.span_rows is not None
+        width = self.span_rows.shape[1]
+        rows = self.span_rows[first * self.per_entry : (first + len(spans)) * self.per_entry]
+        rows = rows.reshape(len(spans), self.per_entry, width)
+        rows[:, 0] = signatures[:, :width]
+        rows[:, 1:] = spans
+
+    def fill(self, signatures: np.ndarray, positions: np.ndarray, spans: np.ndarray | None = None) -> np.ndarray:
         """Make an empty layer hold signatures[positions] (a row per
         record); returns their row numbers.  At open, when a large store's
         layers are built, each signature is copied once, by a kernel, into
@@ -112,11 +136,16 @@ class LayerIndex:
         self.positions[:k] = positions
         self.alive = np.ones(len(self.sigs), dtype=np.uint8)
         self.prefixes = None
+        if self.span_rows is not None:
+            self.span_rows = memory.filled_soon((len(self.sigs) * self.per_entry, self.span_rows.shape[1]), np.uint8)
+            assert spans is not None
+            self._set_span_rows(0, self.sigs[:k], spans[positions])
         self.n = k
         return np.arange(k, dtype=np.int64)
 
-    def append(self, sigs: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Add rows; returns their row numbers."""
+    def append(self, sigs: np.ndarray, positions: np.ndarray, spans: np.ndarray | None = None) -> np.ndarray:
+        """Add rows (`spans`: their span signatures, in a store that keeps
+        them); returns their row numbers."""
         k = len(positions)
         self._reserve(k)
         rows = np.arange(self.n, self.n + k, dtype=np.int64)
@@ -125,6 +154,9 @@ class LayerIndex:
         self.alive[self.n : self.n + k] = 1
         if self.prefixes is not None:
             self.prefixes[self.n : self.n + k] = sigs[:, : self.prefixes.shape[1]]
+        if self.span_rows is not None:
+            assert spans is not None
+            self._set_span_rows(self.n, sigs, spans)
         self.n += k
         return rows
 
@@ -143,6 +175,9 @@ class LayerIndex:
         self.positions[: len(keep)] = self.positions[keep]
         if self.prefixes is not None:
             self.prefixes[: len(keep)] = self.prefixes[keep]
+        if self.span_rows is not None:
+            per_entry = self.span_rows.reshape(-1, self.per_entry, self.span_rows.shape[1])
+            per_entry[: len(keep)] = per_entry[keep]
         self.alive[:] = 1
         self.n, self.dead = len(keep), 0
         return self.positions[: self.n]
@@ -191,6 +226,29 @@ class LayerIndex:
             rows, dists = self._scan(query, self.sigs[: self.n], k)
         return self.positions[rows], dists
 
+    def topk_spans(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(record positions, Hamming distances over span-signature bits) of
+        the k live entries whose best span-matrix row is nearest `query`
+        (its first span-signature bytes), ties to the lower entry."""
+        if self.live == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        assert self.span_rows is not None
+        per = self.per_entry
+        alive = np.repeat(self.alive[: self.n], per) if self.dead else None
+        rows = self.span_rows[: self.n * per]
+        width = rows.shape[1]
+        # k x per rows hold at least k entries (an entry has per rows)
+        parts = threads.run_ranges(
+            lambda lo, hi: hamming_kernels.topk(query[:width], rows, alive, k * per, lo * per, hi * per),
+            threads.split(self.n, max(1, _ROWS_PER_THREAD // per)))
+        found, dists = parts[0] if len(parts) == 1 else _best(np.concatenate([p[0] for p in parts]),
+                                                              np.concatenate([p[1] for p in parts]), k * per)
+        entries = found // per
+        # rows come in (distance, row) order: an entry's first row is its best
+        _, first = np.unique(entries, return_index=True)
+        first = np.sort(first)[:k]
+        return self.positions[entries[first]], dists[first]
+
     def topk_many(self, queries: np.ndarray, k: int, search: str = "full") -> list[tuple[np.ndarray, np.ndarray]]:
         """topk of each row of `queries`, the matrix read once for all."""
         if self.live == 0:
@@ -214,8 +272,9 @@ class LayerIndex:
 class SearchIndex:
     """Per-layer LayerIndex plus the row of every record position."""
 
-    def __init__(self, signature_bytes: int) -> None:
+    def __init__(self, signature_bytes: int, spans: int = 0, span_bytes: int = 0) -> None:
         self.signature_bytes = signature_bytes
+        self.spans, self.span_bytes = spans, span_bytes
         self.layers: dict[int, LayerIndex] = {}
         self._row_of = np.full(_MIN_CAPACITY, -1, dtype=np.int64)
 
@@ -230,7 +289,7 @@ class SearchIndex:
     def _layer(self, layer_idx: int) -> LayerIndex:
         layer = self.layers.get(layer_idx)
         if layer is None:
-            layer = self.layers[layer_idx] = LayerIndex(self.signature_bytes)
+            layer = self.layers[layer_idx] = LayerIndex(self.signature_bytes, self.spans, self.span_bytes)
         return layer
 
     def add_records(self, records: np.ndarray, positions: np.ndarray) -> None:
@@ -245,18 +304,20 @@ class SearchIndex:
         groups = [g for g in np.split(live, bounds) if len(g)]
         targets = [self._layer(int(records["layer_idx"][g[0]])) for g in groups]
         signatures = records["signature"]
+        spans = records["spans"] if self.spans else None
         # Empty layers (all of them, at open) are filled on every core: the
         # mapping of their memory (mmap) and the gather both run without the GIL.
         empty = [i for i, layer in enumerate(targets) if layer.n == 0]
 
         def fill(lo: int, hi: int) -> list[np.ndarray]:
-            return [targets[i].fill(signatures, groups[i]) for i in empty[lo:hi]]
+            return [targets[i].fill(signatures, groups[i], spans) for i in empty[lo:hi]]
 
         filled = [rows for part in threads.run_ranges(fill, threads.split(len(empty), 1)) for rows in part] \
             if empty else []
         rows_of = dict(zip(empty, filled))
         for i, (group, layer) in enumerate(zip(groups, targets)):
-            rows = rows_of[i] if i in rows_of else layer.append(signatures[group], group)
+            rows = rows_of[i] if i in rows_of else \
+                layer.append(signatures[group], group, None if spans is None else spans[group])
             self._track(group, rows)
 
     def remove(self, records: np.ndarray, positions: np.ndarray) -> None:
@@ -278,6 +339,14 @@ class SearchIndex:
         if layer is None:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
         return layer.topk(query, k, search)
+
+    def search_spans(self, layer_idx: int, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(record positions, Hamming distances over span-signature bits) of
+        the k entries of a layer with the nearest span-matrix row."""
+        layer = self.layers.get(layer_idx)
+        if layer is None:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        return layer.topk_spans(query, k)
 
     def search_many(self, layer_idx: int, queries: np.ndarray, k: int, search: str = "full"
                     ) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -37,7 +37,7 @@ from hmem.store import lock
 from hmem.store.imported import ImportRegistry
 from hmem.store.pooled_keys import PooledKeys
 from hmem.store.rwlock import ReadWriteLock
-from hmem.store.projection import Projector
+from hmem.store.projection import Projector, SpanProjector
 from hmem.store.results import LimitActivity
 from hmem.store.search import SearchIndex
 from hmem.store.shard_builder import Arena, ShardBuilder
@@ -67,18 +67,20 @@ class StoreState:
         self.verify_reads = verify_reads
         self.closed = False
         self.projector = Projector(cfg.embed_dim, cfg.hdc_dim, cfg.seed)
+        self.span_projector = SpanProjector(cfg.embed_dim, cfg.span_signature_bytes * 8, cfg.seed, cfg.spans) \
+            if cfg.spans else None
         if committed.projection != self.projector.describe():
             raise UnsupportedFormatError(
                 f"{path} was written with projection {committed.projection}, which this hmem cannot reproduce",
                 hint="use the hmem release that wrote it",
             )
-        self.record_size = layout.record_bytes(cfg.signature_bytes)
+        self.record_size = layout.record_bytes(cfg)
         # what an entry takes on disk outside its shard: its record and its row of pooled.bin
-        self.entry_overhead = self.record_size + pooled.row_bytes(cfg.embed_dim)
+        self.entry_overhead = self.record_size + pooled.row_bytes(cfg.pooled_width)
         self.config_json = json.dumps(cfg.to_dict(), sort_keys=True)
         self.arena = Arena()  # the open shard's memory, reused shard after shard
         self.cache = ShardCache(cfg.max_open_shards)
-        self.pooled = PooledKeys(path, cfg.embed_dim)  # pooled.bin, for re-rank
+        self.pooled = PooledKeys(path, cfg.pooled_width)  # pooled.bin, for re-rank
         self.next_id = committed.next_entry_id
         self.id_limit = committed.next_entry_id  # ids below this are reserved in index.json
         self.builder: ShardBuilder | None = None
@@ -103,7 +105,7 @@ class StoreState:
         self.pooled.drop()
         self.shards = [dataclasses.replace(info) for info in committed.shards]  # committed, then sealed since
         self.shards_committed = len(self.shards)
-        self.index = SearchIndex(self.config.signature_bytes)
+        self.index = SearchIndex(self.config.signature_bytes, self.config.spans, self.config.span_signature_bytes)
         self.index.add_records(self.records, np.arange(self.n, dtype=np.int64))
 
     # ---- facts derived from the state ---------------------------------------------
@@ -122,7 +124,7 @@ class StoreState:
         """Bytes an entry of n_tokens takes in a shard, header entries and
         index row included (an int, or an array for an array)."""
         storage = self.config.storage_dtype
-        return (shard_file.entry_bytes(n_tokens, self.config.embed_dim, storage)
+        return (shard_file.entry_bytes(n_tokens, self.config.embed_dim, storage, self.config.signatures_per_entry)
                 + len(shard_file.kinds(storage)) * shard_file.HEADER_BYTES_PER_TENSOR + shard_file.INDEX_ROW_BYTES)
 
     def grow(self, extra: int) -> None:
@@ -130,7 +132,7 @@ class StoreState:
         need = self.n + extra
         if need <= len(self.records):
             return
-        grown = memory.zeros((max(need, 2 * len(self.records), 64),), records.record_dtype(self.config.signature_bytes))
+        grown = memory.zeros((max(need, 2 * len(self.records), 64),), records.record_dtype(self.config))
         grown[: self.n] = self.records[: self.n]
         self.records = grown
 
@@ -176,11 +178,11 @@ def load_records(root: Path, committed: Manifest, *, follow_renames: bool) -> np
     name = layout.ENTRIES_FILE
     path = layout.resolve(root, name, committed.pending) if follow_renames else root / name
     try:
-        loaded = records.read(path, committed.record_count, committed.config.signature_bytes)
+        loaded = records.read(path, committed.record_count, committed.config)
     except (CorruptStoreError, FileNotFoundError):
         if path == root / name:
             raise
-        loaded = records.read(root / name, committed.record_count, committed.config.signature_bytes)  # renamed meanwhile
+        loaded = records.read(root / name, committed.record_count, committed.config)  # renamed meanwhile
     records.apply_updates(loaded, committed.pending.record_updates)
     bad = records.damaged(loaded)
     if len(bad):

@@ -130,7 +130,7 @@ class Store:
             writer.release()
             raise
         return cls(StoreState(root, mf, writer=writer, verify_reads=True, manifest_bytes=data,
-                              loaded=records.empty(0, config.signature_bytes)))
+                              loaded=records.empty(0, config)))
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, read_only: bool = False, verify_reads: bool = True,
@@ -274,7 +274,12 @@ class Store:
         a little from the full scan's); "auto" (the default) takes two
         stages on layers of 100,000 entries and more when signatures have
         4096 bits or more, where recall after re-rank stays within 0.01 of
-        the full scan's (docs/benchmarks.md, "Two-stage search").
+        the full scan's (docs/benchmarks.md, "Two-stage search").  On a
+        store with span signatures (signatures_per_entry > 1), "spans" (the
+        default there) ranks each entry by the nearest of its mean and span
+        signatures and re-ranks 5 x the shortlist by the best cosine of its
+        mean and span keys: a query of a few tokens finds the entry that
+        holds them (docs/format.md, "Span signatures").
         """
         with self._state.lock.shared():
             self._state.check_open()
@@ -498,7 +503,8 @@ class Store:
                 shards=shard_rows,
                 bytes_on_disk=layout.directory_bytes(self.path),
                 live_bytes=int(np.sum(shard_file.entry_bytes(n_tokens, self.config.embed_dim,
-                                                             self.config.storage_dtype))),
+                                                             self.config.storage_dtype,
+                                                             self.config.signatures_per_entry))),
                 reclaimable_bytes=self._compaction.plan().reclaimable_bytes,
                 orphan_files=files.orphans,
                 foreign_files=files.foreign,

@@ -92,6 +92,8 @@ class Writer:
             rows["access_count"] = 0
             rows["shard_idx"] = shard_of
             rows["signature"] = batch.signatures
+            if state.config.spans:
+                rows["spans"] = batch.spans
             state.index.add_records(state.records, np.arange(start, start + count, dtype=np.int64))
             state.fresh_pooled.append(batch.pooled)  # taken back below unless the batch goes in
             state.n, state.next_id = start + count, first_id + count  # the batch is in
@@ -230,7 +232,7 @@ class Writer:
             keys = state.fresh_pooled[0] if len(state.fresh_pooled) == 1 else np.concatenate(state.fresh_pooled)
             assert len(keys) == new
             rows = pooled.make_rows(fresh["entry_id"], keys)
-            _io.write_at(state.path / pooled.POOLED_FILE, start * pooled.row_bytes(state.config.embed_dim),
+            _io.write_at(state.path / pooled.POOLED_FILE, start * pooled.row_bytes(state.config.pooled_width),
                          [rows.view(np.uint8).data], create=True)
         _io.crash_point("flush.records_written")
         sources_info = self._append_sources()
@@ -296,7 +298,12 @@ def _part_tensors(batch: PreparedBatch, lo: int, hi: int) -> dict[str, list[np.n
         tensors = {kind: [pieces[0][first:last]] for kind, pieces in batch.rows.items()}
     else:
         tensors = {kind: pieces[lo:hi] for kind, pieces in batch.rows.items()}
-    tensors["p"] = [batch.pooled[lo:hi]]
+    pooled_keys = batch.pooled[lo:hi]
+    if batch.spans is not None:
+        # a store with span signatures keeps a row per signature: p is [S, embed_dim]
+        per_entry = batch.spans.shape[1] + 1
+        pooled_keys = pooled_keys.reshape(hi - lo, per_entry, pooled_keys.shape[1] // per_entry)
+    tensors["p"] = [pooled_keys]
     return tensors
 
 

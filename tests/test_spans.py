@@ -1,0 +1,265 @@
+"""Span signatures (signatures_per_entry > 1): an entry keeps, beside the
+signature of its mean key, the signatures and mean keys of its tokens cut
+into spans, and a span search finds the entry that holds a few query
+tokens (docs/format.md, "Span signatures")."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import load_file
+
+import hmem
+from hmem import InvalidArgumentError, Store, StoreConfig
+from hmem.store.projection import Projector, span_bounds
+
+DIM = 16
+HDC = 1024  # span signatures take its first 512 bits
+
+
+def _long_entries(count: int, tokens: int, seed: int = 0) -> list[np.ndarray]:
+    """Keys with a large component every entry shares: their mean keys are
+    alike, while each token is an entry's own."""
+    rng = np.random.default_rng(seed)
+    shared = rng.standard_normal(DIM).astype(np.float32) * 3
+    return [(shared + rng.standard_normal((tokens, DIM))).astype(np.float32) for _ in range(count)]
+
+
+def _filled(store_factory, name: str = "s", spans: int = 8, count: int = 60, tokens: int = 96, **config):
+    config.setdefault("hdc_dim", HDC)
+    store = store_factory(name, embed_dim=DIM, signatures_per_entry=spans, **config)
+    keys = _long_entries(count, tokens)
+    ids = store.put_many([(k, -k, 0) for k in keys])
+    return store, keys, ids
+
+
+def _span_query(keys: np.ndarray, start: int, length: int, seed: int = 1) -> np.ndarray:
+    noise = np.random.default_rng(seed).standard_normal((length, DIM)).astype(np.float32) * 0.05
+    return keys[start : start + length] + noise
+
+
+# ---- the config ---------------------------------------------------------------
+
+
+def test_a_store_without_spans_saves_its_config_as_before(store_factory, tmp_path):
+    store_factory("plain", embed_dim=DIM).close()
+    config = json.loads((tmp_path / "plain" / "index.json").read_text())["config"]
+    assert "signatures_per_entry" not in config  # older hmem releases keep opening it
+    store_factory("spans", embed_dim=DIM, signatures_per_entry=4).close()
+    config = json.loads((tmp_path / "spans" / "index.json").read_text())["config"]
+    assert config["signatures_per_entry"] == 4
+    assert Store.open(tmp_path / "spans", read_only=True).config.signatures_per_entry == 4
+
+
+@pytest.mark.parametrize("bad", [0, -1, 65, 2.5, True, "8"])
+def test_a_bad_signatures_per_entry_is_refused_and_creates_nothing(tmp_path, bad):
+    with pytest.raises(InvalidArgumentError, match="signatures_per_entry"):
+        Store.create(tmp_path / "s", embed_dim=DIM, signatures_per_entry=bad)
+    assert not (tmp_path / "s").exists()
+
+
+def test_span_search_on_a_store_without_spans_is_refused(store_factory):
+    store = store_factory(embed_dim=DIM)
+    store.put(np.ones((3, DIM), np.float32), np.ones((3, DIM), np.float32))
+    with pytest.raises(InvalidArgumentError, match="signatures_per_entry"):
+        store.query(np.ones((2, DIM), np.float32), 0, 1, search="spans")
+
+
+def test_record_and_pooled_row_sizes(store_factory, tmp_path):
+    """Each record carries 7 span signatures of 64 bytes; each row of
+    pooled.bin the mean key and 7 span means; each shard's p tensor is
+    [8, embed_dim]."""
+    store, keys, ids = _filled(store_factory, count=5)
+    store.flush()
+    doc = json.loads((tmp_path / "s" / "index.json").read_text())
+    assert doc["record_size"] == 40 + HDC // 8 + 7 * 64
+    assert (tmp_path / "s" / "entries.bin").stat().st_size == 5 * doc["record_size"]
+    assert (tmp_path / "s" / "pooled.bin").stat().st_size == 5 * (12 + 4 * 8 * DIM)
+    shard = load_file(str(tmp_path / "s" / doc["shards"][0]["file"]))
+    pooled = shard[f"p_{ids[2]}"]
+    assert pooled.shape == (8, DIM)
+    np.testing.assert_allclose(pooled[0], keys[2].mean(axis=0), rtol=1e-5, atol=1e-5)
+    first, end = span_bounds(np.array([0, 96]), 7)
+    for j in range(7):
+        np.testing.assert_allclose(pooled[1 + j], keys[2][first[0, j] : end[0, j]].mean(axis=0), rtol=1e-5, atol=1e-5)
+
+
+# ---- the spans ----------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=8), st.integers(1, 63))
+def test_span_bounds_cover_each_entry_in_order(lengths, spans):
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    first, end = span_bounds(starts, spans)
+    for e, n in enumerate(lengths):
+        lo, hi = first[e] - starts[e], end[e] - starts[e]
+        assert np.all(lo >= 0) and np.all(hi <= n) and np.all(hi > lo)  # inside the entry, never empty
+        assert np.all(np.diff(lo) >= 0)  # in token order
+        if n >= spans:  # a partition of the entry's rows
+            assert lo[0] == 0 and hi[-1] == n and np.array_equal(hi[:-1], lo[1:])
+        else:
+            assert set(range(n)) == {t for a, b in zip(lo, hi) for t in range(a, b)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=12), st.integers(2, 9), st.integers(0, 2**32))
+def test_span_signatures_are_the_signature_prefixes_of_the_span_means(tmp_path_factory, lengths, per_entry, seed):
+    """Each record's span j is the first 512 bits of the signature of span
+    j's rows, computed one span at a time, whichever way put_many prepared
+    the batch."""
+    rng = np.random.default_rng(seed)
+    keys = [rng.standard_normal((n, DIM)).astype(np.float32) for n in lengths]
+    path = tmp_path_factory.mktemp("spans") / "s"
+    with Store.create(path, embed_dim=DIM, hdc_dim=HDC, signatures_per_entry=per_entry) as store:
+        store.put_many([(k, k, 0) for k in keys])
+    records = hmem.formats.records.read(path / "entries.bin", len(keys), store.config)
+    projector = Projector(DIM, HDC, 0)
+    for e, k in enumerate(keys):
+        assert np.array_equal(records["signature"][e], projector.signature(k))
+        first, end = span_bounds(np.array([0, len(k)]), per_entry - 1)
+        for j in range(per_entry - 1):
+            want = projector.signature(np.ascontiguousarray(k[first[0, j] : end[0, j]]))[:64]
+            assert np.array_equal(records["spans"][e, j], want), (e, j)
+
+
+def test_large_entries_get_the_same_spans_as_small_ones(store_factory, store_internals, read_records, tmp_path):
+    """put_many prepares entries of 64 KiB and more one by one; their span
+    signatures and pooled keys are those of the joined batch path."""
+    rng = np.random.default_rng(3)
+    big = [rng.standard_normal((1200, DIM)).astype(np.float32) for _ in range(3)]
+    joined = store_factory("joined", embed_dim=DIM, hdc_dim=HDC, signatures_per_entry=6)
+    alone = store_factory("alone", embed_dim=DIM, hdc_dim=HDC, signatures_per_entry=6)
+    assert not store_internals.prepared_joined(alone, [(k, k, 0) for k in big])
+    alone.put_many([(k, k, 0) for k in big])
+    for k in big:
+        joined.put_many([(k[:600], k[:600], 0), (k, k, 0)])  # joined: small entries beside it
+    joined.flush()
+    alone.flush()
+    a, j = read_records(tmp_path / "alone"), read_records(tmp_path / "joined")
+    assert np.array_equal(a["spans"], j["spans"][1::2])
+    assert np.array_equal(a["signature"], j["signature"][1::2])
+
+
+# ---- queries ------------------------------------------------------------------
+
+
+def test_a_few_tokens_find_the_entry_that_holds_them(store_factory):
+    store, keys, ids = _filled(store_factory)
+    found_spans = found_mean = 0
+    for e in range(0, 60, 3):
+        query = _span_query(keys[e], 42, 10, seed=e)  # 10 of the 13 rows of span 3 (rows 41-53)
+        spans = store.query(query, 0, 1, count_access=False)
+        mean = store.query(query, 0, 1, count_access=False, search="full")
+        found_spans += spans[0].entry_id == ids[e]
+        found_mean += mean[0].entry_id == ids[e]
+        if spans[0].entry_id == ids[e]:
+            np.testing.assert_array_equal(spans[0].keys, keys[e])  # the K/V exactly as put
+            np.testing.assert_array_equal(spans[0].values, -keys[e])
+    assert found_spans == 20
+    assert found_mean <= 10  # the mean keys are alike: mean pooling loses most of them
+
+
+def test_a_whole_entry_still_finds_itself(store_factory):
+    store, keys, ids = _filled(store_factory)
+    for e in range(0, 60, 7):
+        assert store.query(keys[e], 0, 1)[0].entry_id == ids[e]
+        assert store.query(keys[e], 0, 1)[0].cosine == pytest.approx(1.0)
+
+
+def test_scores_without_rerank_are_span_similarities(store_factory):
+    store, keys, ids = _filled(store_factory)
+    results = store.query(keys[4][10:20], 0, 5, rerank=False)
+    assert results[0].entry_id == ids[4]
+    assert all(r.cosine is None and 0.0 <= r.similarity <= 1.0 for r in results)
+    assert [r.similarity for r in results] == sorted((r.similarity for r in results), reverse=True)
+
+
+def test_query_many_answers_as_single_queries(store_factory):
+    store, keys, ids = _filled(store_factory)
+    queries = [_span_query(keys[e], 5 * e % 80, 12, seed=e) for e in range(0, 60, 5)]
+    many = store.query_many(queries, 0, 4, count_access=False)
+    for query, batch in zip(queries, many):
+        single = store.query(query, 0, 4, count_access=False)
+        assert [r.entry_id for r in batch] == [r.entry_id for r in single]
+        assert [r.score for r in batch] == [r.score for r in single]
+
+
+def test_entries_shorter_than_the_spans_are_found(store_factory):
+    store = store_factory(embed_dim=DIM, hdc_dim=HDC, signatures_per_entry=9)
+    rng = np.random.default_rng(5)
+    keys = [rng.standard_normal((n, DIM)).astype(np.float32) for n in (1, 2, 3, 5, 8, 9, 30)]
+    ids = store.put_many([(k, k, 0) for k in keys])
+    for k, entry_id in zip(keys, ids):
+        assert store.query(k, 0, 1)[0].entry_id == entry_id
+        assert store.query(k[-1], 0, 1)[0].entry_id == entry_id
+
+
+def test_evicted_entries_leave_the_span_search(store_factory):
+    store, keys, ids = _filled(store_factory)
+    query = _span_query(keys[7], 30, 10)
+    assert store.query(query, 0, 1)[0].entry_id == ids[7]
+    store.delete(ids[:30])  # more than a quarter of the layer: its matrix is packed
+    assert ids[7] not in [r.entry_id for r in store.query(query, 0, 30)]
+    query = _span_query(keys[45], 30, 10)
+    assert store.query(query, 0, 1)[0].entry_id == ids[45]
+
+
+# ---- the rest still holds -------------------------------------------------------
+
+
+def _answers(store, keys) -> list[list[int]]:
+    return [[r.entry_id for r in store.query(_span_query(keys[e], 20, 10, seed=e), 0, 3, count_access=False)]
+            for e in range(0, 60, 4)]
+
+
+def test_reopen_compact_and_repair_keep_the_answers(store_factory, tmp_path):
+    store, keys, ids = _filled(store_factory)
+    store.delete(ids[50:])
+    before = _answers(store, keys)
+    store.close()
+    with Store.open(tmp_path / "s") as reopened:
+        assert _answers(reopened, keys) == before
+        reopened.compact()
+        assert _answers(reopened, keys) == before
+    report = hmem.verify(tmp_path / "s", full=True)
+    assert report.ok, report.findings
+    (tmp_path / "s" / "pooled.bin").unlink()  # re-rank reads each candidate's p tensor from its shard
+    with Store.open(tmp_path / "s", read_only=True) as reopened:
+        assert _answers(reopened, keys) == before
+    (tmp_path / "s" / "index.json").unlink()
+    hmem.repair(tmp_path / "s")
+    with Store.open(tmp_path / "s", read_only=True) as repaired:
+        assert repaired.config.signatures_per_entry == 8
+        assert _answers(repaired, keys) == before
+        assert hmem.verify(tmp_path / "s", full=True).ok
+
+
+def test_verify_finds_a_damaged_span_signature(store_factory, tmp_path):
+    store, keys, ids = _filled(store_factory, count=4)
+    store.close()
+    size = json.loads((tmp_path / "s" / "index.json").read_text())["record_size"]
+    with open(tmp_path / "s" / "entries.bin", "r+b") as f:  # a flipped bit in record 2's last span
+        f.seek(3 * size - 1)
+        byte = f.read(1)[0]
+        f.seek(3 * size - 1)
+        f.write(bytes([byte ^ 1]))
+    report = hmem.verify(tmp_path / "s")
+    assert not report.ok
+    assert any("checksum" in finding.message for finding in report.findings)
+
+
+def test_the_cli_creates_a_store_with_spans(tmp_path):
+    from typer.testing import CliRunner
+
+    from hmem.cli.app import app
+
+    result = CliRunner().invoke(app, ["init", str(tmp_path / "s"), "-d", "16", "--signatures-per-entry", "5",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["config"]["signatures_per_entry"] == 5
+    assert StoreConfig.from_dict(json.loads((tmp_path / "s" / "index.json").read_text())["config"]).spans == 4
