@@ -202,6 +202,11 @@ def _lost_index_store(path: Path) -> None:
     (path / "index.json").unlink()
 
 
+def _spans_store(path: Path) -> None:
+    """_base_store with span signatures: 3 spans of entries of 1 to 3 tokens."""
+    _base_store(path, signatures_per_entry=4)
+
+
 def _limited_store(path: Path) -> None:
     """A store with max_disk_bytes a little above what it holds (about 14.6 kB,
     and a batch of six entries takes about 6.5 kB): the scenario's second
@@ -243,6 +248,20 @@ def scenario(path, ack, handed):
 """, points={"evict.marked", "flush.shards_written", "flush.records_written", "flush.committed",
              "flush.updates_written", "compact.shards_written", "compact.records_written",
              "compact.committed", "compact.finished"}),
+    # a store with span signatures (longer records, [S, embed_dim] pooled
+    # keys): puts that roll shards over, eviction and compaction
+    "spans": dict(setup=_spans_store, code="""
+def scenario(path, ack, handed):
+    s = hmem.Store.open(path)
+    ids = s.put_many([entry(seed) for seed in range(801, 808)]); handed(ids)
+    s.flush(); ack("put", ids)
+    s.query(kv(803)[0], 803 % 3, 2)
+    s.evict(10); ack("evict")
+    s.compact(); ack("compact")
+    s.close(); ack("close")
+""", points={"flush.shards_written", "flush.records_written", "flush.committed", "flush.updates_written",
+             "evict.marked", "compact.shards_written", "compact.records_written", "compact.committed",
+             "compact.finished"}),
     # deletes by id, one with an id that names nothing, then a put
     "delete": dict(setup=_base_store, code="""
 def scenario(path, ack, handed):

@@ -263,3 +263,38 @@ def test_the_cli_creates_a_store_with_spans(tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["config"]["signatures_per_entry"] == 5
     assert StoreConfig.from_dict(json.loads((tmp_path / "s" / "index.json").read_text())["config"]).spans == 4
+
+
+def test_many_entries_tied_on_every_span_come_in_entry_order(store_factory):
+    """When the best rows of the span matrix belong to few entries (here 60
+    entries alike on all 9 rows), the span search scans again for more
+    rows: it still returns top_k distinct entries, ties to the lower id."""
+    store = store_factory(embed_dim=DIM, hdc_dim=HDC, signatures_per_entry=9)
+    rng = np.random.default_rng(8)
+    alike = rng.standard_normal((27, DIM)).astype(np.float32)
+    others = [rng.standard_normal((27, DIM)).astype(np.float32) for _ in range(30)]
+    ids = store.put_many([(alike, alike, 0)] * 60 + [(k, k, 0) for k in others])
+    results = store.query(alike, 0, 50, rerank=False, count_access=False)
+    assert [r.entry_id for r in results] == ids[:50]
+    reranked = store.query(alike, 0, 50, count_access=False)
+    assert [r.entry_id for r in reranked] == ids[:50]
+
+
+def test_a_span_counts_only_for_queries_it_could_hold(store_factory):
+    """Entry A has a span (10 of its 70 rows) whose mean is exactly the
+    query's mean; entry B is the query itself, slightly changed.  A query of
+    40 tokens is longer than twice that span: B, its near copy, comes
+    first.  A query of 5 tokens with the same mean is held by A's span."""
+    store = store_factory(embed_dim=DIM, hdc_dim=HDC, signatures_per_entry=8)  # spans of 10 rows at 70 tokens
+    rng = np.random.default_rng(11)
+    query = rng.standard_normal((40, DIM)).astype(np.float32) + 2.0
+    a = rng.standard_normal((70, DIM)).astype(np.float32)
+    a[30:40] = query.mean(axis=0)  # span 3 of 7: rows 30-39
+    b = query + rng.standard_normal(query.shape).astype(np.float32) * 0.3
+    id_a, id_b = store.put_many([(a, a, 0), (b, b, 0)])
+    long_answer = store.query(query, 0, 2, count_access=False)
+    assert [r.entry_id for r in long_answer] == [id_b, id_a]
+    short = np.repeat(query.mean(axis=0, keepdims=True), 5, axis=0)
+    short_answer = store.query(short, 0, 2, count_access=False)
+    assert short_answer[0].entry_id == id_a and short_answer[0].cosine == pytest.approx(1.0, abs=1e-6)
+    assert store.query(short, 0, 2, count_access=False, search="full")[0].entry_id == id_b  # mean pooling misses A

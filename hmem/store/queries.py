@@ -19,7 +19,7 @@ import numpy as np
 from hmem import validation
 from hmem.errors import CorruptStoreError, InvalidArgumentError
 from hmem.formats import layout
-from hmem.store.projection import similarity
+from hmem.store.projection import similarity, span_bounds
 from hmem.store.reading import EntryReader
 from hmem.store.results import QueryResult, QueryResults, SkippedEntry, as_framework
 from hmem.store.search import SEARCHES
@@ -27,11 +27,16 @@ from hmem.store.state import StoreState
 from hmem.store.tensors import as_rows
 
 FRAMEWORKS = ("numpy", "torch")
-# A span search shortlists SPAN_SHORTLIST times more entries for re-rank:
-# its short span signatures pick candidates less sharply, and the exact
-# re-rank over each candidate's pooled keys is cheap (docs/benchmarks.md,
-# "Span retrieval").
-SPAN_SHORTLIST = 5
+# A span search shortlists SPAN_SHORTLIST times more entries for re-rank
+# (its short span signatures pick candidates less sharply, and the exact
+# re-rank over each candidate's pooled keys is cheap), and with them the
+# shortlist of the whole signatures, so that a query as long as an entry
+# finds what mean pooling finds (docs/benchmarks.md, "Span retrieval").
+SPAN_SHORTLIST = 10
+# A span's key counts in an entry's re-rank score only when the span has at
+# least this share of the query's tokens: a long query is not "held" by a
+# short span, and its mean is better matched by the entry's.
+SPAN_MIN_SHARE = 0.5
 ON_DAMAGE = ("raise", "skip")
 
 T = TypeVar("T")
@@ -84,26 +89,29 @@ class Queries:
             raise InvalidArgumentError("search='spans' needs a store with span signatures (signatures_per_entry > 1)")
         if search == "auto" and state.config.spans:
             search = "spans"
-        if search == "spans":
-            factor *= SPAN_SHORTLIST if rerank else 1
         if not rows:
             return []
         prepared = [state.projector.signature_and_mean(q) for q in rows]
         check = True if skip else None
         pooled: dict[int, np.ndarray] = {}
         kvs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # the query's token count for a span re-rank; None: mean keys only
+        span_tokens = [len(q) if search == "spans" else None for q in rows]
         if search == "spans":  # one span scan per query (a scan of S rows per entry)
-            shortlists = [state.index.search_spans(layer, sig, k * factor) for sig, _ in prepared]
+            shortlists = [self._shortlist(layer, sig, k * factor, search, None, rerank, raw=True)
+                          for sig, _ in prepared]
             if len(prepared) > 1:
-                pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check, True)
+                pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check,
+                                               span_tokens)
         elif len(prepared) == 1:
             shortlists = [state.index.search(layer, prepared[0][0], k * factor, search)]
         else:
             shortlists = state.index.search_many(layer, np.stack([sig for sig, _ in prepared]), k * factor, search)
-            pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check, False)
+            pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check,
+                                           span_tokens)
         answers = [self._answer(layer, sig, mean, shortlist, k, factor, rerank=rerank, framework=framework,
-                                skip=skip, search=search, pooled=pooled, kvs=kvs)
-                   for (sig, mean), shortlist in zip(prepared, shortlists)]
+                                skip=skip, search=search, pooled=pooled, kvs=kvs, q_tokens=q_tokens)
+                   for (sig, mean), shortlist, q_tokens in zip(prepared, shortlists, span_tokens)]
         # Accesses are counted once every query is answered (a damaged entry
         # that raises leaves no count behind), in order: each query's results
         # show the counts of the queries before it, as one after another.
@@ -118,7 +126,8 @@ class Queries:
         return counted
 
     def _read_ahead(self, shortlists: list[tuple[np.ndarray, np.ndarray]], means: list[np.ndarray], k: int,
-                    rerank: bool, check: bool | None, spans: bool) -> tuple[dict[int, np.ndarray], dict[int, tuple]]:
+                    rerank: bool, check: bool | None, span_tokens: list[int | None]
+                    ) -> tuple[dict[int, np.ndarray], dict[int, tuple]]:
         """The pooled keys of every shortlisted entry of a batch (from
         pooled.bin, or else its shard) and the K/V of every entry its
         queries will return, read shard by shard: each query alone would
@@ -135,11 +144,12 @@ class Queries:
             pooled.update(self._read_by_shard(wanted[~found],
                                               lambda pos: self.reader.tensor(pos, "p", check=check).ravel()))
         finals = []
-        for (positions, _), mean in zip(shortlists, means):
+        for (positions, _), mean, q_tokens in zip(shortlists, means, span_tokens):
             if rerank and len(positions):
                 if not all(int(pos) in pooled for pos in positions):
                     continue  # damaged: this query reads on its own
-                cosines = self._rerank_cosines(np.stack([pooled[int(pos)] for pos in positions]), mean, spans)
+                cosines = self._rerank_cosines(positions, np.stack([pooled[int(pos)] for pos in positions]), mean,
+                                               q_tokens)
                 positions = positions[np.lexsort((records["entry_id"][positions], -cosines))[:k]]
             finals.append(positions)
         kvs = self._read_by_shard(np.concatenate(finals) if finals else np.zeros(0, dtype=np.int64),
@@ -160,35 +170,35 @@ class Queries:
     def _answer(self, layer: int, signature: np.ndarray, q_mean: np.ndarray,
                 shortlist: tuple[np.ndarray, np.ndarray], k: int, factor: int, *, rerank: bool,
                 framework: str, skip: bool, search: str, pooled: dict[int, np.ndarray],
-                kvs: dict[int, tuple[np.ndarray, np.ndarray]]) -> tuple[QueryResults, np.ndarray]:
+                kvs: dict[int, tuple[np.ndarray, np.ndarray]], q_tokens: int | None
+                ) -> tuple[QueryResults, np.ndarray]:
         """One query's results from its signature shortlist (record
         positions, Hamming distances), re-ranked and read, and their record
         positions.  `pooled` and `kvs` hold tensors already read, by record
-        position."""
+        position; `q_tokens` is the query's token count in a span search."""
         state = self.state
         # "skip" checks every tensor it hands out, verify_reads or not: a
         # skipped entry is one whose damage was seen, so one never seen must
         # have been checked (docs/reliability.md, "Degraded reads").
         skipped: dict[int, SkippedEntry] | None = {} if skip else None
         check = True if skip else None
-        spans = search == "spans"
         positions, dists = shortlist
-        sims = np.asarray(similarity(dists, state.config.span_signature_bytes * 8 if spans else state.config.hdc_dim))
+        sims = np.asarray(similarity(dists, self._bits(search)))
         while True:  # each pass that finds damage leaves more out, so this ends
             cosines: np.ndarray | None = None
             if rerank and len(positions):
                 keys = self._pooled_keys(positions, pooled, check, skipped)
                 if keys is None:
-                    positions, sims = self._shortlist(layer, signature, k * factor, search, skipped)
+                    positions, sims = self._shortlist(layer, signature, k * factor, search, skipped, rerank)
                     continue
-                cosines = self._rerank_cosines(keys, q_mean, spans)
+                cosines = self._rerank_cosines(positions, keys, q_mean, q_tokens)
                 order = np.lexsort((state.records["entry_id"][positions], -cosines))[:k]
                 positions, sims, cosines = positions[order], sims[order], cosines[order]
             kv = self._read_all(positions, lambda pos: kvs[pos] if pos in kvs
                                 else self.reader.kv(pos, check=check), skipped)
             if kv is not None:
                 break
-            positions, sims = self._shortlist(layer, signature, k * factor, search, skipped)
+            positions, sims = self._shortlist(layer, signature, k * factor, search, skipped, rerank)
         results = [self._result(int(pos), float(sims[i]), None if cosines is None else float(cosines[i]),
                                 kv[i], framework) for i, pos in enumerate(positions)]
         return QueryResults(results, () if skipped is None else skipped.values()), positions
@@ -225,32 +235,50 @@ class Queries:
         return keys
 
     def _shortlist(self, layer: int, signature: np.ndarray, n: int, search: str,
-                   skipped: dict[int, SkippedEntry] | None) -> tuple[np.ndarray, np.ndarray]:
+                   skipped: dict[int, SkippedEntry] | None, rerank: bool, raw: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
         """(record positions, similarities) of the `n` entries of the layer
         nearest by signature, the skipped ones left out (so the next take
-        their places: the order is the same total order either way)."""
+        their places: the order is the same total order either way).  A
+        span search to re-rank takes SPAN_SHORTLIST x n by span and n by
+        whole signature.  `raw`: Hamming distances, not similarities."""
         state = self.state
         wanted = n + (len(skipped) if skipped else 0)
-        if search == "spans":
+        if search == "spans" and rerank:
+            positions, dists = state.index.search_spans(layer, signature, SPAN_SHORTLIST * wanted, whole=wanted)
+        elif search == "spans":
             positions, dists = state.index.search_spans(layer, signature, wanted)
         else:
             positions, dists = state.index.search(layer, signature, wanted, search)
         if skipped:
             keep = ~np.isin(positions, np.fromiter(skipped, dtype=np.int64, count=len(skipped)))
-            positions, dists = positions[keep][:n], dists[keep][:n]
-        bits = state.config.span_signature_bytes * 8 if search == "spans" else state.config.hdc_dim
-        return positions, np.asarray(similarity(dists, bits))
+            positions, dists = positions[keep], dists[keep]
+            if search != "spans":
+                positions, dists = positions[:n], dists[:n]
+        return positions, dists if raw else np.asarray(similarity(dists, self._bits(search)))
 
-    def _rerank_cosines(self, keys: np.ndarray, q_mean: np.ndarray, spans: bool) -> np.ndarray:
+    def _bits(self, search: str) -> int:
+        """Bits of the signatures a search of this mode compares."""
+        config = self.state.config
+        return config.span_signature_bytes * 8 if search == "spans" else config.hdc_dim
+
+    def _rerank_cosines(self, positions: np.ndarray, keys: np.ndarray, q_mean: np.ndarray,
+                        q_tokens: int | None) -> np.ndarray:
         """The re-rank score of each candidate from its pooled keys (float32
-        [m, signatures_per_entry x embed_dim]): the cosine of its mean key,
-        or for a span search the best cosine over its mean and span keys."""
-        dim = self.state.config.embed_dim
-        if not spans:
+        [m, signatures_per_entry x embed_dim]): the cosine of its mean key;
+        for a span search of q_tokens tokens, the best cosine of its mean
+        key and the keys of its spans of at least SPAN_MIN_SHARE x q_tokens
+        tokens."""
+        config = self.state.config
+        dim = config.embed_dim
+        if q_tokens is None:
             return _cosines(keys[:, :dim], q_mean)
-        per_entry = keys.shape[1] // dim
-        scores = _cosines(keys.reshape(-1, dim), q_mean).reshape(len(keys), per_entry)
-        return scores.max(axis=1) if len(keys) else np.zeros(0)
+        scores = _cosines_rows(keys.reshape(-1, dim), q_mean).reshape(len(keys), config.signatures_per_entry)
+        n_tokens = self.state.records["n_tokens"][positions].astype(np.int64)
+        first, end = span_bounds(np.concatenate([[0], np.cumsum(n_tokens)]), config.spans)
+        held = (end - first) >= SPAN_MIN_SHARE * q_tokens
+        scores[:, 1:] = np.where(held, scores[:, 1:], -np.inf)
+        return scores.max(axis=1)
 
     def _read_all(self, positions: np.ndarray, read: Callable[[int], T],
                   skipped: dict[int, SkippedEntry] | None) -> list[T] | None:
@@ -314,4 +342,14 @@ def _cosines(pooled_rows: np.ndarray | list[np.ndarray], target: np.ndarray) -> 
     pooled = np.asarray(pooled_rows, dtype=np.float64)
     norms = np.sqrt((pooled * pooled).sum(axis=1)) * np.sqrt((target * target).sum())
     dots = (pooled * target).sum(axis=1)
+    return np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0)
+
+
+def _cosines_rows(pooled_rows: np.ndarray, target: np.ndarray) -> np.ndarray:
+    # _cosines for the many rows of a span re-rank (S per candidate): einsum
+    # sums each row in the same order wherever it stands in the block (no
+    # BLAS), as _cosines does, at a quarter of its time.
+    pooled = pooled_rows.astype(np.float64)
+    norms = np.sqrt(np.einsum("ij,ij->i", pooled, pooled)) * np.sqrt(np.einsum("i,i->", target, target))
+    dots = np.einsum("ij,j->i", pooled, target)
     return np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0)

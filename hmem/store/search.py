@@ -237,17 +237,30 @@ class LayerIndex:
         alive = np.repeat(self.alive[: self.n], per) if self.dead else None
         rows = self.span_rows[: self.n * per]
         width = rows.shape[1]
-        # k x per rows hold at least k entries (an entry has per rows)
-        parts = threads.run_ranges(
-            lambda lo, hi: hamming_kernels.topk(query[:width], rows, alive, k * per, lo * per, hi * per),
-            threads.split(self.n, max(1, _ROWS_PER_THREAD // per)))
-        found, dists = parts[0] if len(parts) == 1 else _best(np.concatenate([p[0] for p in parts]),
-                                                              np.concatenate([p[1] for p in parts]), k * per)
-        entries = found // per
-        # rows come in (distance, row) order: an entry's first row is its best
-        _, first = np.unique(entries, return_index=True)
+        # Rows come in (distance, row) order, so an entry's first row is its
+        # best and the entries met first in the best m rows are the best
+        # entries.  2k rows usually hold k entries; k x per always do.
+        for m in (min(2 * k + 64, k * per), k * per):
+            parts = threads.run_ranges(
+                lambda lo, hi: hamming_kernels.topk(query[:width], rows, alive, m, lo * per, hi * per),
+                threads.split(self.n, max(1, _ROWS_PER_THREAD // per)))
+            found, dists = parts[0] if len(parts) == 1 else _best(np.concatenate([p[0] for p in parts]),
+                                                                  np.concatenate([p[1] for p in parts]), m)
+            entries = found // per
+            _, first = np.unique(entries, return_index=True)
+            if len(first) >= k or len(found) < m:  # k entries, or every live row seen
+                break
         first = np.sort(first)[:k]
         return self.positions[entries[first]], dists[first]
+
+    def span_distances(self, query: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The distance of each of these entry rows' nearest span-matrix row to `query`."""
+        assert self.span_rows is not None
+        per, width = self.per_entry, self.span_rows.shape[1]
+        picked = (rows[:, None] * per + np.arange(per)).ravel()
+        matrix = np.empty((len(picked), width), dtype=np.uint8)
+        hamming_kernels.gather_rows(self.span_rows, picked, matrix)
+        return hamming_kernels.distances(query[:width], matrix).reshape(len(rows), per).min(axis=1)
 
     def topk_many(self, queries: np.ndarray, k: int, search: str = "full") -> list[tuple[np.ndarray, np.ndarray]]:
         """topk of each row of `queries`, the matrix read once for all."""
@@ -340,13 +353,24 @@ class SearchIndex:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
         return layer.topk(query, k, search)
 
-    def search_spans(self, layer_idx: int, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search_spans(self, layer_idx: int, query: np.ndarray, k: int, whole: int = 0
+                     ) -> tuple[np.ndarray, np.ndarray]:
         """(record positions, Hamming distances over span-signature bits) of
-        the k entries of a layer with the nearest span-matrix row."""
+        the k entries of a layer with the nearest span-matrix row, and with
+        `whole` > 0 also of the `whole` nearest by their whole signature
+        (search "auto"), in (distance, entry) order."""
         layer = self.layers.get(layer_idx)
         if layer is None:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
-        return layer.topk_spans(query, k)
+        positions, dists = layer.topk_spans(query, k)
+        if whole:
+            extra = np.setdiff1d(layer.topk(query, whole, "auto")[0], positions)
+            if len(extra):
+                positions = np.concatenate([positions, extra])
+                dists = np.concatenate([dists, layer.span_distances(query, self._row_of[extra]).astype(dists.dtype)])
+                order = np.lexsort((positions, dists))
+                positions, dists = positions[order], dists[order]
+        return positions, dists
 
     def search_many(self, layer_idx: int, queries: np.ndarray, k: int, search: str = "full"
                     ) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -277,7 +277,7 @@ class Store:
         the full scan's (docs/benchmarks.md, "Two-stage search").  On a
         store with span signatures (signatures_per_entry > 1), "spans" (the
         default there) ranks each entry by the nearest of its mean and span
-        signatures and re-ranks 5 x the shortlist by the best cosine of its
+        signatures and re-ranks 10 x the shortlist by the best cosine of its
         mean and span keys: a query of a few tokens finds the entry that
         holds them (docs/format.md, "Span signatures").
         """
