@@ -298,3 +298,23 @@ def test_a_span_counts_only_for_queries_it_could_hold(store_factory):
     short_answer = store.query(short, 0, 2, count_access=False)
     assert short_answer[0].entry_id == id_a and short_answer[0].cosine == pytest.approx(1.0, abs=1e-6)
     assert store.query(short, 0, 2, count_access=False, search="full")[0].entry_id == id_b  # mean pooling misses A
+
+
+def test_the_cli_queries_by_span(store_factory, tmp_path):
+    from typer.testing import CliRunner
+
+    from hmem.cli.app import app
+
+    store, keys, ids = _filled(store_factory)
+    store.close()
+    query = tmp_path / "q.npy"
+    np.save(query, _span_query(keys[9], 42, 10))
+    runner = CliRunner()
+    spans = runner.invoke(app, ["query", str(tmp_path / "s"), "--query", str(query), "-l", "0", "-k", "1", "--json"])
+    assert spans.exit_code == 0, spans.output
+    assert json.loads(spans.output)["results"][0]["entry_id"] == ids[9]
+    mean = runner.invoke(app, ["query", str(tmp_path / "s"), "--query", str(query), "-l", "0", "-k", "1",
+                               "--search", "full", "--json"])
+    assert mean.exit_code == 0, mean.output
+    stats = runner.invoke(app, ["stats", str(tmp_path / "s")])
+    assert "8 signatures per entry" in stats.output

@@ -23,7 +23,7 @@ import collections, json, sys, threading, time
 import numpy as np
 import hmem
 
-path, seconds, readers = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+path, seconds, readers, S = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 D = 8
 
 def kv(seed):
@@ -31,7 +31,8 @@ def kv(seed):
     k = rng.standard_normal((1 + seed % 3, D)).astype(np.float32)
     return k, (k * 2 + 1).astype(np.float32)
 
-store = hmem.Store.create(path, embed_dim=D, hdc_dim=1024, shard_max_bytes=20_000)
+store = hmem.Store.create(path, embed_dim=D, hdc_dim=1024, shard_max_bytes=20_000, signatures_per_entry=S)
+MODES = ("full", "two-stage") + (("spans",) if S > 1 else ())
 store.put_many(hmem.Entry(*kv(s), s % 3, float(s)) for s in range(60))
 highest = [60]  # seeds below this were put (read without a lock: a hint only)
 stop = threading.Event()
@@ -51,7 +52,7 @@ def reader(n):
         while not stop.is_set():
             seed = int(rng.integers(0, highest[0]))
             q = kv(seed)[0] + 0.01
-            mode = ("full", "two-stage")[int(rng.integers(0, 2))]
+            mode = MODES[int(rng.integers(0, len(MODES)))]
             if rng.random() < 0.2:
                 batch = store.query_many([q, q * 0.5], seed % 3, top_k=3, search=mode)
                 results = [r for res in batch for r in res]
@@ -128,10 +129,12 @@ print(json.dumps({"errors": errors, "wrong_counts": {str(k): v for k, v in wrong
 
 
 @pytest.mark.stress
-@pytest.mark.parametrize("kernels,seconds", [("native", 4.0), ("reference", 2.0)])
-def test_readers_share_a_store_with_a_writer(kernels, seconds, run_python, tmp_path):
-    proc = run_python(SCENARIO.replace("sys.argv[1], float(sys.argv[2]), int(sys.argv[3])",
-                                       f"{str(tmp_path / 's')!r}, {seconds}, 3"),
+@pytest.mark.parametrize("kernels,seconds,signatures", [("native", 4.0, 1), ("reference", 2.0, 1), ("native", 3.0, 4)])
+def test_readers_share_a_store_with_a_writer(kernels, seconds, signatures, run_python, tmp_path):
+    """Three readers and a writer; with signatures=4 the store keeps span
+    signatures and the readers' queries use the span search too."""
+    proc = run_python(SCENARIO.replace("sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])",
+                                       f"{str(tmp_path / 's')!r}, {seconds}, 3, {signatures}"),
                       env={"HMEM_KERNELS": kernels}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
