@@ -277,9 +277,11 @@ class Store:
         the full scan's (docs/benchmarks.md, "Two-stage search").  On a
         store with span signatures (signatures_per_entry > 1), "spans" (the
         default there) ranks each entry by the nearest of its mean and span
-        signatures and re-ranks 10 x the shortlist by the best cosine of its
-        mean and span keys: a query of a few tokens finds the entry that
-        holds them (docs/format.md, "Span signatures").
+        signatures and re-ranks 10 x the shortlist, joined by the usual
+        shortlist of whole signatures, by the best cosine of its mean key
+        and of the keys of spans at least half the query's length: a query
+        of a few tokens finds the entry that holds them, a query as long as
+        an entry what mean pooling finds (docs/format.md, "Span signatures").
         """
         with self._state.lock.shared():
             self._state.check_open()
