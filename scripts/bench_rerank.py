@@ -26,9 +26,7 @@ signature-only query, at 100k and 1M entries.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -101,19 +99,7 @@ def measure(with_file: hmem.Store, without: hmem.Store, top_k: int, rounds: int)
         b = [(r.entry_id, r.cosine) for r in cases["re-rank, shards"](i)]
         if a != b:
             raise SystemExit(f"MISMATCH: query {i} re-ranks differently with pooled.bin ({a}) and without ({b})")
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        for i in range(rounds):
-            for name, fn in cases.items():
-                t0 = time.perf_counter_ns()
-                fn(i)
-                times[name].append((time.perf_counter_ns() - t0) / 1e9)
-    finally:
-        if was:
-            gc.enable()
-    return {name: statistics.median(t) for name, t in times.items()}
+    return benchlib.medians_in_turns(cases, rounds)
 
 
 def main(argv: list[str] | None = None) -> int:

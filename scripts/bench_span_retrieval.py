@@ -54,10 +54,8 @@ today's, disk <= 1.5x today's, and full-entry queries lose nothing
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -212,19 +210,11 @@ def found(store, queries, target_ids, search: str) -> tuple[float, float]:
 def time_rounds(cases: dict, queries: list[np.ndarray]) -> dict[str, float]:
     """Median seconds of one query call per case, the cases taking turns
     on each query (the found@ pass before this was the warm-up)."""
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        for q in queries:
-            for name, (store, search) in cases.items():
-                t0 = time.perf_counter_ns()
-                store.query(q, 0, top_k=TOP_K, count_access=False, search=search)
-                times[name].append((time.perf_counter_ns() - t0) / 1e9)
-    finally:
-        if was:
-            gc.enable()
-    return {name: statistics.median(t) for name, t in times.items()}
+    def call(store, search: str):
+        return lambda i: store.query(queries[i], 0, top_k=TOP_K, count_access=False, search=search)
+
+    return benchlib.medians_in_turns({name: call(store, search) for name, (store, search) in cases.items()},
+                                     len(queries))
 
 
 def run(root: Path, args, span_values: list[int], log) -> tuple[list[dict], dict]:

@@ -36,9 +36,7 @@ stores.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -103,19 +101,7 @@ def time_rounds(cases: dict[str, Callable[[int], object]], queries: int) -> dict
     taking turns on each query; one warm-up call each first."""
     for fn in cases.values():
         fn(0)
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        for i in range(queries):
-            for name, fn in cases.items():
-                t0 = time.perf_counter_ns()
-                fn(i)
-                times[name].append((time.perf_counter_ns() - t0) / 1e9)
-    finally:
-        if was:
-            gc.enable()
-    return {name: statistics.median(t) for name, t in times.items()}
+    return benchlib.medians_in_turns(cases, queries)
 
 
 def recall(store, queries, exact, search: str) -> float:

@@ -65,6 +65,26 @@ def time_calls(fn: Callable[[], object], *, min_runs: int = 20, min_seconds: flo
     return samples
 
 
+def medians_in_turns(cases: dict[str, Callable[[int], object]], rounds: int) -> dict[str, float]:
+    """Median seconds per call of each case over `rounds` rounds: in round
+    i every case is called once with i, the cases taking turns (so each
+    meets the caches the others leave, as queries of a serving process
+    do); garbage collection off."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(rounds):
+            for name, fn in cases.items():
+                t0 = time.perf_counter_ns()
+                fn(i)
+                times[name].append((time.perf_counter_ns() - t0) / 1e9)
+    finally:
+        if gc_was:
+            gc.enable()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def median(samples: list[float]) -> float:
     return statistics.median(samples)
 
