@@ -64,6 +64,7 @@ from pathlib import Path
 import numpy as np
 
 import hmem
+from hmem.store.projection import span_bounds
 
 import benchlib
 
@@ -134,6 +135,74 @@ def directory_bytes(path: Path) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
+VARIANT_SPANS = 7  # the spans of signatures_per_entry = 8
+SINK_FACTOR = 3.0  # a query's first row counts as a sink when its norm passes 3 x the median row norm
+VARIANTS = (  # name, pooled keys, layer mean removed, spans
+    ("mean", "all", False, False), ("mean, layer mean removed", "all", True, False),
+    ("mean, sink row left out", "no sink", False, False), ("spans", "all", False, True),
+    ("spans, layer mean removed", "all", True, True), ("spans, sink row left out", "no sink", False, True))
+
+
+class Pooled:
+    """Every entry's pooled keys (its mean and span means, with and without
+    its first, "sink", row) for the exact variants of --variants: what
+    scoring every entry in float64 finds, with no signatures and no
+    shortlist."""
+
+    def __init__(self, count: int, dim: int, spans: int) -> None:
+        self.spans = spans
+        self.lengths = {kind: np.zeros(count, dtype=np.int64) for kind in ("all", "no sink")}
+        self.keys = {kind: np.zeros((count, spans + 1, dim), dtype=np.float32) for kind in ("all", "no sink")}
+
+    def add(self, first: int, rows: np.ndarray, starts: np.ndarray) -> None:
+        total = np.zeros((len(rows) + 1, rows.shape[1]))
+        np.cumsum(rows, axis=0, dtype=np.float64, out=total[1:])  # the sum of rows a..b-1 is total[b] - total[a]
+        for kind, skip in (("all", 0), ("no sink", 1)):
+            lo, end = starts[:-1] + skip, starts[1:]
+            count = len(lo)
+            self.lengths[kind][first:first + count] = end - lo
+            local = np.concatenate([[0], np.cumsum(end - lo)])
+            a, b = span_bounds(local, self.spans)
+            a, b = a - local[:-1, None] + lo[:, None], b - local[:-1, None] + lo[:, None]
+            block = self.keys[kind][first:first + count]
+            block[:, 0] = (total[end] - total[lo]) / (end - lo)[:, None]
+            block[:, 1:] = (total[b] - total[a]) / (b - a)[:, :, None]
+
+    def variants(self, span_q: list[np.ndarray], full_q: list[np.ndarray], targets: np.ndarray) -> list[dict]:
+        """found@1 and @10 of each exact variant, for the span and the full-entry queries."""
+        out = []
+        for name, kind, centred, spans in VARIANTS:
+            keys = self.keys[kind].astype(np.float64)
+            centre = keys[:, 0].mean(axis=0) if centred else np.zeros(keys.shape[2])
+            keys -= centre
+            keys /= np.maximum(np.linalg.norm(keys, axis=2, keepdims=True), 1e-30)
+            local = np.concatenate([[0], np.cumsum(self.lengths[kind])])
+            a, b = span_bounds(local, self.spans)
+            row: dict = {"variant": name}
+            for label, queries in (("span", span_q), ("full", full_q)):
+                at1 = at10 = 0
+                for q, target in zip(queries, targets):
+                    q = q.astype(np.float64)
+                    norms = np.linalg.norm(q, axis=1)
+                    if kind == "no sink" and len(q) > 1 and norms[0] > SINK_FACTOR * np.median(norms):
+                        q = q[1:]
+                    v = q.mean(axis=0) - centre
+                    v /= np.linalg.norm(v)
+                    if spans:  # as the store: the mean and the spans of at least half the query's tokens
+                        scores = keys @ v
+                        scores[:, 1:] = np.where((b - a) >= 0.5 * len(q), scores[:, 1:], -np.inf)
+                        score = scores.max(axis=1)
+                    else:
+                        score = keys[:, 0] @ v
+                    rank = int(np.sum(score > score[target]))
+                    at1 += rank < 1
+                    at10 += rank < 10
+                row[f"{label}_found1"] = at1 / len(queries)
+                row[f"{label}_found10"] = at10 / len(queries)
+            out.append(row)
+        return out
+
+
 def build(root: Path, args, span_values: list[int], log):
     """Create one store per S, put the same entries into all; returns
     (paths, ids of the query entries per S, span queries, full queries,
@@ -149,6 +218,7 @@ def build(root: Path, args, span_values: list[int], log):
     pair_set = np.unique(pair_entries)
     pair_means: dict[int, np.ndarray] = {}
 
+    pooled = Pooled(args.entries, args.dim, VARIANT_SPANS) if args.variants else None
     paths = {s: root / f"spans-{s}" for s in span_values}
     stores = {s: hmem.Store.create(paths[s], embed_dim=args.dim, hdc_dim=HDC_DIM, signatures_per_entry=s,
                                    storage_dtype=STORAGE_DTYPE) for s in span_values}
@@ -166,6 +236,8 @@ def build(root: Path, args, span_values: list[int], log):
             for t in targets[(targets >= lo) & (targets < lo + count)]:
                 i = int(t) - lo
                 latent[wanted[int(t)]] = base[starts[i]:starts[i + 1]].copy()
+            if pooled is not None:
+                pooled.add(lo, rows, starts)
             entries = [hmem.Entry(rows[starts[i]:starts[i + 1]], rows[starts[i]:starts[i + 1]], 0)
                        for i in range(count)]
             for s, store in stores.items():
@@ -193,7 +265,7 @@ def build(root: Path, args, span_values: list[int], log):
         span_queries.append(np.ascontiguousarray(gen.draw(base[start:start + length])))
         full_queries.append(np.ascontiguousarray(gen.draw(base, np.array([0]))))
     target_ids = {s: ids[s][targets] for s in span_values}
-    return paths, target_ids, span_queries, full_queries, cosine, put_seconds
+    return paths, target_ids, span_queries, full_queries, cosine, put_seconds, (pooled, targets)
 
 
 def found(store, queries, target_ids, search: str) -> tuple[float, float]:
@@ -222,7 +294,7 @@ def run(root: Path, args, span_values: list[int], log) -> tuple[list[dict], dict
     log(f"building {len(stores_s)} stores of {args.entries:,} entries (S = {', '.join(map(str, stores_s))}) "
         f"under {root} ...")
     t0 = time.perf_counter()
-    paths, target_ids, span_q, full_q, cosine, put_seconds = build(root, args, stores_s, log)
+    paths, target_ids, span_q, full_q, cosine, put_seconds, (pooled, targets) = build(root, args, stores_s, log)
     log(f"  built in {time.perf_counter() - t0:.0f} s")
 
     modes = [("mean (today)", 1, "auto")]
@@ -254,7 +326,11 @@ def run(root: Path, args, span_values: list[int], log) -> tuple[list[dict], dict
     finally:
         for store in opened.values():
             store.close()
-    return rows, {"random_pair_cosine": cosine}
+    extra: dict = {"random_pair_cosine": cosine}
+    if pooled is not None:
+        log("exact variants (numpy, every entry scored) ...")
+        extra["variants"] = pooled.variants(span_q, full_q, targets)
+    return rows, extra
 
 
 def goals(rows: list[dict]) -> list[dict]:
@@ -322,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sink", type=float, default=6.0,
                    help="norm of the sink row, the shared component's being 1 (default 6)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data (default 0)")
+    p.add_argument("--variants", action="store_true",
+                   help="also score every entry exactly (numpy) for mean pooling and spans (S = 8), each as is, "
+                        "with the layer's mean key removed and with the sink row left out (~1 min, ~1 GB more)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
     try:
@@ -358,8 +437,16 @@ def main(argv: list[str] | None = None) -> int:
             rows, extra = run(Path(tmp), args, span_values, log)
     facts["random-pair cosine"] = f"{extra['random_pair_cosine']:.3f} (mean-pooled keys, {PAIRS} random pairs)"
     report(rows, facts, sys.stdout)
+    if "variants" in extra:
+        print("\nExact variants (every entry scored in float64 by its pooled keys; no signatures, no shortlist):\n")
+        print("| variant | span found@1 | span found@10 | full found@1 | full found@10 |")
+        print("|---|---:|---:|---:|---:|")
+        for v in extra["variants"]:
+            print(f"| {v['variant']} | {v['span_found1']:.3f} | {v['span_found10']:.3f} | {v['full_found1']:.3f} "
+                  f"| {v['full_found10']:.3f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": facts, "results": rows, "goals": goals(rows)}, indent=2))
+        Path(args.json).write_text(json.dumps({"machine": facts, "results": rows, "goals": goals(rows),
+                                               "variants": extra.get("variants", [])}, indent=2))
     return 0 if all(g["holds"] for g in goals(rows)) else 1
 
 

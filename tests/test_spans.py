@@ -106,25 +106,44 @@ def test_span_bounds_cover_each_entry_in_order(lengths, spans):
             assert set(range(n)) == {t for a, b in zip(lo, hi) for t in range(a, b)}
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=12), st.integers(2, 9), st.integers(0, 2**32))
-def test_span_signatures_are_the_signature_prefixes_of_the_span_means(tmp_path_factory, lengths, per_entry, seed):
+def _has_sink(k: np.ndarray) -> bool:
+    """docs/format.md: the first row is a sink when its norm is more than 3x
+    the mean norm of the other rows (float64)."""
+    norms = np.linalg.norm(k.astype(np.float64), axis=1)
+    return len(k) > 1 and norms[0] > 3.0 * norms[1:].mean()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.sampled_from([1.0, 2.5, 20.0])), min_size=1, max_size=12),
+       st.integers(2, 9), st.integers(0, 2**32))
+def test_span_signatures_are_the_signature_prefixes_of_the_span_means(tmp_path_factory, shapes, per_entry, seed):
     """Each record's span j is the first 512 bits of the signature of span
-    j's rows, computed one span at a time, whichever way put_many prepared
-    the batch."""
+    j's rows (the rows after a sink first row), computed one span at a time,
+    whichever way put_many prepared the batch; the p tensor holds the span
+    means."""
     rng = np.random.default_rng(seed)
-    keys = [rng.standard_normal((n, DIM)).astype(np.float32) for n in lengths]
+    keys = []
+    for n, first_row_scale in shapes:
+        k = rng.standard_normal((n, DIM)).astype(np.float32)
+        k[0] *= first_row_scale  # x20: a sink (left out of the spans); x2.5: not one
+        keys.append(k)
     path = tmp_path_factory.mktemp("spans") / "s"
     with Store.create(path, embed_dim=DIM, hdc_dim=HDC, signatures_per_entry=per_entry) as store:
         store.put_many([(k, k, 0) for k in keys])
     records = hmem.formats.records.read(path / "entries.bin", len(keys), store.config)
+    shard = load_file(str(path / json.loads((path / "index.json").read_text())["shards"][0]["file"]))
     projector = Projector(DIM, HDC, 0)
     for e, k in enumerate(keys):
         assert np.array_equal(records["signature"][e], projector.signature(k))
-        first, end = span_bounds(np.array([0, len(k)]), per_entry - 1)
-        for j in range(per_entry - 1):
-            want = projector.signature(np.ascontiguousarray(k[first[0, j] : end[0, j]]))[:64]
+        own = k[1:] if _has_sink(k) else k
+        spans = per_entry - 1
+        for j in range(spans):  # docs/format.md, "Span signatures"
+            lo = min(j * len(own) // spans, len(own) - 1)
+            hi = max((j + 1) * len(own) // spans, lo + 1)
+            want = projector.signature(np.ascontiguousarray(own[lo:hi]))[:64]
             assert np.array_equal(records["spans"][e, j], want), (e, j)
+            pooled = shard[f"p_{int(records['entry_id'][e])}"]
+            np.testing.assert_allclose(pooled[1 + j], own[lo:hi].mean(axis=0), rtol=1e-5, atol=1e-5)
 
 
 def test_large_entries_get_the_same_spans_as_small_ones(store_factory, store_internals, read_records, tmp_path):

@@ -88,18 +88,36 @@ class Projector:
         return out, sums / (starts[1:] - starts[:-1])[:, None]
 
 
-def span_bounds(starts: np.ndarray, spans: int) -> tuple[np.ndarray, np.ndarray]:
+# An entry's first row is a "sink" when its norm passes SINK_FACTOR x the
+# mean norm of the entry's other rows (docs/format.md, "Span signatures").
+SINK_FACTOR = 3.0
+
+
+def span_bounds(starts: np.ndarray, spans: int, skip: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(first, end) rows of each span of each entry, int64 [n, spans] each:
-    entry e (rows starts[e] .. starts[e + 1] - 1, n_e of them) cut into
-    `spans` spans, span j covering its rows j * n_e // spans up to
-    (j + 1) * n_e // spans.  An entry of fewer tokens than spans gives
-    some spans a single row of their own instead of none (docs/format.md,
-    "Span signatures")."""
-    n = (starts[1:] - starts[:-1])[:, None]
+    entry e (rows starts[e] .. starts[e + 1] - 1, n_e of them; without its
+    first row where skip[e]) cut into `spans` spans, span j covering its
+    rows j * n_e // spans up to (j + 1) * n_e // spans.  An entry of fewer
+    tokens than spans gives some spans a single row of their own instead of
+    none (docs/format.md, "Span signatures")."""
+    lo = starts[:-1] + (0 if skip is None else skip.astype(np.int64))
+    n = (starts[1:] - lo)[:, None]
     j = np.arange(spans, dtype=np.int64)[None, :]
     first = np.minimum(j * n // spans, n - 1)
     end = np.maximum((j + 1) * n // spans, first + 1)
-    return starts[:-1, None] + first, starts[:-1, None] + end
+    return lo[:, None] + first, lo[:, None] + end
+
+
+def sink_rows(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Whether each entry's first row is a sink (bool [n]): its L2 norm
+    (float64) is more than SINK_FACTOR x the mean L2 norm of the entry's
+    other rows.  An entry of one row has none."""
+    norms = np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
+    total = np.concatenate([[0.0], np.cumsum(norms)])
+    first, end = starts[:-1], starts[1:]
+    n = end - first
+    others = total[end] - total[np.minimum(first + 1, end)]
+    return (n > 1) & (norms[np.minimum(first, len(norms) - 1)] * (n - 1) > SINK_FACTOR * others)
 
 
 class SpanProjector:
@@ -116,17 +134,28 @@ class SpanProjector:
         (float64 [n, spans, embed_dim]) of the entries of `rows` (as in
         Projector.signatures_and_means), in one kernel call for the batch."""
         count = len(starts) - 1
-        first, end = span_bounds(np.asarray(starts, dtype=np.int64), self.spans)
+        starts = np.asarray(starts, dtype=np.int64)
+        sinks = sink_rows(rows, starts) if count else np.zeros(0, dtype=bool)
+        first, end = span_bounds(starts, self.spans, sinks)
         if count == 0 or bool(np.all(end[:, :-1] == first[:, 1:])):
-            # every entry has a row per span: the spans are consecutive row ranges
-            span_starts = np.append(first.ravel(), starts[-1]) if count else np.zeros(1, dtype=np.int64)
-            source = rows
+            # every entry has a row per span: its spans, after its sink row if
+            # it has one, are consecutive row ranges; a sink row is taken as a
+            # range of its own whose signature is dropped
+            ranges = np.concatenate([starts[:-1, None], first], axis=1)
+            taken = np.ones(ranges.shape, dtype=bool)
+            taken[:, 0] = sinks
+            is_span = np.ones(ranges.shape, dtype=bool)
+            is_span[:, 0] = False
+            span_starts = np.append(ranges[taken], starts[-1])
+            keep = is_span[taken]
+            sigs, means = self.projector.signatures_and_means(rows, span_starts)
+            sigs, means = sigs[keep], means[keep]
         else:  # some spans share a row: each span's rows copied out, back to back
             lengths = (end - first).ravel()
             span_starts = np.concatenate([[0], np.cumsum(lengths)])
             source = np.ascontiguousarray(rows[np.repeat(first.ravel() - span_starts[:-1], lengths)
                                                + np.arange(span_starts[-1])])
-        sigs, means = self.projector.signatures_and_means(source, span_starts)
+            sigs, means = self.projector.signatures_and_means(source, span_starts)
         return sigs.reshape(count, self.spans, -1), means.reshape(count, self.spans, -1)
 
 
