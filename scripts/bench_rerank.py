@@ -110,12 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-    if hmem.kernels.KERNEL_SET != "native":
-        sys.stderr.write("this benchmark measures the native kernels: unset HMEM_KERNELS\n")
+    if not benchlib.native_kernels():
         return 2
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+    log = benchlib.log
 
     facts = benchlib.machine_facts()
     print("hmem re-rank benchmark (scripts/bench_rerank.py)")

@@ -374,8 +374,7 @@ def report(rows: list[dict], facts: dict, out) -> None:
               f"| {r['query_seconds'] * 1e3:.2f} ms | {f:.2f}x | {r['query_seconds'] / base['query_seconds']:.2f}x "
               f"| {r['disk_bytes_per_entry'] / base['disk_bytes_per_entry']:.2f}x |", file=out)
     print(file=out)
-    for g in goals(rows):
-        print(f"{'holds' if g['holds'] else 'MISSED'}: {g['goal']} ({g['detail']})", file=out)
+    benchlib.print_goals(goals(rows), out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -411,12 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--spans takes values from 2 to 64")
     if args.entries < 1000 or args.queries < 1 or args.queries > args.entries or args.batch < 1:
         p.error("--entries must be >= 1000, --queries from 1 to --entries, --batch >= 1")
-    if hmem.kernels.KERNEL_SET != "native":
-        sys.stderr.write("this benchmark measures the native kernels: unset HMEM_KERNELS\n")
+    if not benchlib.native_kernels():
         return 2
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+    log = benchlib.log
 
     facts = benchlib.machine_facts()
     facts["hmem scan threads"] = str(hmem.threads.cores())

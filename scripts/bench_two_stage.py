@@ -217,8 +217,7 @@ def report(results: dict, facts: dict, out) -> None:
             print(f"| {c['prefix_bytes']} B | {c['survivors_per_place']} x 40 | {c['recall']:.3f} "
                   f"| {c['seconds'] * 1e3:.2f} ms |", file=out)
         print(file=out)
-    for g in goals(results):
-        print(f"{'holds' if g['holds'] else 'MISSED'}: {g['goal']} ({g['detail']})", file=out)
+    benchlib.print_goals(goals(results), out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,12 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.entries < 1000 or args.dim < 1 or args.queries < 1:
         p.error("--entries must be >= 1000, --dim and --queries >= 1")
-    if hmem.kernels.KERNEL_SET != "native":
-        sys.stderr.write("this benchmark measures the native kernels: unset HMEM_KERNELS\n")
+    if not benchlib.native_kernels():
         return 2
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+    log = benchlib.log
 
     facts = benchlib.machine_facts()
     facts["faiss"] = "not importable" if faiss is None else f"{faiss.__version__}, {faiss.omp_get_max_threads()} threads"

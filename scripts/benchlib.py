@@ -7,6 +7,7 @@ import gc
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -83,6 +84,26 @@ def medians_in_turns(cases: dict[str, Callable[[int], object]], rounds: int) -> 
         if gc_was:
             gc.enable()
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr (the results go to stdout)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def native_kernels() -> bool:
+    """Whether the native kernels are in use; says why not on stderr
+    otherwise (a benchmark of hmem's speed measures them)."""
+    if hmem.kernels.KERNEL_SET == "native":
+        return True
+    sys.stderr.write("this benchmark measures the native kernels: unset HMEM_KERNELS\n")
+    return False
+
+
+def print_goals(goals: list[dict], out=None) -> None:
+    """One line per goal: holds or MISSED, the goal, the figures."""
+    for g in goals:
+        print(f"{'holds' if g['holds'] else 'MISSED'}: {g['goal']} ({g['detail']})", file=out or sys.stdout)
 
 
 def median(samples: list[float]) -> float:
