@@ -344,3 +344,43 @@ def rewrite_fd(fd: int, path: Path, data: bytes) -> None:
     with _errors("truncate", path):
         os.ftruncate(fd, 0)
     _write_all(fd, path, [data], 0)
+
+
+# ---- the local cache of a store on object storage ---------------------------------
+# These files are copies of objects that stay on the object store: losing
+# them loses nothing, so they are written without fsync.
+
+
+def open_cache_file(path: Path, size: int) -> int:
+    """Create a sparse file of `size` bytes (a shard fetched range by range);
+    returns its fd, open for reading and writing."""
+    fd = _open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with _errors("truncate", path):
+            os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_cache_at(fd: int, path: Path, offset: int, data: Buffer) -> None:
+    """Write fetched bytes into a cache file at `offset` (no fsync)."""
+    _write_all(fd, path, [data], offset)
+
+
+def make_private_dir(parent: Path, prefix: str) -> Path:
+    """A new directory under `parent` only this user may enter, its name
+    `prefix` followed by random characters."""
+    import tempfile
+
+    with _errors("mkdir", parent):
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a cache directory and everything in it (never through links)."""
+    import shutil
+
+    with _errors("unlink", path), contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(path)

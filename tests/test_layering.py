@@ -55,6 +55,7 @@ LAYERS: dict[str, int] = {
     "hmem.memory": 0,
     "hmem.config": 1,
     "hmem._io": 1,
+    "hmem.object_store": 1,
     "hmem.kernels": 1,
     "hmem.formats": 2,
     "hmem.store": 3,

@@ -118,8 +118,10 @@ class EntryReader:
         wrong_size: list[str] = []
         bad_shards: list[int] = []
         shard_of = state.records["shard_idx"][: state.n]
+        fetcher = state.cache.fetcher  # a store on object storage: shards not fetched are there
+        remote = fetcher.remote if fetcher is not None else {}
         for idx, info in enumerate(state.shards):
-            size = self._file_size(info.file)
+            size = remote[info.uid]["bytes"] if info.uid in remote else self._file_size(info.file)
             if size == info.bytes:
                 continue
             bad_shards.append(idx)

@@ -165,6 +165,26 @@ class LimitActivity:
 
 
 @dataclasses.dataclass(frozen=True)
+class RemoteStats:
+    """A store on object storage, as this Store object sees it."""
+
+    url: str
+    endpoint: str
+    generation: int  # of manifest.json (each commit, and each writer's fencing, adds one)
+    state_objects: int  # state objects the manifest lists (a snapshot and the changes since)
+    object_bytes: int  # bytes of the objects the manifest names
+    requests: int  # requests this Store object made: gets + puts + deletes + lists
+    gets: int
+    puts: int
+    deletes: int
+    lists: int
+    bytes_fetched: int
+    bytes_sent: int
+    cached_shard_bytes: int  # shard bytes fetched and kept in the local cache
+    cache_dir: str  # this Store object's working copy
+
+
+@dataclasses.dataclass(frozen=True)
 class StoreStats:
     path: str
     format_version: int
@@ -185,6 +205,7 @@ class StoreStats:
     kernels: str
     health: StoreHealth  # the cheap file check (no tensor read)
     limits: LimitActivity = LimitActivity()  # evictions and compactions of puts, since the store was opened
+    remote: RemoteStats | None = None  # a store on object storage (hmem/store/remote.py)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

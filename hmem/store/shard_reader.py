@@ -52,14 +52,18 @@ class ShardState:
 class ShardReader:
     """One shard file, memory-mapped, read through its hmem_index tensor."""
 
-    def __init__(self, path: Path, info: Any, state: ShardState) -> None:
+    def __init__(self, path: Path, info: Any, state: ShardState, source: Any = None) -> None:
         """Map the file described by the ShardInfo `info`; check its index
-        (checksum, header row, uid) unless `state` says it was checked."""
+        (checksum, header row, uid) unless `state` says it was checked.
+        `source`: the shard of a store on object storage, a local file its
+        bytes are fetched into as they are read (hmem/store/remote.py)."""
         self.path = path
         self.uid = info.uid
         self.state = state
+        self.source = source
         try:
-            fd = _io.open_regular(path)  # never through a link: docs/security.md
+            # never through a link: docs/security.md
+            fd = os.dup(source.fd) if source is not None else _io.open_regular(path)
         except FileNotFoundError:
             raise CorruptStoreError(f"shard {path.name} is missing", hint=Hint.VERIFY) from None
         except OSError as exc:  # permissions, a disk error: docs/reliability.md, "OS errors"
@@ -79,7 +83,14 @@ class ShardReader:
         finally:
             os.close(fd)
         self.size = actual
+        self._ensure(0, 8)
         self.data_start, self.index = self._load_index(info.entries, info.index_crc)
+
+    def _ensure(self, start: int, end: int) -> None:
+        """Make bytes [start, end) of the file readable (fetched, for a
+        shard on object storage)."""
+        if self.source is not None:
+            self.source.ensure(start, end)
 
     @property
     def verified(self) -> set[tuple[int, str]]:
@@ -94,6 +105,7 @@ class ShardReader:
         index_bytes = (entries + 1) * INDEX_ROW_BYTES
         if length > self.size or data_start + index_bytes > self.size:
             raise self._bad("its header or index runs past the end of the file")
+        self._ensure(0, data_start + index_bytes)
         index = np.frombuffer(self._map, dtype="<i8", count=(entries + 1) * INDEX_COLUMNS,
                               offset=data_start).reshape(entries + 1, INDEX_COLUMNS)
         if (int(index[0, 3]), int(index[0, 4])) != self.state.uid_halves:
@@ -123,6 +135,7 @@ class ShardReader:
         begin = self.data_start + start
         if start < 0 or begin + nbytes > self.size:
             raise self._bad(f"tensor {kind}_{entry_id} lies outside the file")
+        self._ensure(begin, begin + nbytes)
         if nbytes >= 1 << 16:  # read ahead instead of faulting page by page
             aligned = begin - begin % mmap.PAGESIZE
             self._map.madvise(mmap.MADV_WILLNEED, aligned, begin + nbytes - aligned)
@@ -138,7 +151,8 @@ class ShardReader:
         start, _ = self._locate(entry_id, kind)
         if start < 0 or self.data_start + start + nbytes > self.size:
             raise self._bad(f"tensor {kind}_{entry_id} lies outside the file")
-        return _io.FileRange(self.path, self.data_start + start, nbytes)
+        self._ensure(self.data_start + start, self.data_start + start + nbytes)
+        return _io.FileRange(self.path if self.source is None else self.source.path, self.data_start + start, nbytes)
 
     def check(self, entry_id: int, kind: str, tensor: np.ndarray) -> bool:
         """Whether `tensor` (read from this shard) matches its recorded CRC-32C."""
@@ -157,6 +171,7 @@ class ShardReader:
 
     def header(self) -> tuple[dict[str, str], dict[str, tuple]]:
         """The JSON header, parsed and checked (for verify and tests)."""
+        self._ensure(0, self.data_start)
         metadata, entries, _ = parse_header(self._map, self.path.name)
         return metadata, entries
 
@@ -169,6 +184,7 @@ class ShardCache:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self.fetcher: Any = None  # a store on object storage: its ShardFetcher (hmem/store/remote.py)
         self._open: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
         self._states: dict[str, ShardState] = {}
         # queries of several threads share the cache; a reader dropped from
@@ -186,12 +202,19 @@ class ShardCache:
             state = self._states.get(info.uid)
             if state is None:
                 state = self._states[info.uid] = ShardState(info.uid)
-            reader = ShardReader(path, info, state)
+            source = self.fetcher.source(info.uid) if self.fetcher is not None else None
+            reader = ShardReader(path, info, state, source)
             self._open[index] = reader
             self._open.move_to_end(index)
             while len(self._open) > self.capacity:
                 self._open.popitem(last=False)
             return reader
+
+    def drop_uid(self, uid: str) -> None:
+        """Unmap the shard file `uid` (its cached copy was dropped)."""
+        with self._lock:
+            for index in [i for i, reader in self._open.items() if reader.uid == uid]:
+                del self._open[index]
 
     def open_count(self) -> int:
         return len(self._open)

@@ -24,10 +24,12 @@ from typing import Any
 import numpy as np
 
 from hmem import _io, kernels, validation
+from hmem.object_store import is_url
 from hmem.config import StoreConfig
 from hmem.errors import (
     CorruptStoreError,
     EntryNotFoundError,
+    NotAStoreError,
     Hint,
     InvalidArgumentError,
     StoreChangedError,
@@ -38,7 +40,7 @@ from hmem.formats.sources import ImportedSource
 from hmem.formats.layout import is_store
 from hmem.formats.manifest import Manifest
 from hmem.formats.records import EVICTED
-from hmem.store import caches, listing, lock, prepare, rewrite
+from hmem.store import caches, listing, lock, prepare, remote, rewrite
 from hmem.store.bridge import AugmentedKV, augmented_kv
 from hmem.store.compaction import Compaction
 from hmem.store.eviction import Eviction
@@ -52,6 +54,7 @@ from hmem.store.results import (
     EntryInfo,
     EvictionPlan,
     QueryResults,
+    RemoteStats,
     ShardStats,
     StoredEntry,
     StoredKV,
@@ -96,12 +99,41 @@ class Store:
         # collected: a signal arriving then would be lost in a destructor.
         self._release_unclosed = (weakref.finalize(self, state.writer.release)
                                   if state.writer is not None else None)
+        # a store on object storage: the link to its objects (hmem/store/remote.py)
+        self._remote: remote.RemoteLink | None = None
+        self.location: str = str(state.path)  # what the store was opened as: a directory or a URL
+        self._refresh_seconds: float | None = None
+        self._refreshed = time.monotonic()
+
+    def _attach(self, link: remote.RemoteLink) -> None:
+        """Tie this store (a working copy) to the objects of `link`."""
+        self._remote = link
+        self.location = link.url
+        self._state.cache.fetcher = link.fetcher
+        link.fetcher.on_drop = self._state.cache.drop_uid
+        if self._release_unclosed is not None:  # an unclosed writer also gives its lease back
+            self._release_unclosed.detach()
+            writer = self._state.writer
+            self._release_unclosed = weakref.finalize(self, lambda: _release_all(writer, link))
+        else:
+            self._release_unclosed = weakref.finalize(self, link.close)
+
+    def _publish(self, *, snapshot: bool = False) -> None:
+        """After a write: commit the working copy's last commit to the object
+        store (nothing when it was published already or the store is local)."""
+        link, state = self._remote, self._state
+        if link is not None and not state.read_only:
+            link.publish(state.path, state.committed, snapshot=snapshot)
 
     # ---- lifecycle -------------------------------------------------------------------
 
     @classmethod
-    def create(cls, path: str | os.PathLike, config: StoreConfig | None = None, **settings: Any) -> Store:
-        """Create a new store at `path` (a missing or empty directory) and open it for writing."""
+    def create(cls, path: str | os.PathLike, config: StoreConfig | None = None, *,
+               storage_options: dict[str, Any] | None = None, **settings: Any) -> Store:
+        """Create a new store at `path` (a missing or empty directory, or a
+        URL s3://bucket/prefix holding no store) and open it for writing.
+        `storage_options` (object storage only): endpoint, credentials,
+        timeouts and the local cache (docs/cli.md, "Stores on object storage")."""
         if config is None:
             known = {f.name for f in dataclasses.fields(StoreConfig)}
             unknown = sorted(set(settings) - known)
@@ -113,6 +145,9 @@ class Store:
             raise InvalidArgumentError("give either a StoreConfig or settings, not both")
         elif not isinstance(config, StoreConfig):
             raise InvalidArgumentError(f"config must be a StoreConfig, got {type(config).__name__}")
+        if is_url(path):
+            return cls._create_remote(str(path), config, storage_options)
+        _local_only(storage_options)
         root = Path(path)
         if (root / layout.INDEX_FILE).exists():
             raise StoreExistsError(f"{root} already holds an hmem store", hint="open it instead")
@@ -134,15 +169,29 @@ class Store:
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, read_only: bool = False, verify_reads: bool = True,
-             lock_wait: float = 0.0) -> Store:
-        """Open an existing store.
+             lock_wait: float = 0.0, storage_options: dict[str, Any] | None = None,
+             refresh_seconds: float | None = None) -> Store:
+        """Open an existing store: a directory, or a URL s3://bucket/prefix.
 
         A writer takes the store's lock (waiting up to `lock_wait` seconds),
         finishes what an interrupted writer left and removes its leftovers.
         A reader (`read_only`) takes no lock and sees the last commit.
         With `verify_reads`, every tensor's checksum is checked the first
         time it is read.
+
+        On object storage the lock is a lease (docs/format.md, "Stores on
+        object storage"); `storage_options` give the endpoint, credentials,
+        timeouts and the local cache; a reader sees new commits after
+        ``refresh()``, or by itself when a read comes `refresh_seconds`
+        after its last look.
         """
+        if is_url(path):
+            return cls._open_remote(str(path), read_only=read_only, verify_reads=verify_reads,
+                                    lock_wait=lock_wait, storage_options=storage_options,
+                                    refresh_seconds=refresh_seconds)
+        _local_only(storage_options)
+        if refresh_seconds is not None:
+            raise InvalidArgumentError("refresh_seconds applies to stores on object storage only")
         root = Path(path)
         if read_only:
             return cls._open_reader(root, verify_reads)
@@ -177,6 +226,82 @@ class Store:
             time.sleep(0.01)
         raise StoreChangedError(f"{root} kept changing while it was being opened", hint="try again")
 
+    @classmethod
+    def _create_remote(cls, url: str, config: StoreConfig, storage_options: dict[str, Any] | None) -> Store:
+        link = remote.RemoteLink(url, storage_options)
+        store: Store | None = None
+        try:
+            try:
+                link.read_manifest()
+            except NotAStoreError:
+                pass
+            else:
+                raise StoreExistsError(f"{url} already holds an hmem store", hint="open it instead")
+            link.take_lease(0.0)
+            store = cls.create(link.workdir / "store-0", config)
+            store._attach(link)
+            state = store._state
+            link.create(state.path, state.committed)
+            return store
+        except BaseException:
+            if store is not None:
+                store._state.shut()
+            link.close()
+            raise
+
+    @classmethod
+    def _open_remote(cls, url: str, *, read_only: bool, verify_reads: bool, lock_wait: float,
+                     storage_options: dict[str, Any] | None, refresh_seconds: float | None) -> Store:
+        if refresh_seconds is not None:
+            refresh_seconds = validation.number(refresh_seconds, "refresh_seconds", low=0.0)
+        link = remote.RemoteLink(url, storage_options)
+        try:
+            link.read_manifest()  # "not a store" before any lease is taken
+            if read_only:
+                store = cls._open_reader(link.materialize(), verify_reads)
+            else:
+                link.take_lease(validation.number(lock_wait, "lock_wait", low=0.0))
+                link.fence()
+                store = cls.open(link.materialize(), verify_reads=verify_reads)
+                link.published_generation = store._state.committed.generation
+        except BaseException:
+            link.close()
+            raise
+        store._attach(link)
+        store._refresh_seconds = refresh_seconds
+        return store
+
+    def refresh(self) -> bool:
+        """A reader of a store on object storage: take the newest commit if
+        there is one (one request when there is none); returns whether the
+        store changed.  Entries read before stay valid; ids a new commit
+        removed are gone.  Nothing for a writer or a local store."""
+        link = self._remote
+        self._refreshed = time.monotonic()
+        if link is None:
+            return False
+        with self._state.lock.exclusive():
+            self._state.check_open()
+            if not self._state.read_only:
+                return False
+            assert link.manifest is not None
+            seen = link.manifest.generation
+            if link.read_manifest().generation == seen:
+                return False
+            old = self._state
+            fresh = Store._open_reader(link.materialize(), old.verify_reads)
+            fresh._state.cache.fetcher = link.fetcher
+            link.fetcher.on_drop = fresh._state.cache.drop_uid
+            for name in ("_state", "_reader", "_writer", "_queries", "_compaction", "_eviction", "path", "config"):
+                setattr(self, name, getattr(fresh, name))
+            old.shut()
+            _io.remove_tree(old.path)
+            return True
+
+    def _maybe_refresh(self) -> None:
+        if self._refresh_seconds is not None and time.monotonic() - self._refreshed >= self._refresh_seconds:
+            self.refresh()
+
     @property
     def read_only(self) -> bool:
         return self._state.read_only
@@ -187,6 +312,7 @@ class Store:
         with self._state.lock.intent():
             self._state.check_writable()
             self._writer.flush(exact_ids=False)
+            self._publish()
 
     def close(self) -> None:
         """Flush (a writer), release the lock and drop the memory maps.  Idempotent."""
@@ -197,10 +323,13 @@ class Store:
             try:
                 if not state.read_only:
                     self._writer.close()
+                    self._publish()
             finally:
                 state.shut()
                 if self._release_unclosed is not None:
                     self._release_unclosed.detach()
+                if self._remote is not None:
+                    self._remote.close()
 
     def __enter__(self) -> Store:
         return self
@@ -224,7 +353,9 @@ class Store:
             with self._state.lock.exclusive():
                 self._state.check_writable()
                 self._eviction.make_room(batch)
-                return self._writer.insert(batch)[0]
+                entry_id = self._writer.insert(batch)[0]
+                self._publish()  # the limits may have evicted and committed
+                return entry_id
         finally:
             batch.release()  # copied into the open shard, or not stored
 
@@ -237,7 +368,9 @@ class Store:
             with self._state.lock.exclusive():
                 self._state.check_writable()
                 self._eviction.make_room(batch)
-                return self._writer.insert(batch)
+                ids = self._writer.insert(batch)
+                self._publish()
+                return ids
         finally:
             batch.release()
 
@@ -283,6 +416,7 @@ class Store:
         of a few tokens finds the entry that holds them, a query as long as
         an entry what mean pooling finds (docs/format.md, "Span signatures").
         """
+        self._maybe_refresh()
         with self._state.lock.shared():
             self._state.check_open()
             return self._queries.query(query, layer_idx, top_k, rerank=rerank, shortlist_factor=shortlist_factor,
@@ -304,6 +438,7 @@ class Store:
         are counted only once all are answered: a bad query, or a damaged
         entry met without on_damage="skip", raises and counts nothing.
         """
+        self._maybe_refresh()
         with self._state.lock.shared():
             self._state.check_open()
             return self._queries.query_many(queries, layer_idx, top_k, rerank=rerank,
@@ -421,7 +556,9 @@ class Store:
         bytes are freed by the next compaction.  Returns how many were evicted."""
         with self._state.lock.exclusive():
             self._state.check_writable()
-            return self._eviction.evict(validation.count(target_entries, "target_entries"))
+            evicted = self._eviction.evict(validation.count(target_entries, "target_entries"))
+            self._publish()
+            return evicted
 
     def plan_delete(self, entry_ids: Iterable[int]) -> DeletePlan:
         """Which of `entry_ids` delete() would remove and which name no live
@@ -440,7 +577,9 @@ class Store:
         ids = _entry_id_array(entry_ids)
         with self._state.lock.exclusive():
             self._state.check_writable()
-            return self._eviction.delete(ids, missing_ok=validation.flag(missing_ok, "missing_ok"))
+            plan = self._eviction.delete(ids, missing_ok=validation.flag(missing_ok, "missing_ok"))
+            self._publish()
+            return plan
 
     def plan_compaction(self) -> CompactionPlan:
         """What compact() would do and gain, without changing anything."""
@@ -460,7 +599,11 @@ class Store:
         with self._state.lock.exclusive():
             self._state.check_writable()
             share = validation.share(min_reclaim_share, "min_reclaim_share")
-            return self._compaction.run(share, progress)
+            report = self._compaction.run(share, progress)
+            self._publish(snapshot=True)  # the small files whole: the list of state objects starts again
+            if self._remote is not None:
+                self._remote.remove_orphans()
+            return report
 
     def put_cache(self, cache: Any, *, chunk_tokens: int | None = None, importance: float = 1.0,
                   layers: Iterable[int] | None = None) -> dict[int, list[int]]:
@@ -503,7 +646,8 @@ class Store:
                 unflushed=state.n - state.committed_n,
                 layers=state.index.layer_counts(),
                 shards=shard_rows,
-                bytes_on_disk=layout.directory_bytes(self.path),
+                bytes_on_disk=(layout.directory_bytes(self.path) if self._remote is None
+                               else self._remote.total_bytes()),
                 live_bytes=int(np.sum(shard_file.entry_bytes(n_tokens, self.config.embed_dim,
                                                              self.config.storage_dtype,
                                                              self.config.signatures_per_entry))),
@@ -515,13 +659,36 @@ class Store:
                 kernels=kernels.describe(),
                 health=self._reader.health(),
                 limits=state.limits,
+                remote=self._remote_stats(),
             )
+
+    def _remote_stats(self) -> RemoteStats | None:
+        link = self._remote
+        if link is None or link.manifest is None:
+            return None
+        counts = link.client.stats
+        return RemoteStats(url=link.url, endpoint=link.client.endpoint, generation=link.manifest.generation,
+                           state_objects=len(link.manifest.state), object_bytes=link.total_bytes(),
+                           requests=counts.requests, gets=counts.gets, puts=counts.puts, deletes=counts.deletes,
+                           lists=counts.lists, bytes_fetched=counts.bytes_fetched, bytes_sent=counts.bytes_sent,
+                           cached_shard_bytes=link.fetcher.cached_bytes(), cache_dir=str(link.workdir))
 
     def size(self) -> int:
         """Bytes on disk: the files of the store directory (the lock file's
         transient owner record aside)."""
         with self._state.lock.shared():
             return layout.directory_bytes(self.path)
+
+
+def _local_only(storage_options: Any) -> None:
+    if storage_options is not None:
+        raise InvalidArgumentError("storage_options apply to stores on object storage (s3://...) only")
+
+
+def _release_all(writer: Any, link: remote.RemoteLink) -> None:
+    if writer is not None:
+        writer.release()
+    link.close()
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:

@@ -1,0 +1,226 @@
+"""A store on object storage: the names of its objects, its manifest, the
+state objects that carry its records, and the writer's lease
+(docs/format.md, "Stores on object storage").
+
+    manifest.json                 the commit point, replaced by conditional writes
+    lease.json                    the single writer's lease
+    shards/<uid>.safetensors      a shard file, byte for byte (never changed)
+    state/<generation>-<n>.bin    changes to the store's small files (never changed)
+
+A local store's small files (entries.bin, pooled.bin, sources.jsonl)
+change in place; on object storage nothing changes in place.  Each commit
+instead writes one state object holding the byte ranges of those files
+that changed since the previous commit (a record's access count, appended
+records); the manifest lists the state objects from the last snapshot (a
+state object holding the files whole) on.  Applying them in order gives
+the files.  A writer writes a new snapshot when the list grows long, and
+at every compaction, so the list stays short.
+
+The manifest also carries the local format's index.json text unchanged
+(docs/format.md, "index.json"): what the store holds is described once.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from typing import Any
+
+import numpy as np
+
+from hmem.errors import CorruptStoreError, Hint, NotAStoreError, UnsupportedFormatError
+from hmem.formats.pooled import POOLED_FILE
+from hmem.formats.records import ENTRIES_FILE
+from hmem.formats.sources import SOURCES_FILE
+from hmem.kernels import checksum as checksum_kernels
+
+FORMAT_NAME = "hmem-object-store"
+FORMAT_VERSION = 1
+MANIFEST_KEY = "manifest.json"
+LEASE_KEY = "lease.json"
+SHARD_PREFIX = "shards/"
+STATE_PREFIX = "state/"
+# the small files a state object carries, by number
+STATE_FILES = (ENTRIES_FILE, POOLED_FILE, SOURCES_FILE)
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_STATE_OBJECTS = 10_000
+
+_STATE_MAGIC = b"HMEMSTAT"
+_STATE_HEAD = struct.Struct("<8sII")  # magic, version, number of pieces
+_PIECE = np.dtype([("file", "<u4"), ("zero", "<u4"), ("offset", "<u8"), ("length", "<u8")])
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "LEASE_KEY", "MANIFEST_KEY", "STATE_FILES", "Lease", "RemoteManifest",
+           "apply_state", "encode_state", "shard_key", "state_key"]
+
+
+def shard_key(uid: str) -> str:
+    return f"{SHARD_PREFIX}{uid}.safetensors"
+
+
+def state_key(generation: int, token: str) -> str:
+    return f"{STATE_PREFIX}{generation:012d}-{token}.bin"
+
+
+def _crc(data: bytes | memoryview) -> int:
+    return int(checksum_kernels.crc32c(data))
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+# ---- state objects ---------------------------------------------------------------------
+
+
+def encode_state(pieces: list[tuple[int, int, bytes | memoryview]]) -> bytes:
+    """A state object: (file number, offset, bytes) pieces, then a CRC-32C
+    of everything before it.
+
+    Layout (little-endian): 8 bytes "HMEMSTAT", u32 version (1), u32 count;
+    count rows of (u32 file, u32 zero, u64 offset, u64 length); the pieces'
+    bytes in row order; u32 CRC-32C of all the preceding bytes."""
+    table = np.zeros(len(pieces), dtype=_PIECE)
+    for row, (file, offset, data) in enumerate(pieces):
+        table[row] = (file, 0, offset, len(data))
+    parts = [_STATE_HEAD.pack(_STATE_MAGIC, 1, len(pieces)), table.tobytes(), *(bytes(d) for _, _, d in pieces)]
+    body = b"".join(parts)
+    return body + struct.pack("<I", _crc(body))
+
+
+def apply_state(data: bytes, files: list[bytearray], key: str) -> None:
+    """Write a state object's pieces into `files` (one bytearray per
+    STATE_FILES entry, sized as the manifest says); refuses a damaged
+    object or a piece outside its file."""
+    def bad(why: str) -> CorruptStoreError:
+        return CorruptStoreError(f"state object {key} is damaged: {why}", hint=Hint.VERIFY)
+
+    if len(data) < _STATE_HEAD.size + 4:
+        raise bad("too short")
+    if _crc(memoryview(data)[:-4]) != struct.unpack_from("<I", data, len(data) - 4)[0]:
+        raise bad("it fails its checksum")
+    magic, version, count = _STATE_HEAD.unpack_from(data, 0)
+    if magic != _STATE_MAGIC or version != 1:
+        raise bad("wrong magic or version")
+    start = _STATE_HEAD.size + count * _PIECE.itemsize
+    if start > len(data) - 4:
+        raise bad("its table runs past its end")
+    table = np.frombuffer(data, dtype=_PIECE, count=count, offset=_STATE_HEAD.size)
+    at = start
+    for file, _, offset, length in table.tolist():
+        if file >= len(files) or offset + length > len(files[file]) or at + length > len(data) - 4:
+            raise bad("a piece lies outside its file")
+        files[file][offset:offset + length] = data[at:at + length]
+        at += length
+    if at != len(data) - 4:
+        raise bad("its pieces do not fill it")
+
+
+# ---- the manifest ----------------------------------------------------------------------
+
+
+class RemoteManifest:
+    """manifest.json: one committed state of a store on object storage."""
+
+    def __init__(self, *, generation: int, index: bytes, sizes: dict[str, int], state: list[dict[str, Any]],
+                 shards: dict[str, dict[str, Any]], retired: list[dict[str, Any]], writer: str,
+                 committed: float | None = None) -> None:
+        self.generation = generation
+        self.index = index  # the index.json text of the local format (hmem/formats/manifest.py)
+        self.sizes = sizes  # STATE_FILES name -> bytes
+        self.state = state  # [{"key", "bytes"}], oldest first; the first a snapshot
+        self.shards = shards  # uid -> {"key", "bytes"}
+        self.retired = retired  # [{"key", "since"}]: objects no commit names, deleted after a grace time
+        self.writer = writer  # the lease token of the writer that committed
+        self.committed = time.time() if committed is None else committed
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "generation": self.generation,
+            "committed": self.committed,
+            "writer": self.writer,
+            "index": self.index.decode(),
+            "files": self.sizes,
+            "state": self.state,
+            "shards": self.shards,
+            "retired": self.retired,
+        }
+        body["checksum"] = f"crc32c:{_crc(_canonical(body)):08x}"
+        return json.dumps(body, indent=1).encode() + b"\n"
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> RemoteManifest:
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise CorruptStoreError(f"{where} is not valid JSON", hint=Hint.VERIFY) from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise NotAStoreError(f"{where} is not the manifest of an hmem store on object storage")
+        if doc.get("format_version") != FORMAT_VERSION:
+            raise UnsupportedFormatError(
+                f"{where} uses object-store format version {doc.get('format_version')!r}; "
+                f"this hmem reads version {FORMAT_VERSION}", hint="use the hmem release that wrote it")
+        stored = doc.pop("checksum", None)
+        if stored != f"crc32c:{_crc(_canonical(doc)):08x}":
+            raise CorruptStoreError(f"{where} fails its checksum", hint=Hint.VERIFY)
+        try:
+            mf = cls(generation=int(doc["generation"]), index=str(doc["index"]).encode(),
+                     sizes={name: int(doc["files"][name]) for name in STATE_FILES},
+                     state=[{"key": str(s["key"]), "bytes": int(s["bytes"])} for s in doc["state"]],
+                     shards={str(uid): {"key": str(s["key"]), "bytes": int(s["bytes"])}
+                             for uid, s in doc["shards"].items()},
+                     retired=[{"key": str(r["key"]), "since": float(r["since"])} for r in doc["retired"]],
+                     writer=str(doc["writer"]), committed=float(doc["committed"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptStoreError(f"{where} is missing or has a malformed field ({exc})", hint=Hint.VERIFY) from None
+        problem = mf._problem()
+        if problem:
+            raise CorruptStoreError(f"{where}: {problem}", hint=Hint.VERIFY)
+        return mf
+
+    def _problem(self) -> str | None:
+        """What an untrusted manifest may not say (docs/security.md): keys
+        outside the store's own names, sizes past the bounds."""
+        if not 0 <= self.generation < 1 << 63:
+            return "generation out of range"
+        if any(not 0 <= size <= MAX_MANIFEST_BYTES * 1024 for size in self.sizes.values()):
+            return "a file size is out of range"
+        if not self.state or len(self.state) > MAX_STATE_OBJECTS:
+            return "it lists no state objects, or too many"
+        for item in self.state:
+            if not item["key"].startswith(STATE_PREFIX) or ".." in item["key"]:
+                return f"{item['key']!r} is not a state object's name"
+        for uid, item in self.shards.items():
+            if item["key"] != shard_key(uid) or len(uid) != 32 or any(c not in "0123456789abcdef" for c in uid):
+                return f"{item['key']!r} is not the name of shard {uid!r}"
+        return None
+
+
+# ---- the lease -------------------------------------------------------------------------
+
+
+class Lease:
+    """lease.json: who may write, until when.  A writer creates it with a
+    create-only write, renews it with a write conditional on the ETag it
+    last wrote, and may take it over only once it has expired."""
+
+    def __init__(self, token: str, owner: dict[str, Any], expires: float) -> None:
+        self.token = token
+        self.owner = owner
+        self.expires = expires
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": FORMAT_NAME + "-lease", "token": self.token, "owner": self.owner,
+                           "expires": self.expires}).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> Lease | None:
+        """The lease, or None for a document that is not one (a damaged
+        lease counts as expired)."""
+        try:
+            doc = json.loads(data)
+            return cls(str(doc["token"]), dict(doc["owner"]), float(doc["expires"]))
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError):
+            return None

@@ -1,0 +1,247 @@
+"""The one module that talks to object storage (S3 and S3-compatible
+servers: MinIO, R2, GCS's S3 API), as hmem/_io.py is the one that writes
+local files.
+
+A store on object storage is named by a URL, ``s3://bucket/prefix``
+(docs/format.md, "Stores on object storage").  Endpoint and credentials
+come from the standard environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_SESSION_TOKEN); `storage_options`
+override them.  Requests go through obstore (a maintained client whose
+conditional writes map to If-None-Match and If-Match; docs/benchmarks.md,
+"Object storage", says why it was chosen), with a bounded timeout and few
+retries so that a server that stops answering gives a clean error rather
+than a hang.  Every request is counted (`ObjectStats`): ``hmem stats``
+shows them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hmem.errors import InvalidArgumentError, StorageError
+
+SCHEMES = ("s3://",)
+# storage_options hmem understands; anything else is refused by name
+OPTION_NAMES = ("endpoint", "access_key_id", "secret_access_key", "session_token", "region",
+                "allow_http", "timeout", "connect_timeout", "max_retries")
+_DEFAULT_TIMEOUT = 30.0  # seconds per request
+_DEFAULT_CONNECT_TIMEOUT = 5.0
+_DEFAULT_RETRIES = 3
+
+
+def is_url(location: object) -> bool:
+    """Whether `location` names a store on object storage rather than a directory."""
+    return isinstance(location, str) and location.startswith(SCHEMES)
+
+
+class ConditionFailed(Exception):
+    """A conditional write lost: the object exists (create) or changed (update)."""
+
+
+class ObjectMissing(Exception):
+    """The object does not exist."""
+
+
+@dataclasses.dataclass
+class ObjectStats:
+    """Requests made and bytes moved by one client, by kind."""
+
+    gets: int = 0
+    puts: int = 0
+    deletes: int = 0
+    lists: int = 0
+    bytes_fetched: int = 0
+    bytes_sent: int = 0
+
+    @property
+    def requests(self) -> int:
+        return self.gets + self.puts + self.deletes + self.lists
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A parsed store URL."""
+
+    url: str
+    bucket: str
+    prefix: str  # without leading or trailing "/"; "" for the bucket's root
+
+
+def parse_url(url: str) -> Location:
+    if not is_url(url):
+        raise InvalidArgumentError(f"{url!r} is not an object-store URL", hint="give s3://bucket/prefix")
+    rest = url[len("s3://"):]
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    if not bucket or "//" in prefix or any(part in (".", "..") for part in prefix.split("/") if prefix):
+        raise InvalidArgumentError(f"{url!r} is not a valid store URL", hint="give s3://bucket/prefix")
+    return Location(f"s3://{bucket}/{prefix}".rstrip("/"), bucket, prefix)
+
+
+def _seconds(value: Any, name: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"storage option {name} must be a number of seconds, got {value!r}") from None
+    if not 0 < seconds < 86400:
+        raise InvalidArgumentError(f"storage option {name} must be between 0 and 86400 seconds, got {value!r}")
+    return seconds
+
+
+class ObjectClient:
+    """The objects under one store URL: whole and ranged reads, plain and
+    conditional writes, deletes and listings, each counted."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.location = parse_url(url)
+        options = dict(storage_options or {})
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise InvalidArgumentError(f"unknown storage option(s): {', '.join(unknown)}",
+                                       hint="storage options are " + ", ".join(OPTION_NAMES))
+        try:
+            import obstore
+            from obstore.store import S3Store
+        except ImportError:
+            raise InvalidArgumentError("stores on object storage need the obstore package",
+                                       hint="install it with pip install 'hmem[s3]'") from None
+        self._obstore = obstore
+        env = os.environ
+        endpoint = options.get("endpoint", env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
+        config: dict[str, Any] = {}
+        for name, variable in (("access_key_id", "AWS_ACCESS_KEY_ID"), ("secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+                               ("session_token", "AWS_SESSION_TOKEN")):
+            value = options.get(name, env.get(variable))
+            if value:
+                config[name] = str(value)
+        config["region"] = str(options.get("region", env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+                                           or "us-east-1"))
+        if endpoint:
+            config["endpoint"] = str(endpoint)
+        allow_http = options.get("allow_http", bool(endpoint) and str(endpoint).startswith("http://"))
+        timeout = _seconds(options.get("timeout", _DEFAULT_TIMEOUT), "timeout")
+        connect = _seconds(options.get("connect_timeout", _DEFAULT_CONNECT_TIMEOUT), "connect_timeout")
+        retries = options.get("max_retries", _DEFAULT_RETRIES)
+        if not isinstance(retries, int) or isinstance(retries, bool) or not 0 <= retries <= 20:
+            raise InvalidArgumentError(f"storage option max_retries must be an integer 0..20, got {retries!r}")
+        self.endpoint = config.get("endpoint", "AWS")
+        try:
+            self._store = S3Store(
+                self.location.bucket,
+                prefix=self.location.prefix or None,
+                client_options={"allow_http": bool(allow_http), "timeout": datetime.timedelta(seconds=timeout),
+                                "connect_timeout": datetime.timedelta(seconds=connect)},
+                retry_config={"max_retries": retries,
+                              "retry_timeout": datetime.timedelta(seconds=timeout * (retries + 1)),
+                              "backoff": {"init_backoff": datetime.timedelta(milliseconds=100),
+                                          "max_backoff": datetime.timedelta(seconds=2), "base": 2}},
+                **config,
+            )
+        except Exception as exc:  # a malformed endpoint or option, from the client
+            raise InvalidArgumentError(f"cannot use {url}: {exc}") from None
+        self.stats = ObjectStats()
+        self._stats_lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.location.url
+
+    def _count(self, kind: str, fetched: int = 0, sent: int = 0) -> None:
+        with self._stats_lock:
+            setattr(self.stats, kind, getattr(self.stats, kind) + 1)
+            self.stats.bytes_fetched += fetched
+            self.stats.bytes_sent += sent
+
+    def _fail(self, exc: Exception, operation: str, key: str) -> Exception:
+        """The hmem error for a failed request (the client's own errors
+        carry the whole HTTP exchange; keep its first line)."""
+        from obstore import exceptions as obx
+
+        if isinstance(exc, obx.NotFoundError) or isinstance(exc, FileNotFoundError):
+            return ObjectMissing(key)
+        if isinstance(exc, (obx.AlreadyExistsError, obx.PreconditionError)):
+            return ConditionFailed(key)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if len(first) > 300:
+            first = first[:300] + "..."
+        hint = ("check the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)"
+                if isinstance(exc, (obx.PermissionDeniedError, obx.UnauthenticatedError))
+                else f"check that {self.endpoint} is reachable, then try again")
+        return StorageError(f"cannot {operation} {self.url}/{key}: {first}", hint=hint)
+
+    # ---- reads -----------------------------------------------------------------------
+
+    def get(self, key: str) -> tuple[bytes, str]:
+        """An object's bytes and its ETag."""
+        try:
+            result = self._obstore.get(self._store, key)
+            data = bytes(result.bytes())
+        except Exception as exc:
+            self._count("gets")
+            raise self._fail(exc, "read", key) from None
+        self._count("gets", fetched=len(data))
+        return data, str(result.meta["e_tag"])
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object."""
+        try:
+            data = bytes(self._obstore.get_range(self._store, key, start=start, end=end))
+        except Exception as exc:
+            self._count("gets")
+            raise self._fail(exc, "read", key) from None
+        self._count("gets", fetched=len(data))
+        if len(data) != end - start:
+            raise StorageError(f"{self.url}/{key} is shorter than expected: asked {end - start} bytes "
+                               f"from {start}, got {len(data)}", hint="check the store with hmem verify")
+        return data
+
+    def list(self, prefix: str = "") -> list[tuple[str, int]]:
+        """(key, size) of every object under `prefix`, keys relative to the store."""
+        try:
+            found: list[tuple[str, int]] = []
+            for batch in self._obstore.list(self._store, prefix=prefix or None):
+                found.extend((str(meta["path"]), int(meta["size"])) for meta in batch)
+        except Exception as exc:
+            self._count("lists")
+            raise self._fail(exc, "list", prefix) from None
+        self._count("lists")
+        return found
+
+    # ---- writes ----------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes | Path, *, create_only: bool = False, if_match: str | None = None) -> str:
+        """Write an object whole; returns its new ETag.  `create_only`: only
+        if no object has the key (If-None-Match: *); `if_match`: only if the
+        object still has that ETag.  A lost condition raises ConditionFailed."""
+        mode: Any = "overwrite"
+        if create_only:
+            mode = "create"
+        elif if_match is not None:
+            mode = {"e_tag": if_match}
+        size = data.stat().st_size if isinstance(data, Path) else len(data)
+        try:
+            result = self._obstore.put(self._store, key, data, mode=mode)
+        except Exception as exc:
+            self._count("puts")
+            raise self._fail(exc, "write", key) from None
+        self._count("puts", sent=size)
+        return str(result["e_tag"])
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """Delete objects (a missing one is no error)."""
+        for key in keys:
+            try:
+                self._obstore.delete(self._store, key)
+            except Exception as exc:
+                self._count("deletes")
+                failure = self._fail(exc, "delete", key)
+                if not isinstance(failure, ObjectMissing):
+                    raise failure from None
+                continue
+            self._count("deletes")
