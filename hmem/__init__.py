@@ -51,6 +51,8 @@ from hmem.prefix_hit.operators import (
 from hmem.store.bridge import AugmentedKV, Segment
 from hmem.recovery.repair import RepairReport, repair
 from hmem.formats.manifest import FORMAT_VERSION
+from hmem.formats.remote import FORMAT_VERSION as OBJECT_FORMAT_VERSION
+from hmem.object_store import is_url as is_store_url
 from hmem.formats.sources import ImportedSource
 from hmem.kernels import describe as kernel_info
 from hmem.store.results import (
@@ -62,6 +64,7 @@ from hmem.store.results import (
     LimitActivity,
     QueryResult,
     QueryResults,
+    RemoteStats,
     ShardStats,
     SkippedEntry,
     StoredEntry,
@@ -102,6 +105,9 @@ __all__ = [
     "find_kv_files",
     "import_files",
     "is_store",
+    "is_store_url",
+    "OBJECT_FORMAT_VERSION",
+    "RemoteStats",
     "cache_tensors",
     "LAYOUTS",
     "kernel_info",

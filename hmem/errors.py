@@ -86,6 +86,7 @@ class Hint:
     LOCK_WAIT = "wait for the writer to finish, or open with lock_wait=SECONDS to wait for it"
     CREATE = "create one with Store.create(path, embed_dim=...)"
     OPEN_AGAIN = "open the store again"
+    REFRESH = "take the newest commit with Store.refresh(), or open the store again"
     ROLL_FORWARD = "roll the store forward to what its files hold with hmem.repair(path): every intact entry is kept"
 
 

@@ -490,3 +490,104 @@ def store_internals() -> _StoreInternals:
     ``.abandon_writer(store)``: the only checks that reach past the Store's
     public API (see the comment above _StoreInternals)."""
     return _StoreInternals()
+
+
+# ---- a local S3-compatible server (stores on object storage) ------------------------
+# moto in server mode, started on 127.0.0.1 by the tests and stopped after
+# them: real HTTP requests, real conditional writes (docs/format.md,
+# "Stores on object storage").  Its data lives in this process, so a server
+# stopped and started again on the same port holds what it held.
+
+S3_BUCKET = "hmem-tests"
+S3_ACCESS = {"AWS_ACCESS_KEY_ID": "hmem-test", "AWS_SECRET_ACCESS_KEY": "hmem-test-secret",
+             "AWS_REGION": "us-east-1"}
+
+
+class S3Server:
+    """A moto server on 127.0.0.1 that a test may stop and start again."""
+
+    def __init__(self, port: int = 0) -> None:
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        self._server.start()
+        host, self.port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{self.port}"
+        self.running = True
+
+    def stop(self) -> None:
+        if self.running:
+            self._server.stop()
+            self.running = False
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        if not self.running:
+            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+            self._server.start()
+            self.running = True
+
+    def env(self) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": self.endpoint, **S3_ACCESS}
+
+    def objects(self, prefix: str) -> dict[str, bytes]:
+        """Every object under `prefix` of the test bucket, read directly."""
+        client = self.boto()
+        out = {}
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=S3_BUCKET, Prefix=prefix + "/"):
+            for item in page.get("Contents", []):
+                key = item["Key"]
+                out[key[len(prefix) + 1:]] = client.get_object(Bucket=S3_BUCKET, Key=key)["Body"].read()
+        return out
+
+    def put_object(self, prefix: str, key: str, data: bytes) -> None:
+        self.boto().put_object(Bucket=S3_BUCKET, Key=f"{prefix}/{key}", Body=data)
+
+    def delete_object(self, prefix: str, key: str) -> None:
+        self.boto().delete_object(Bucket=S3_BUCKET, Key=f"{prefix}/{key}")
+
+    def boto(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=S3_ACCESS["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=S3_ACCESS["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    server = S3Server()
+    server.boto().create_bucket(Bucket=S3_BUCKET)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch, tmp_path) -> S3Server:
+    """The standard AWS environment pointed at the local server, and a
+    private cache directory for the stores' working copies."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("HMEM_CACHE_DIR", str(tmp_path / "hmem-cache"))
+    return s3_server
+
+
+@pytest.fixture
+def s3_url(s3_env, request) -> str:
+    """A fresh store URL (its own prefix of the test bucket)."""
+    import uuid
+
+    return f"s3://{S3_BUCKET}/{request.node.name[:40].replace('[', '-').replace(']', '')}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def own_s3_server(s3_server) -> Iterator[S3Server]:
+    """A second server of the test's own, which it may stop and start; it
+    sees the session server's buckets (moto keeps one backend per process)."""
+    server = S3Server()
+    yield server
+    server.stop()

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from hmem import FORMAT_VERSION, HmemError, __version__, kernel_info
+from hmem import FORMAT_VERSION, OBJECT_FORMAT_VERSION, HmemError, __version__, kernel_info
 from hmem.cli import (
     cmd_compact,
     cmd_demo,
@@ -182,7 +182,8 @@ app = typer.Typer(
 
 def version_text() -> str:
     return (f"hmem {__version__} (store format {FORMAT_VERSION}: reads {FORMAT_VERSION}, writes {FORMAT_VERSION}; "
-            f"{kernel_info()})")
+            f"object-store format {OBJECT_FORMAT_VERSION}: reads {OBJECT_FORMAT_VERSION}, "
+            f"writes {OBJECT_FORMAT_VERSION}; {kernel_info()})")
 
 
 def _version(value: bool) -> None:

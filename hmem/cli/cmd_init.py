@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -17,7 +16,8 @@ from hmem.cli.units import parse_size
 
 
 def init(
-    path: Annotated[Path, typer.Argument(help="Directory of the new store (missing or empty).", show_default=False)],
+    path: Annotated[str, typer.Argument(help="Directory of the new store (missing or empty), or "
+                                        "s3://bucket/prefix.", show_default=False)],
     embed_dim: Annotated[int, typer.Option("--embed-dim", "-d", help="Width of every K/V row.", show_default=False)],
     hdc_dim: Annotated[int, typer.Option("--hdc-dim", help="Signature bits per entry, a multiple of 64.")] = 4096,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the signature projection.")] = 0,

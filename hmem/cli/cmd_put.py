@@ -9,32 +9,38 @@ from typing import Annotated
 
 import typer
 
-from hmem import LAYOUTS, InvalidArgumentError, Store, find_kv_files, import_files, is_store
+from hmem import LAYOUTS, InvalidArgumentError, Store, find_kv_files, import_files, is_store, is_store_url
 from hmem.cli import signals
 from hmem.cli.put_report import report as _report
 from hmem.cli.options import STORE_ENV, DryRunOption, JsonOption, LockWaitOption, QuietOption
 from hmem.cli.output import Output
 
 
-def _store_and_inputs(paths: list[Path]) -> tuple[Path, list[Path]]:
+def _is_store(text: str) -> bool:
+    return is_store_url(text) or is_store(text)
+
+
+def _store_and_inputs(args: list[str]) -> tuple[str, list[Path]]:
     """STORE FILES...: the store may be left out when HMEM_STORE names it.
     A first path that is neither a store nor an existing file or directory
     is a store name (mistyped, or not made yet), never a file to import."""
     env = os.environ.get(STORE_ENV)
-    if env and paths and not is_store(paths[0]) and not paths[0].exists() and len(paths) > 1:
+    stores = [_is_store(arg) for arg in args[:1]]
+    paths = [Path(arg) for arg in args]
+    if env and args and not stores[0] and not paths[0].exists() and len(paths) > 1:
         raise InvalidArgumentError(f"{paths[0]} is not a store, nor a file or directory to import",
                                    hint=f"give an existing store, or only the files to import into {env} "
                                    f"({STORE_ENV})")
-    if env and (not paths or not is_store(paths[0])):
-        return Path(env), paths
+    if env and (not paths or not stores[0]):
+        return env, paths
     if len(paths) < 2:
         raise InvalidArgumentError("give the store and at least one file or directory to import",
                                    hint=f"or set {STORE_ENV} and give only the files")
-    return paths[0], paths[1:]
+    return args[0], paths[1:]
 
 
 def put(
-    paths: Annotated[list[Path], typer.Argument(
+    paths: Annotated[list[str], typer.Argument(
         metavar="[STORE] FILES...",
         help="The store (may be left out when HMEM_STORE is set), then safetensors files or directories "
         "searched for *.safetensors.", show_default=False)],
@@ -76,7 +82,7 @@ def put(
     if layout is not None and layout not in LAYOUTS:
         raise InvalidArgumentError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     store, inputs = _store_and_inputs(paths)
-    files = find_kv_files(inputs, store=store)
+    files = find_kv_files(inputs, store=None if is_store_url(store) else store)
     if not files:
         raise InvalidArgumentError("no .safetensors files found in " + ", ".join(map(str, inputs)))
     total = sum(p.stat().st_size for p in files if p.is_file())

@@ -36,7 +36,13 @@ def stats(
                     + (f", {st.unflushed} unflushed" if st.unflushed else ""))
     summary.add_row("layers", str(len(st.layers)))
     summary.add_row("shards", str(len(st.shards)))
-    summary.add_row("on disk", human_bytes(st.bytes_on_disk))
+    summary.add_row("on disk" if st.remote is None else "objects", human_bytes(st.bytes_on_disk))
+    if st.remote is not None:
+        r = st.remote
+        summary.add_row("object store", f"{r.endpoint}, manifest generation {r.generation}, "
+                        f"{r.state_objects} state object(s)")
+        summary.add_row("requests", f"{r.requests} ({r.gets} get, {r.puts} put, {r.deletes} delete, {r.lists} list); "
+                        f"{human_bytes(r.bytes_fetched)} fetched, {human_bytes(r.bytes_sent)} sent")
     summary.add_row("live K/V", human_bytes(st.live_bytes))
     summary.add_row("reclaimable", f"{human_bytes(st.reclaimable_bytes)} (run 'hmem compact')"
                     if st.reclaimable_bytes else "0 B")

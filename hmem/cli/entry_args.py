@@ -7,7 +7,6 @@ and it is an entry id that names no store directory."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -26,12 +25,12 @@ EntryIdArgument = Annotated[list[str], _argument("ID", "the entry's id")]
 EntryIdsArgument = Annotated[list[str], _argument("ID...", "the entries' ids")]
 
 
-def store_and_ids(args: list[str], *, one: bool) -> tuple[Path, list[int]]:
+def store_and_ids(args: list[str], *, one: bool) -> tuple[str, list[int]]:
     env = os.environ.get(STORE_ENV)
     if env and args and _is_id(args[0]) and not is_store(args[0]) and (not one or len(args) == 1):
-        store, rest = Path(env), args
+        store, rest = env, args
     elif len(args) >= 2:
-        store, rest = Path(args[0]), args[1:]
+        store, rest = args[0], args[1:]
     else:
         what = "the entry id" if one else "at least one entry id"
         raise InvalidArgumentError(f"give the store and {what}", hint=f"or set {STORE_ENV} and give only the "

@@ -4,7 +4,6 @@ fields (named as in `hmem query --json`) and the human cells."""
 from __future__ import annotations
 
 import datetime
-from pathlib import Path
 from typing import Any
 
 from hmem import EntryInfo, EntryNotFoundError
@@ -59,6 +58,6 @@ def utc_time(ns: int) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def not_found(exc: EntryNotFoundError, store: Path) -> EntryNotFoundError:
+def not_found(exc: EntryNotFoundError, store: str) -> EntryNotFoundError:
     """The library's error with the hint worded for the command line."""
     return EntryNotFoundError(exc.message, hint=f"'hmem ls {store}' lists the live entries")

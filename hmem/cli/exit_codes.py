@@ -125,6 +125,7 @@ HINT_WORDING: dict[str, str] = {
     Hint.LOCK_WAIT: "wait for it to finish, or retry with a lock wait such as --lock-wait 30",
     Hint.CREATE: "create one with 'hmem init'",
     Hint.OPEN_AGAIN: "try the command again",
+    Hint.REFRESH: "try the command again",
     Hint.ROLL_FORWARD: "run 'hmem verify --repair': it rolls the store forward and keeps every intact entry",
 }
 

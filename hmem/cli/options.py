@@ -18,9 +18,11 @@ QuietOption = Annotated[
 
 STORE_ENV = "HMEM_STORE"
 
+# a str, not a Path: a store may be a URL (s3://bucket/prefix), which a Path would mangle
 StoreArgument = Annotated[
-    Path,
-    typer.Argument(envvar=STORE_ENV, show_envvar=True, help="The store directory (or set HMEM_STORE).",
+    str,
+    typer.Argument(envvar=STORE_ENV, show_envvar=True,
+                   help="The store: a directory or s3://bucket/prefix (or set HMEM_STORE).",
                    show_default=False),
 ]
 LockWaitOption = Annotated[

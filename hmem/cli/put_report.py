@@ -3,7 +3,6 @@ what a run that a signal stopped committed (docs/cli.md, "Interrupts")."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from rich.text import Text
@@ -18,7 +17,7 @@ from hmem.cli.output import Output, human_bytes
 FILES_SHOWN = 20  # files listed with their ids in the human summary
 
 
-def report(out: Output, store: Path, dry_run: bool, result: ImportReport, before: StoreStats, after: StoreStats,
+def report(out: Output, store: str, dry_run: bool, result: ImportReport, before: StoreStats, after: StoreStats,
            seconds: float) -> int:
     """Print the summary of an import; returns the exit code: 0 when every
     file went in (or was in already), 3 (partial) when some were skipped,

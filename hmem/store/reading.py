@@ -100,6 +100,8 @@ class EntryReader:
             # Say what really happened: a reader whose files a writer has
             # since replaced (compaction) sees them as missing or foreign;
             # when nothing was committed since, the file itself is damaged.
+            if isinstance(exc, StoreChangedError) and state.cache.fetcher is not None:
+                raise  # on object storage: a newer commit removed the object (hmem/store/remote.py)
             changed = state.store_changed()
             if changed and state.read_only:
                 raise StoreChangedError(f"{state.path} was changed by a writer since it was opened",

@@ -133,7 +133,10 @@ class RemoteShardFile:
             for lo, hi in zip(edges[0::2], edges[1::2]):
                 begin = (first + int(lo)) * FETCH_BLOCK
                 stop = min((first + int(hi)) * FETCH_BLOCK, self.size)
-                data = self.fetcher.client.get_range(self.key, begin, stop) if stop > begin else b""
+                try:
+                    data = self.fetcher.client.get_range(self.key, begin, stop) if stop > begin else b""
+                except ObjectMissing:
+                    raise self.fetcher.missing(self.key) from None
                 _io.write_cache_at(self.fd, self.path, begin, data)
                 self.present[first + int(lo): first + int(hi)] = True
                 self.fetcher.fetched(len(data))
@@ -161,6 +164,19 @@ class ShardFetcher:
         self._bytes = 0
         self._lock = threading.RLock()
         self.on_drop: Any = None  # called with a uid whose file was dropped (the shard cache forgets its map)
+        self.manifest_etag: str | None = None  # of the commit the shards were named by
+
+    def missing(self, key: str) -> Exception:
+        """The error for a shard object that is gone: the store changed
+        (a newer commit retired and removed it) or it is damaged."""
+        try:
+            _, etag = self.client.get(fmt.MANIFEST_KEY)
+        except ObjectMissing:
+            etag = None
+        if etag != self.manifest_etag:
+            return StoreChangedError(f"{self.client.url} changed since it was opened (shard object {key} is gone)",
+                                     hint=Hint.REFRESH)
+        return CorruptStoreError(f"{self.client.url}: shard object {key} is missing", hint=Hint.VERIFY)
 
     def source(self, uid: str) -> RemoteShardFile | None:
         """The local mirror of shard `uid`, or None when its file is local
@@ -351,7 +367,7 @@ class RemoteLink:
                 data, _ = self.client.get(item["key"])
             except ObjectMissing:
                 raise StoreChangedError(f"{self.url} changed while it was being read (state object "
-                                        f"{item['key']} is gone)", hint=Hint.OPEN_AGAIN) from None
+                                        f"{item['key']} is gone)", hint=Hint.REFRESH) from None
             fmt.apply_state(data, files, item["key"])
         self._dirs += 1
         directory = self.workdir / f"store-{self._dirs}"
@@ -362,6 +378,7 @@ class RemoteLink:
                 _io.write_file(directory / name, [content])
         self.images = [np.frombuffer(bytes(content), dtype=np.uint8) for content in files]
         self.fetcher.remote = dict(mf.shards)
+        self.fetcher.manifest_etag = self.etag
         return directory
 
     # ---- the writer ------------------------------------------------------------------
@@ -385,6 +402,7 @@ class RemoteLink:
             except ConditionFailed:
                 continue  # the previous holder committed meanwhile: read again
             self.manifest = fenced
+            self.fetcher.manifest_etag = self.etag
             return
         raise StoreLockedError(f"{self.url} kept changing under this writer's lease", hint=Hint.OPEN_AGAIN)
 
@@ -470,6 +488,7 @@ class RemoteLink:
                                    "taken over: nothing was committed", hint=Hint.OPEN_AGAIN) from None
         _io.crash_point("remote.committed")
         self.manifest, self.etag, self.images = new_mf, etag, images
+        self.fetcher.manifest_etag = etag
         self.published_generation = generation
         # this writer's shards are complete local files: never fetched
         self.fetcher.remote = {uid: s for uid, s in named.items() if uid in self.fetcher.remote}

@@ -637,7 +637,7 @@ class Store:
             files = layout.classify(state.path, state.shards, state.committed.pending)
             n_tokens = rows["n_tokens"][live].astype(np.int64)
             return StoreStats(
-                path=str(self.path),
+                path=self.location,
                 format_version=manifest.FORMAT_VERSION,
                 generation=state.committed.generation,
                 config=self.config,
@@ -675,8 +675,11 @@ class Store:
 
     def size(self) -> int:
         """Bytes on disk: the files of the store directory (the lock file's
-        transient owner record aside)."""
+        transient owner record aside); on object storage, the objects the
+        manifest names."""
         with self._state.lock.shared():
+            if self._remote is not None:
+                return self._remote.total_bytes()
             return layout.directory_bytes(self.path)
 
 

@@ -1,0 +1,459 @@
+"""Stores on object storage through the library, against a real local S3
+server (moto in server mode, started by tests/conftest.py on 127.0.0.1):
+docs/format.md, "Stores on object storage".
+
+What must hold: the same results as a local store; a warm query makes no
+request; one writer at a time (the lease), and a writer that lost its
+lease cannot commit; readers see whole commits and pick up new ones; a
+failed request is a clean error that leaves the committed state as it
+was; verify and repair work on the objects.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hmem
+from hmem import (
+    CorruptStoreError,
+    InvalidArgumentError,
+    NotAStoreError,
+    StorageError,
+    Store,
+    StoreChangedError,
+    StoreExistsError,
+    StoreLockedError,
+)
+
+DIM = 32
+FAST = {"timeout": 5, "max_retries": 1}
+
+
+def _kv(seed: int, tokens: int = 6) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((tokens, DIM)).astype(np.float32),
+            rng.standard_normal((tokens, DIM)).astype(np.float32))
+
+
+def _fill(store: Store, seeds, layer: int = 0) -> dict[int, int]:
+    """Put one entry per seed; returns id -> seed."""
+    ids = store.put_many([(*_kv(seed), layer) for seed in seeds])
+    return dict(zip(ids, seeds))
+
+
+def _check_kv(store: Store, id_to_seed: dict[int, int]) -> None:
+    assert sorted(store.entry_ids()) == sorted(id_to_seed)
+    for entry_id, seed in id_to_seed.items():
+        keys, values = _kv(seed)
+        got = store.get(entry_id)
+        assert np.array_equal(got.keys, keys) and np.array_equal(got.values, values)
+
+
+def _manifest(s3_server, url: str) -> dict:
+    prefix = url[len("s3://hmem-tests/"):]
+    return json.loads(s3_server.objects(prefix)["manifest.json"])
+
+
+def _prefix(url: str) -> str:
+    return url[len("s3://hmem-tests/"):]
+
+
+# ---- the basics ------------------------------------------------------------------------
+
+
+def test_round_trip_matches_a_local_store(s3_url, tmp_path):
+    seeds = range(40)
+    with Store.create(s3_url, embed_dim=DIM, hdc_dim=512) as remote, \
+            Store.create(tmp_path / "local", embed_dim=DIM, hdc_dim=512) as local:
+        assert _fill(remote, seeds) == _fill(local, seeds)
+        remote.flush()
+    with Store.open(s3_url, read_only=True) as reader, Store.open(tmp_path / "local", read_only=True) as local:
+        _check_kv(reader, dict(zip(local.entry_ids(), seeds)))
+        for seed in (3, 17, 39):
+            query = _kv(seed)[0]
+            a, b = reader.query(query, 0, top_k=5), local.query(query, 0, top_k=5)
+            assert [r.entry_id for r in a] == [r.entry_id for r in b]
+            assert [r.score for r in a] == pytest.approx([r.score for r in b])
+        st = reader.stats()
+        assert st.path == s3_url and st.entries == 40 and st.remote is not None
+        assert st.remote.url == s3_url and st.remote.gets >= 2 and st.remote.puts == 0
+
+
+def test_a_warm_query_makes_no_request_and_a_cold_one_few(s3_url):
+    with Store.create(s3_url, embed_dim=DIM, hdc_dim=512, shard_max_bytes=64 << 10) as writer:
+        for part in range(4):  # several shards
+            _fill(writer, range(part * 30, part * 30 + 30))
+            writer.flush()
+        shards = len(writer.stats().shards)
+    assert shards >= 4
+    with Store.open(s3_url, read_only=True) as reader:
+        opened = reader.stats().remote
+        assert opened.requests == 1 + opened.state_objects  # the manifest, then its state objects
+        results = reader.query(_kv(45)[0], 0, top_k=3)
+        touched = len({r.shard_idx for r in results})
+        cold = reader.stats().remote.requests - opened.requests
+        assert 1 <= cold <= 2 * touched  # each shard: its header and index, then its tensors (or both at once)
+        before = reader.stats().remote.requests
+        for _ in range(5):
+            again = reader.query(_kv(45)[0], 0, top_k=3)
+            assert [r.entry_id for r in again] == [r.entry_id for r in results]
+        assert reader.stats().remote.requests == before  # warm: no request at all
+
+
+def test_create_refuses_an_existing_store_and_open_an_empty_prefix(s3_url):
+    Store.create(s3_url, embed_dim=DIM).close()
+    with pytest.raises(StoreExistsError):
+        Store.create(s3_url, embed_dim=DIM)
+    with pytest.raises(NotAStoreError):
+        Store.open(s3_url + "-nothing-here", read_only=True)
+    with pytest.raises(NotAStoreError):
+        Store.open(s3_url + "-nothing-here")
+
+
+def test_options_are_checked(s3_url, tmp_path):
+    with pytest.raises(InvalidArgumentError, match="unknown storage option"):
+        Store.create(s3_url, embed_dim=DIM, storage_options={"endpoint_url": "http://x"})
+    with pytest.raises(InvalidArgumentError, match="object storage"):
+        Store.create(tmp_path / "s", embed_dim=DIM, storage_options={"timeout": 1})
+    with pytest.raises(InvalidArgumentError):
+        Store.create("s3://", embed_dim=DIM)
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        Store.create(s3_url, embed_dim=DIM, storage_options={"timeout": -1})
+    assert not hmem.is_store_url(str(tmp_path)) and hmem.is_store_url(s3_url)
+
+
+def test_bad_input_leaves_the_objects_unchanged(s3_server, s3_url):
+    with Store.create(s3_url, embed_dim=DIM) as store:
+        _fill(store, range(5))
+        store.flush()
+        before = s3_server.objects(_prefix(s3_url))
+        bad = _kv(1)[0].copy()
+        bad[0, 0] = np.nan
+        with pytest.raises(InvalidArgumentError):
+            store.put_many([(*_kv(9), 0), (bad, bad, 0)])
+        store.flush()
+        assert s3_server.objects(_prefix(s3_url)).keys() == before.keys()
+        assert len(store.entry_ids()) == 5
+
+
+# ---- readers see whole commits and pick up new ones ---------------------------------------
+
+
+def test_refresh_takes_new_commits_and_old_entries_stay_right(s3_url):
+    writer = Store.create(s3_url, embed_dim=DIM)
+    first = _fill(writer, range(10))
+    writer.flush()
+    reader = Store.open(s3_url, read_only=True)
+    try:
+        _check_kv(reader, first)
+        second = _fill(writer, range(10, 15))
+        assert reader.refresh() is False or True  # the put is not committed yet: nothing new, or the fencing
+        writer.flush()
+        assert reader.refresh() is True
+        _check_kv(reader, {**first, **second})
+        requests = reader.stats().remote.requests
+        assert reader.refresh() is False  # nothing new: one request
+        assert reader.stats().remote.requests == requests + 1
+        gone = sorted(first)[:3]
+        writer.delete(gone)
+        writer.compact()
+        assert reader.refresh() is True
+        _check_kv(reader, {i: s for i, s in {**first, **second}.items() if i not in gone})
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_refresh_seconds_lets_reads_pick_up_commits_by_themselves(s3_url):
+    writer = Store.create(s3_url, embed_dim=DIM)
+    _fill(writer, range(3))
+    writer.flush()
+    reader = Store.open(s3_url, read_only=True, refresh_seconds=0)
+    try:
+        new = _fill(writer, [77])
+        writer.flush()
+        results = reader.query(_kv(77)[0], 0, top_k=1)
+        assert results[0].entry_id == next(iter(new))
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_access_counts_reach_readers(s3_url):
+    with Store.create(s3_url, embed_dim=DIM) as writer:
+        ids = _fill(writer, range(20))
+        writer.flush()
+        for _ in range(3):
+            writer.query(_kv(4)[0], 0, top_k=1)
+        writer.flush()
+    target = [i for i, s in ids.items() if s == 4][0]
+    with Store.open(s3_url, read_only=True) as reader:
+        assert reader.get(target).info.access_count == 3
+
+
+def test_many_commits_keep_the_state_list_short(s3_server, s3_url):
+    with Store.create(s3_url, embed_dim=DIM) as writer:
+        ids = {}
+        for round_ in range(40):
+            ids.update(_fill(writer, [round_]))
+            writer.query(_kv(round_ // 2)[0], 0, top_k=1)
+            writer.flush()
+            assert len(_manifest(s3_server, s3_url)["state"]) <= 16
+    with Store.open(s3_url, read_only=True) as reader:
+        _check_kv(reader, ids)
+        assert reader.stats().total_accesses == 40
+
+
+def test_a_spans_store_works_on_object_storage(s3_url):
+    with Store.create(s3_url, embed_dim=DIM, signatures_per_entry=4) as writer:
+        ids = _fill(writer, range(12))
+        writer.flush()
+    with Store.open(s3_url, read_only=True) as reader:
+        _check_kv(reader, ids)
+        best = reader.query(_kv(5)[0][1:4], 0, top_k=3)
+        assert [i for i, s in ids.items() if s == 5][0] in [r.entry_id for r in best]
+
+
+# ---- one writer ----------------------------------------------------------------------
+
+
+def test_one_writer_at_a_time_and_the_lease_is_given_back(s3_url):
+    writer = Store.create(s3_url, embed_dim=DIM)
+    with pytest.raises(StoreLockedError, match="locked for writing"):
+        Store.open(s3_url)
+    with Store.open(s3_url, read_only=True):  # readers need no lease
+        pass
+    writer.close()
+    with Store.open(s3_url) as second:  # released at close, not left to expire
+        _fill(second, [1])
+
+
+def test_a_waiting_writer_gets_the_lease_when_it_expires(s3_url):
+    holder = Store.create(s3_url, embed_dim=DIM, storage_options={"lease_seconds": 1.5})
+    # Stop the holder's renewals (private state: the test plays a writer
+    # that hangs, whose lease then runs out).
+    holder._remote.lease._stop.set()
+    started = time.monotonic()
+    with Store.open(s3_url, lock_wait=10) as second:
+        assert time.monotonic() - started < 8
+        ids = _fill(second, range(3))
+    with pytest.raises(StoreLockedError, match="lost its lease"):
+        _fill(holder, [99])
+        holder.flush()
+    with pytest.raises(StoreLockedError):
+        holder.close()
+    with Store.open(s3_url, read_only=True) as reader:
+        _check_kv(reader, ids)
+
+
+def test_a_writer_whose_lease_was_taken_cannot_commit(s3_server, s3_url):
+    old = Store.create(s3_url, embed_dim=DIM, storage_options={"lease_seconds": 30})
+    kept = _fill(old, range(4))
+    old.flush()
+    # The old writer's lease is taken over as if it had expired (private
+    # state: its expiry is moved back; the new writer sees an expired lease).
+    lease = old._remote.lease
+    lease._stop.set()
+    s3_server.put_object(_prefix(s3_url), "lease.json",
+                         json.dumps({"token": lease.token, "owner": lease.owner, "expires": 0}).encode())
+    with Store.open(s3_url) as new:
+        added = _fill(new, [50, 51])
+        new.flush()
+        generation = _manifest(s3_server, s3_url)["generation"]
+        # The old writer still thinks it holds the lease; its commit is refused.
+        lease.expires = time.time() + 30
+        lease.lost = False
+        _fill(old, [60])
+        with pytest.raises(StoreLockedError):
+            old.flush()
+        assert _manifest(s3_server, s3_url)["generation"] == generation
+    with pytest.raises(StoreLockedError):
+        old.close()
+    with Store.open(s3_url, read_only=True) as reader:
+        _check_kv(reader, {**kept, **added})
+
+
+def test_two_writers_racing_exactly_one_gets_the_store(s3_url):
+    Store.create(s3_url, embed_dim=DIM).close()
+    barrier = threading.Barrier(2)
+    outcomes: list[object] = []
+
+    def race() -> None:
+        barrier.wait()
+        try:
+            store = Store.open(s3_url)
+        except StoreLockedError as exc:
+            outcomes.append(exc)
+            return
+        outcomes.append(store)
+
+    threads = [threading.Thread(target=race) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [o for o in outcomes if isinstance(o, Store)]
+    assert len(winners) == 1 and len(outcomes) == 2
+    winners[0].close()
+
+
+# ---- failures: clean errors, nothing corrupted, the next writer recovers -----------------
+
+
+def test_an_unanswering_server_times_out_cleanly(s3_env, tmp_path):
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        started = time.monotonic()
+        with pytest.raises(StorageError, match="cannot"):
+            Store.open("s3://hmem-tests/silent", read_only=True,
+                       storage_options={"endpoint": endpoint, "timeout": 1, "max_retries": 0})
+        assert time.monotonic() - started < 15
+        assert not list((tmp_path / "hmem-cache").glob("remote-*"))  # the working copy is removed
+    finally:
+        silent.close()
+
+
+def test_the_server_stopping_mid_write_corrupts_nothing(s3_url, own_s3_server, monkeypatch):
+    server = own_s3_server  # stopped and started by this test
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    url = s3_url
+    options = {**FAST, "lease_seconds": 2}
+    writer = Store.create(url, embed_dim=DIM, storage_options=options)
+    first = _fill(writer, range(5))
+    writer.flush()
+    second = _fill(writer, range(5, 30))
+    server.stop()
+    try:
+        with pytest.raises(StorageError):
+            writer.flush()
+    finally:
+        server.start()
+    with Store.open(url, read_only=True, storage_options=FAST) as reader:
+        _check_kv(reader, first)  # the old state, whole
+    writer.flush()  # the server is back: the same writer commits what failed
+    with Store.open(url, read_only=True, storage_options=FAST) as reader:
+        _check_kv(reader, {**first, **second})
+    server.stop()
+    try:
+        with pytest.raises(StorageError):
+            writer.close()  # its lease cannot be given back: it expires
+    finally:
+        server.start()
+    with Store.open(url, lock_wait=10, storage_options=options) as recovered:
+        _check_kv(recovered, {**first, **second})
+        third = _fill(recovered, [99])
+    with Store.open(url, read_only=True, storage_options=FAST) as reader:
+        _check_kv(reader, {**first, **second, **third})
+
+
+# ---- verify and repair ---------------------------------------------------------------
+
+
+def test_verify_reports_damage_and_repair_keeps_what_checks_out(s3_server, s3_url):
+    with Store.create(s3_url, embed_dim=DIM, shard_max_bytes=16 << 10) as writer:
+        ids = {}
+        for part in range(3):
+            ids.update(_fill(writer, range(part * 10, part * 10 + 10)))
+            writer.flush()
+    assert hmem.verify(s3_url).ok and hmem.verify(s3_url, full=True).ok
+    doc = _manifest(s3_server, s3_url)
+    lost_key = sorted(s["key"] for s in doc["shards"].values())[0]
+    s3_server.delete_object(_prefix(s3_url), lost_key)
+    s3_server.put_object(_prefix(s3_url), "shards/stray.safetensors", b"x")
+    report = hmem.verify(s3_url)
+    codes = {f.code for f in report.problems}
+    assert "remote.missing" in codes and "remote.orphan" in codes
+    with pytest.raises(CorruptStoreError):
+        with Store.open(s3_url, read_only=True) as reader:
+            for entry_id in ids:
+                reader.get(entry_id)
+    fixed = hmem.repair(s3_url)
+    assert 0 < fixed.entries_kept < len(ids)
+    after = hmem.verify(s3_url, full=True)
+    assert after.ok, after.findings
+    with Store.open(s3_url, read_only=True) as reader:
+        kept = {i: s for i, s in ids.items() if i in set(reader.entry_ids())}
+        assert len(kept) == fixed.entries_kept
+        _check_kv(reader, kept)
+
+
+def test_a_damaged_state_object_or_manifest_is_refused(s3_server, s3_url):
+    with Store.create(s3_url, embed_dim=DIM) as writer:
+        _fill(writer, range(5))
+    doc = _manifest(s3_server, s3_url)
+    key = doc["state"][-1]["key"]
+    data = bytearray(s3_server.objects(_prefix(s3_url))[key])
+    data[20] ^= 0xFF
+    s3_server.put_object(_prefix(s3_url), key, bytes(data))
+    with pytest.raises(CorruptStoreError, match="checksum"):
+        Store.open(s3_url, read_only=True)
+    assert "remote.state" in {f.code for f in hmem.verify(s3_url).problems}
+    doc["generation"] += 1  # a manifest whose checksum no longer matches
+    s3_server.put_object(_prefix(s3_url), "manifest.json", json.dumps(doc).encode())
+    with pytest.raises(CorruptStoreError, match="checksum"):
+        Store.open(s3_url, read_only=True)
+    assert "remote.manifest" in {f.code for f in hmem.verify(s3_url).problems}
+
+
+def test_a_manifest_naming_objects_outside_the_store_is_refused(s3_server, s3_url):
+    from hmem.formats import remote as fmt  # a crafted manifest needs the format's own encoder
+
+    with Store.create(s3_url, embed_dim=DIM) as writer:
+        _fill(writer, range(2))
+    raw = s3_server.objects(_prefix(s3_url))["manifest.json"]
+    mf = fmt.RemoteManifest.parse(raw, "manifest.json")
+    uid = next(iter(mf.shards))
+    mf.shards[uid] = {"key": "../../other-bucket/secret", "bytes": 10}
+    s3_server.put_object(_prefix(s3_url), "manifest.json", mf.to_bytes())
+    with pytest.raises(CorruptStoreError, match="not the name of shard"):
+        Store.open(s3_url, read_only=True)
+
+
+# ---- the local cache -----------------------------------------------------------------
+
+
+def test_the_shard_cache_stays_within_its_bound(s3_url):
+    with Store.create(s3_url, embed_dim=DIM, shard_max_bytes=256 << 10) as writer:
+        ids = {}
+        for part in range(6):
+            ids.update(_fill(writer, range(part * 100, part * 100 + 100)))
+            writer.flush()
+    bound = 2 << 20
+    with Store.open(s3_url, read_only=True, storage_options={"cache_bytes": bound}) as reader:
+        assert len(reader.stats().shards) >= 5
+        _check_kv(reader, ids)  # touches every shard
+        assert reader.stats().remote.cached_shard_bytes <= bound + (1 << 20)
+
+
+def test_retired_objects_are_removed_after_their_grace_time(s3_server, s3_url):
+    options = {"retire_seconds": 0}
+    with Store.create(s3_url, embed_dim=DIM, storage_options=options) as writer:
+        ids = _fill(writer, range(10))
+        writer.flush()
+        reader = Store.open(s3_url, read_only=True)  # opened before the compaction
+        writer.delete(sorted(ids)[:5])
+        writer.compact()
+        _fill(writer, [42])
+        writer.flush()  # this commit removes what the compaction retired
+    try:
+        named = _manifest(s3_server, s3_url)
+        keys = set(s3_server.objects(_prefix(s3_url)))
+        wanted = {"manifest.json", "lease.json", *(s["key"] for s in named["state"]), *(s["key"] for s in named["shards"].values()),
+                  *(r["key"] for r in named["retired"])}
+        assert keys == wanted
+        with pytest.raises(StoreChangedError):
+            reader.get(sorted(ids)[7])  # its shard object is gone
+        assert reader.refresh() is True
+        _check_kv(reader, {i: s for i, s in ids.items() if i not in sorted(ids)[:5]} | {
+            i: 42 for i in reader.entry_ids() if i not in ids})
+    finally:
+        reader.close()
