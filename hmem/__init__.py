@@ -18,6 +18,7 @@ from hmem.errors import (
     KernelUnavailableError,
     NoSpaceError,
     NotAStoreError,
+    ObjectStoreError,
     PathError,
     PermissionDeniedError,
     ReadOnlyStoreError,
@@ -49,7 +50,8 @@ from hmem.prefix_hit.operators import (
     unfold_range,
 )
 from hmem.store.bridge import AugmentedKV, Segment
-from hmem.recovery.repair import RepairReport, repair
+from hmem.recovery.repair import RepairReport
+from hmem.recovery.checks import repair, verify
 from hmem.formats.manifest import FORMAT_VERSION
 from hmem.formats.remote import FORMAT_VERSION as OBJECT_FORMAT_VERSION
 from hmem.object_store import is_url as is_store_url
@@ -84,7 +86,7 @@ from hmem.transfer.kv_import import (
     read_entries as read_kv_file,
     read_tensor as read_tensor_file,
 )
-from hmem.recovery.verify import Finding, VerifyReport, verify
+from hmem.recovery.verify import Finding, VerifyReport
 
 __all__ = [
     "BadFileError",
@@ -150,6 +152,7 @@ __all__ = [
     "StorageError",
     "PermissionDeniedError",
     "NoSpaceError",
+    "ObjectStoreError",
     "PathError",
     "FULL_ATTENTION_WINDOW",
     "Bitmap",

@@ -151,6 +151,12 @@ class PathError(StorageError):
     (ENAMETOOLONG), a loop of symbolic links (ELOOP)."""
 
 
+class ObjectStoreError(StorageError):
+    """A request to object storage failed: the server did not answer within
+    the timeout, or answered with an error after the retries.  Nothing
+    committed changed; the same call may be tried again."""
+
+
 _PERMISSION = {_errno.EACCES, _errno.EPERM, _errno.EROFS}
 _NO_SPACE = {_errno.ENOSPC, getattr(_errno, "EDQUOT", _errno.ENOSPC)}
 _PATH = {_errno.ENOENT, _errno.ENOTDIR, _errno.EISDIR, _errno.ENAMETOOLONG, _errno.ELOOP}

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hmem.errors import InvalidArgumentError, StorageError
+from hmem.errors import InvalidArgumentError, ObjectStoreError, PermissionDeniedError
 
 SCHEMES = ("s3://",)
 # storage_options hmem understands; anything else is refused by name
@@ -170,10 +170,12 @@ class ObjectClient:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if len(first) > 300:
             first = first[:300] + "..."
-        hint = ("check the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)"
-                if isinstance(exc, (obx.PermissionDeniedError, obx.UnauthenticatedError))
-                else f"check that {self.endpoint} is reachable, then try again")
-        return StorageError(f"cannot {operation} {self.url}/{key}: {first}", hint=hint)
+        where = f"{self.url}/{key}"
+        if isinstance(exc, (obx.PermissionDeniedError, obx.UnauthenticatedError)):
+            return PermissionDeniedError(f"cannot {operation} {where}: {first}", path=where,
+                                         hint="check the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
+        return ObjectStoreError(f"cannot {operation} {where}: {first}", path=where,
+                                hint=f"check that {self.endpoint} is reachable, then try again")
 
     # ---- reads -----------------------------------------------------------------------
 
@@ -197,8 +199,8 @@ class ObjectClient:
             raise self._fail(exc, "read", key) from None
         self._count("gets", fetched=len(data))
         if len(data) != end - start:
-            raise StorageError(f"{self.url}/{key} is shorter than expected: asked {end - start} bytes "
-                               f"from {start}, got {len(data)}", hint="check the store with hmem verify")
+            raise ObjectStoreError(f"{self.url}/{key} is shorter than expected: asked {end - start} bytes "
+                                   f"from {start}, got {len(data)}", hint="check the store with hmem verify")
         return data
 
     def list(self, prefix: str = "") -> list[tuple[str, int]]:

@@ -32,6 +32,8 @@ def test_version_names_format_versions_and_kernel_path():
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0
     formats = f"store format {hmem.FORMAT_VERSION}: reads {hmem.FORMAT_VERSION}, writes {hmem.FORMAT_VERSION}"
+    obj = hmem.OBJECT_FORMAT_VERSION
+    formats += f"; object-store format {obj}: reads {obj}, writes {obj}"
     assert result.stdout.strip() == (f"hmem {hmem.__version__} ({formats}; "
                                      f"kernels: {kernels.KERNEL_SET}, cpu path: {kernels.cpu_path()})")
 
@@ -55,10 +57,12 @@ def test_exit_codes_are_stable():
     assert {c.name: c.value for c in ExitCode} == {
         "OK": 0, "FAILURE": 1, "USAGE": 2, "PARTIAL": 3, "PROBLEMS_FOUND": 4,
         "NOT_A_STORE": 5, "LOCKED": 6, "UNSUPPORTED_FORMAT": 7, "INTERRUPTED": 130,
-        "NO_PERMISSION": 8, "NO_SPACE": 9, "BAD_PATH": 10, "BROKEN_PIPE": 141, "TERMINATED": 143,
+        "NO_PERMISSION": 8, "NO_SPACE": 9, "BAD_PATH": 10, "UNAVAILABLE": 11, "BROKEN_PIPE": 141,
+        "TERMINATED": 143,
     }
     assert exit_code_for(InvalidArgumentError("x")) == ExitCode.USAGE
     assert exit_code_for(KernelUnavailableError("x")) == ExitCode.FAILURE
+    assert exit_code_for(hmem.ObjectStoreError("x")) == ExitCode.UNAVAILABLE
     assert exit_code_for(RuntimeError("x")) == ExitCode.FAILURE
     assert all(issubclass(cls, BaseException) for cls, _ in ERROR_EXIT_CODES)
 

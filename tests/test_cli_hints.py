@@ -22,6 +22,7 @@ EXPECTED = {
     "LOCK_WAIT": "wait for it to finish, or retry with a lock wait such as --lock-wait 30",
     "CREATE": "create one with 'hmem init'",
     "OPEN_AGAIN": "try the command again",
+    "REFRESH": "try the command again",
     "ROLL_FORWARD": "run 'hmem verify --repair': it rolls the store forward and keeps every intact entry",
 }
 

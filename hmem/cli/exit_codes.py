@@ -22,6 +22,7 @@ from hmem import (
     KernelUnavailableError,
     NoSpaceError,
     NotAStoreError,
+    ObjectStoreError,
     PathError,
     PermissionDeniedError,
     ReadOnlyStoreError,
@@ -48,6 +49,7 @@ class ExitCode(enum.IntEnum):
     NO_PERMISSION = 8  # permission denied, or a read-only file system
     NO_SPACE = 9  # no space left on the file system (or the disk quota is used up)
     BAD_PATH = 10  # a path is missing or of the wrong kind (a file for a directory, or the reverse)
+    UNAVAILABLE = 11  # the object store did not answer, or failed a request after its retries
     BROKEN_PIPE = 141  # stdout was closed by its reader (128 + SIGPIPE, as for a standard tool)
     TERMINATED = 143  # stopped by SIGTERM (128 + 15), at a consistent point (hmem/cli/signals.py)
 
@@ -61,6 +63,7 @@ ERROR_EXIT_CODES: tuple[tuple[type[BaseException], ExitCode], ...] = (
     (PermissionDeniedError, ExitCode.NO_PERMISSION),
     (NoSpaceError, ExitCode.NO_SPACE),
     (PathError, ExitCode.BAD_PATH),
+    (ObjectStoreError, ExitCode.UNAVAILABLE),
     (KernelUnavailableError, ExitCode.FAILURE),
     (HmemError, ExitCode.FAILURE),
 )
@@ -96,6 +99,7 @@ ERROR_NAMES: tuple[tuple[type[BaseException], str], ...] = (
     (PermissionDeniedError, "permission_denied"),
     (NoSpaceError, "no_space"),
     (PathError, "bad_path"),
+    (ObjectStoreError, "object_store_unavailable"),
     (StorageError, "storage_error"),
     (OSError, "storage_error"),
     (HmemError, "failure"),

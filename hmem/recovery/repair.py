@@ -27,14 +27,12 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from hmem import _io, file_reads
-from hmem.object_store import is_url
 from hmem.config import StoreConfig
-from hmem.errors import CorruptStoreError, HmemError, InvalidArgumentError, UnsafeFileError, UnsupportedFormatError
+from hmem.errors import CorruptStoreError, HmemError, UnsafeFileError, UnsupportedFormatError
 from hmem.formats import layout, manifest, records, shard_file, stamp
 from hmem.formats import sources as source_registry
 from hmem.formats.layout import ENTRIES_FILE
@@ -66,17 +64,9 @@ class RepairReport:
         return dataclasses.asdict(self)
 
 
-def repair(path: str | Path, *, lock_wait: float = 0.0, storage_options: dict[str, Any] | None = None
-           ) -> RepairReport:
-    """Repair the store at `path` (see the module docstring); a URL
-    s3://bucket/prefix is repaired through a working copy
-    (hmem/recovery/remote.py)."""
-    if is_url(path):
-        from hmem.recovery.remote import repair_remote  # it builds on this module
-
-        return repair_remote(str(path), lock_wait=lock_wait, storage_options=storage_options)
-    if storage_options is not None:
-        raise InvalidArgumentError("storage_options apply to stores on object storage (s3://...) only")
+def repair(path: str | Path, *, lock_wait: float = 0.0) -> RepairReport:
+    """Repair the store directory at `path` (see the module docstring;
+    hmem/recovery/checks.py adds stores on object storage)."""
     started = time.perf_counter()
     root = Path(path)
     if not root.is_dir():

@@ -21,12 +21,10 @@ import json
 import mmap
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from hmem import _io
-from hmem.object_store import is_url
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError, InvalidArgumentError, NotAStoreError, UnsupportedFormatError
 from hmem.formats import layout, manifest, pooled, records, shard_file, stamp
@@ -90,16 +88,9 @@ def _kinds(config: StoreConfig) -> tuple[str, ...]:
 
 
 def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | None = None,
-           max_seconds: float | None = None, storage_options: dict[str, Any] | None = None) -> VerifyReport:
-    """Check the store at `path` (a directory, or a URL s3://bucket/prefix:
-    hmem/recovery/remote.py); see the module docstring."""
-    if is_url(path):
-        from hmem.recovery.remote import verify_remote  # it builds on this module
-
-        return verify_remote(str(path), full=full, subset=subset, max_seconds=max_seconds,
-                             storage_options=storage_options)
-    if storage_options is not None:
-        raise InvalidArgumentError("storage_options apply to stores on object storage (s3://...) only")
+           max_seconds: float | None = None) -> VerifyReport:
+    """Check the store directory at `path`; see the module docstring
+    (hmem/recovery/checks.py adds stores on object storage)."""
     started = time.perf_counter()
     root = Path(path)
     if not root.is_dir() or not any((root / name).exists() for name in (layout.INDEX_FILE, ENTRIES_FILE)) \
