@@ -78,6 +78,7 @@ from hmem.store.listing import ENTRY_SORTS, EntryListing
 from hmem.store.caches import cache_tensors
 from hmem.store.layouts import LAYOUTS
 from hmem.store.store import Entry, Store, is_store
+from hmem.store.copying import CopyReport, copy_store
 from hmem.transfer.kv_export import EXPORT_LAYOUTS, check_export_path, export_entries, export_results, write_kv_file
 from hmem.transfer.importing import FileResult, ImportReport, import_files
 from hmem.transfer.kv_import import (
@@ -107,6 +108,8 @@ __all__ = [
     "find_kv_files",
     "import_files",
     "is_store",
+    "copy_store",
+    "CopyReport",
     "is_store_url",
     "OBJECT_FORMAT_VERSION",
     "RemoteStats",

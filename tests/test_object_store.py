@@ -457,3 +457,32 @@ def test_retired_objects_are_removed_after_their_grace_time(s3_server, s3_url):
             i: 42 for i in reader.entry_ids() if i not in ids})
     finally:
         reader.close()
+
+
+# ---- copies between a directory and object storage ----------------------------------------
+
+
+def test_copy_a_local_store_to_object_storage_and_back(s3_url, tmp_path):
+    source = tmp_path / "local"
+    with Store.create(source, embed_dim=DIM, hdc_dim=512) as store:
+        ids = _fill(store, range(30))
+        store.flush()
+        store.delete(sorted(ids)[:2])
+        store.query(_kv(10)[0], 0, top_k=1)  # an access count, carried over
+    kept = {i: s for i, s in ids.items() if i not in sorted(ids)[:2]}
+    up = hmem.copy_store(source, s3_url)
+    assert up.entries == 28 and up.records == 30
+    with Store.open(s3_url, read_only=True) as reader:
+        _check_kv(reader, kept)
+        assert reader.stats().total_accesses == 1
+    assert hmem.verify(s3_url, full=True).ok
+    back = tmp_path / "back"
+    hmem.copy_store(s3_url, back)
+    with Store.open(back, read_only=True) as reader:
+        _check_kv(reader, kept)
+        assert reader.stats().total_accesses == 1
+    assert hmem.verify(back, full=True).ok
+    with pytest.raises(StoreExistsError):
+        hmem.copy_store(source, s3_url)
+    with pytest.raises(StoreExistsError):
+        hmem.copy_store(s3_url, back)

@@ -16,6 +16,7 @@ from typer.core import TyperGroup
 from hmem import FORMAT_VERSION, OBJECT_FORMAT_VERSION, HmemError, __version__, kernel_info
 from hmem.cli import (
     cmd_compact,
+    cmd_copy,
     cmd_demo,
     cmd_evict,
     cmd_export,
@@ -218,6 +219,7 @@ app.command("evict")(cmd_evict.evict)
 app.command("rm")(cmd_rm.rm)
 app.command("compact")(cmd_compact.compact)
 app.command("verify")(cmd_verify.verify_command)
+app.command("copy")(cmd_copy.copy)
 app.command("prefix-hit")(cmd_prefix_hit.prefix_hit)
 app.command("demo")(cmd_demo.demo)
 

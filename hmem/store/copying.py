@@ -1,0 +1,126 @@
+"""copy_store: a store's last commit copied whole to a new place, between
+a directory and object storage in either direction (or between two of
+either): how a local store moves to S3, and how an object store is backed
+up to disk (docs/cli.md, "hmem copy").
+
+The copy is of the files, byte for byte: shard files, the records,
+pooled.bin, sources.jsonl and index.json, so ids, scores, access counts and
+the import registry come along.  The source is held still while it is read
+(its writer lock, or its lease); the destination is written as a new store
+would be: on disk index.json last (the commit point), on object storage the
+manifest last, create-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from hmem import _io
+from hmem.errors import NotAStoreError, StoreExistsError
+from hmem.formats import layout, manifest
+from hmem.formats.manifest import Manifest, Pending
+from hmem.object_store import is_url
+from hmem.store.remote import RemoteLink
+from hmem.store.store import Store
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyReport:
+    source: str
+    destination: str
+    entries: int  # live entries
+    records: int  # records copied (evicted ones included, until a compaction)
+    shards: int
+    bytes: int  # bytes of the files copied
+
+
+def copy_store(source: str | os.PathLike, destination: str | os.PathLike, *, lock_wait: float = 0.0,
+               source_options: dict[str, Any] | None = None,
+               destination_options: dict[str, Any] | None = None) -> CopyReport:
+    """Copy the store at `source` to `destination` (a missing or empty
+    directory, or a URL holding no store).  Each may be a directory or
+    s3://bucket/prefix, with its own storage_options.  The source's writer
+    lock (or lease) is held while it is read, waiting up to `lock_wait`
+    seconds for it."""
+    source_name, destination_name = str(source), str(destination)
+    _refuse_existing(destination, destination_options)
+    held: Store | None = None
+    link: RemoteLink | None = None
+    try:
+        if is_url(source_name):
+            link = RemoteLink(source_name, source_options)
+            link.read_manifest()
+            link.take_lease(lock_wait)  # nothing changes it meanwhile
+            directory = link.materialize()
+            assert link.manifest is not None
+            committed = manifest.parse(directory, link.manifest.index)
+            link.download_shards(directory, committed.shards)
+        else:
+            held = Store.open(source, lock_wait=lock_wait, storage_options=source_options)
+            held.flush()
+            directory, committed = held._state.path, held._state.committed
+        report = _write(directory, committed, destination, destination_options)
+        live = sum(info.entries - info.dead_entries for info in committed.shards)
+        return dataclasses.replace(report, source=source_name, destination=destination_name, entries=live)
+    finally:
+        if held is not None:
+            held.close()
+        if link is not None:
+            link.close()
+
+
+def _refuse_existing(destination: Any, options: dict[str, Any] | None) -> None:
+    if is_url(str(destination)):
+        return  # the create-only commit refuses it; checked again before any upload
+    root = Path(destination)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise StoreExistsError(f"{root} exists and is not an empty directory", hint="choose a new path for the copy")
+
+
+def _sizes(directory: Path, committed: Manifest) -> dict[str, int]:
+    from hmem.formats import pooled
+
+    pooled_bytes = committed.record_count * pooled.row_bytes(committed.config.pooled_width)
+    try:
+        pooled_bytes = min(pooled_bytes, (directory / layout.POOLED_FILE).stat().st_size)
+    except FileNotFoundError:
+        pooled_bytes = 0
+    return {layout.ENTRIES_FILE: committed.record_count * layout.record_bytes(committed.config),
+            layout.POOLED_FILE: pooled_bytes, layout.SOURCES_FILE: committed.sources.bytes}
+
+
+def _write(directory: Path, committed: Manifest, destination: Any, options: dict[str, Any] | None) -> CopyReport:
+    shard_bytes = sum(info.bytes for info in committed.shards)
+    sizes = _sizes(directory, committed)
+    total = shard_bytes + sum(sizes.values())
+    report = CopyReport("", "", 0, committed.record_count, len(committed.shards), total)
+    if is_url(str(destination)):
+        target = RemoteLink(str(destination), options)
+        try:
+            try:
+                target.read_manifest()
+            except NotAStoreError:
+                pass
+            else:
+                raise StoreExistsError(f"{target.url} already holds an hmem store", hint="choose a new URL")
+            target.take_lease(0.0)
+            target.create(directory, committed)
+        finally:
+            target.close()
+        return report
+    root = Path(destination)
+    _io.make_dir(root)
+    for info in committed.shards:
+        _io.write_file(root / info.file, [_io.FileRange(directory / info.file, 0, info.bytes)])
+    for name, size in sizes.items():
+        if size or name == layout.ENTRIES_FILE:
+            _io.write_file(root / name, [_io.FileRange(directory / name, 0, size)])
+    # index.json last: until it exists the directory holds no store
+    manifest.write(root, dataclasses.replace(committed, pending=Pending()))  # every step was done at the source
+    return report
+
+
+__all__ = ["CopyReport", "copy_store"]
