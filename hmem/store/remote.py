@@ -21,6 +21,7 @@ ties it to the objects:
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import socket
 import threading
@@ -43,7 +44,7 @@ from hmem.errors import (
 )
 from hmem.formats import layout
 from hmem.formats import remote as fmt
-from hmem.formats.manifest import Manifest
+from hmem.formats.manifest import Manifest, Pending
 from hmem.object_store import ConditionFailed, ObjectClient, ObjectMissing
 
 CACHE_ENV = "HMEM_CACHE_DIR"
@@ -305,22 +306,37 @@ class LeaseHolder:
 # ---- the link between the working copy and the objects ---------------------------------
 
 
-def _diff(old: np.ndarray, new: np.ndarray, granule: int) -> list[tuple[int, int]]:
-    """(offset, length) of the byte ranges of `new` that differ from `old`,
-    at a granularity of `granule` bytes, the part past `old`'s end included."""
-    common = min(len(old), len(new))
-    whole = common // granule * granule
-    runs: list[tuple[int, int]] = []
-    if whole:
-        differs = (old[:whole].reshape(-1, granule) != new[:whole].reshape(-1, granule)).any(axis=1)
-        edges = np.flatnonzero(np.diff(np.concatenate(([0], differs.astype(np.int8), [0]))))
-        runs = [(int(lo) * granule, (int(hi) - int(lo)) * granule) for lo, hi in zip(edges[0::2], edges[1::2])]
-    if whole < len(new):
-        tail_from = whole
-        if runs and runs[-1][0] + runs[-1][1] == whole:
-            tail_from = runs.pop()[0]
-        runs.append((tail_from, len(new) - tail_from))
-    return runs
+def _updated_positions(written: bytes | None, generation: int) -> np.ndarray | None:
+    """The positions of the records a local commit changed in place (its
+    index.json's pending updates), or None when `written` is not that
+    commit's index.json."""
+    if written is None:
+        return None
+    try:
+        doc = json.loads(written)
+        if doc.get("generation") != generation:
+            return None
+        return np.unique(Pending.from_json(doc["pending"]).record_updates["position"].astype(np.int64))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _changed_spans(positions: np.ndarray, record_size: int, before: dict[str, int],
+                   after: dict[str, int]) -> list[tuple[int, int, int]]:
+    """(file number, offset, length) of what one commit changed: its records
+    updated in place (runs of consecutive positions), and what it appended
+    to each file."""
+    spans: list[tuple[int, int, int]] = []
+    old_records = before[fmt.STATE_FILES[0]] // record_size
+    positions = positions[positions < old_records]
+    if len(positions):
+        breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+        for run in np.split(positions, breaks):
+            spans.append((0, int(run[0]) * record_size, len(run) * record_size))
+    for number, name in enumerate(fmt.STATE_FILES):
+        if after[name] > before[name]:
+            spans.append((number, before[name], after[name] - before[name]))
+    return spans
 
 
 class RemoteLink:
@@ -340,7 +356,6 @@ class RemoteLink:
         self.lease: LeaseHolder | None = None
         self.manifest: fmt.RemoteManifest | None = None
         self.etag: str | None = None
-        self.images: list[np.ndarray] = [np.zeros(0, np.uint8) for _ in fmt.STATE_FILES]
         self.published_generation = -1  # the local commit last published
         self._dirs = 0
 
@@ -376,7 +391,6 @@ class RemoteLink:
         for name, content in zip(fmt.STATE_FILES, files):
             if content or name == layout.ENTRIES_FILE:
                 _io.write_file(directory / name, [content])
-        self.images = [np.frombuffer(bytes(content), dtype=np.uint8) for content in files]
         self.fetcher.remote = dict(mf.shards)
         self.fetcher.manifest_etag = self.etag
         return directory
@@ -413,9 +427,12 @@ class RemoteLink:
         self.manifest = None
         self.publish(directory, committed, create=True)
 
-    def publish(self, directory: Path, committed: Manifest, *, create: bool = False, snapshot: bool = False) -> None:
-        """Commit the working copy's last local commit (`committed`, what
-        its index.json says) to the object store."""
+    def publish(self, directory: Path, committed: Manifest, written: bytes | None = None, *, create: bool = False,
+                snapshot: bool = False) -> None:
+        """Commit the working copy's last local commit (`committed`; `written`:
+        the index.json it wrote, whose pending updates say which records it
+        changed in place) to the object store: a state object with what that
+        commit changed, or a snapshot (module docstring)."""
         generation = committed.generation
         if generation == self.published_generation and not create:
             return
@@ -433,7 +450,6 @@ class RemoteLink:
                                     mf_local.record_count * _pooled_row(mf_local)),
             layout.SOURCES_FILE: mf_local.sources.bytes,
         }
-        images = [_read_prefix(directory / name, sizes[name]) for name in fmt.STATE_FILES]
         # shards: upload the new ones; retire the ones no longer named
         named: dict[str, dict[str, Any]] = {}
         for info in shards:
@@ -448,21 +464,23 @@ class RemoteLink:
         retired = [r for r in retired if r["key"] not in expired]
         if old is not None:
             retired += [{"key": s["key"], "since": now} for uid, s in old.shards.items() if uid not in named]
-        # state: the changed bytes of the small files, or all of them
-        granules = (layout.record_bytes(mf_local.config), 4096, 4096)
-        shrank = any(len(new) < len(prev) for new, prev in zip(images, self.images))
+        # state: the bytes of the small files this local commit changed, or all of them
+        record_size = layout.record_bytes(committed.config)
+        changed = _updated_positions(written, generation)
+        whole = (old is None or snapshot or changed is None or generation != self.published_generation + 1
+                 or len(old.state) >= SNAPSHOT_AFTER
+                 or any(sizes[name] < old.sizes[name] for name in fmt.STATE_FILES))
         pieces: list[tuple[int, int, Any]] = []
-        if not (old is None or snapshot or shrank or len(old.state) >= SNAPSHOT_AFTER):
-            for number, (prev, new, granule) in enumerate(zip(self.images, images, granules)):
-                pieces += [(number, offset, new[offset:offset + length].data)
-                           for offset, length in _diff(prev, new, granule)]
-            total = sum(len(image) for image in images)
+        if not whole:
+            assert old is not None and changed is not None
+            spans = _changed_spans(changed, record_size, old.sizes, sizes)
+            pieces = [(number, offset, _read_range(directory / fmt.STATE_FILES[number], offset, length))
+                      for number, offset, length in spans]
             carried = sum(item["bytes"] for item in old.state[1:])
-            if carried + sum(len(p[2]) for p in pieces) > total // 2:
-                snapshot = True
-        whole = old is None or snapshot or shrank or len(old.state) >= SNAPSHOT_AFTER
+            whole = carried + sum(length for _, _, length in spans) > sum(sizes.values()) // 2
         if whole:
-            pieces = [(number, 0, image.data) for number, image in enumerate(images)]
+            pieces = [(number, 0, _read_range(directory / name, 0, sizes[name]))
+                      for number, name in enumerate(fmt.STATE_FILES)]
         next_generation = 0 if old is None else old.generation + 1
         state_list = [] if whole or old is None else list(old.state)
         if whole and old is not None:
@@ -487,7 +505,7 @@ class RemoteLink:
             raise StoreLockedError(f"another writer committed to {self.url} after this writer's lease was "
                                    "taken over: nothing was committed", hint=Hint.OPEN_AGAIN) from None
         _io.crash_point("remote.committed")
-        self.manifest, self.etag, self.images = new_mf, etag, images
+        self.manifest, self.etag = new_mf, etag
         self.fetcher.manifest_etag = etag
         self.published_generation = generation
         # this writer's shards are complete local files: never fetched
@@ -560,15 +578,20 @@ def _file_size(path: Path) -> int:
         return 0
 
 
-def _read_prefix(path: Path, size: int) -> np.ndarray:
-    """The first `size` bytes of a store file (it may hold more: rows a
-    failed flush left past the commit)."""
+def _read_range(path: Path, offset: int, size: int) -> np.ndarray:
+    """Bytes [offset, offset + size) of a store file (it may hold more: rows
+    a failed flush left past the commit)."""
     out = np.zeros(size, np.uint8)
     if size == 0:
         return out
     fd = _io.open_regular(path)
     try:
-        got = os.preadv(fd, [out.data], 0)
+        got = 0
+        while got < size:  # a read returns at most 2 GiB
+            n = os.preadv(fd, [out[got:].data], offset + got)
+            if n <= 0:
+                break
+            got += n
     finally:
         os.close(fd)
     if got != size:

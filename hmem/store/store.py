@@ -123,7 +123,7 @@ class Store:
         store (nothing when it was published already or the store is local)."""
         link, state = self._remote, self._state
         if link is not None and not state.read_only:
-            link.publish(state.path, state.committed, snapshot=snapshot)
+            link.publish(state.path, state.committed, state.manifest_bytes, snapshot=snapshot)
 
     # ---- lifecycle -------------------------------------------------------------------
 
