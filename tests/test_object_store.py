@@ -522,3 +522,29 @@ def test_readers_see_exactly_the_writers_commits_through_any_mix_of_changes(s3_u
                 assert theirs == mine, f"step {step} ({action})"
         with Store.open(s3_url, read_only=True) as reader:
             _check_kv(reader, live)
+
+
+def test_the_disk_limit_counts_the_objects_not_the_working_copy(s3_url):
+    """A writer's working copy holds only the shards it made; the limit is
+    on what the store takes on object storage."""
+    with Store.create(s3_url, embed_dim=DIM, hdc_dim=512, shard_max_bytes=64 << 10) as writer:
+        _fill(writer, range(200))
+    with Store.open(s3_url) as writer:
+        size = writer.stats().bytes_on_disk
+        assert size == writer.size() and size > 200 * 2 * 6 * DIM * 4
+        writer.flush()
+    limit = size // 2
+    with Store.open(s3_url, read_only=True) as reader:
+        assert reader.stats().bytes_on_disk == size
+    # a store created with the same data under a limit keeps under it
+    with Store.create(s3_url + "-limited", embed_dim=DIM, hdc_dim=512, shard_max_bytes=64 << 10,
+                      max_disk_bytes=limit) as writer:
+        for part in range(4):
+            _fill(writer, range(part * 50, part * 50 + 50))
+            writer.flush()
+    with Store.open(s3_url + "-limited") as writer:
+        _fill(writer, range(1000, 1050))
+        writer.flush()
+        st = writer.stats()
+        assert st.bytes_on_disk <= limit
+        assert st.limits.evicted > 0 or st.entries < 250

@@ -44,7 +44,7 @@ class Compaction:
         sizes = np.asarray(state.entry_file_bytes(state.records["n_tokens"][live].astype(np.int64)), dtype=np.int64)
         groups = rewrite.pack(sizes, state.config.shard_max_bytes)
         orphans = self.orphans()
-        before = layout.directory_bytes(state.path)
+        before = state.stored_bytes()
         dead = state.n - len(live)
         shard_count = len(state.shards) + (1 if state.builder is not None else 0)
         needed = bool(dead or orphans or len(groups) < shard_count or state.n > state.committed_n)
@@ -78,14 +78,14 @@ class Compaction:
             return CompactionReport(False, reason, plan.shards_before, plan.shards_before, plan.bytes_before,
                                     plan.bytes_before, 0, state.live_count(), 0, 0, time.perf_counter() - started)
         self.writer.flush(exact_ids=False)
-        before = layout.directory_bytes(state.path)
+        before = state.stored_bytes()
         shards_before = len(state.shards)
         orphans = self.orphans()
         if not plan.evicted_records and plan.shards_after >= len(state.shards):
             # Nothing to rewrite (no evicted data, no shards to merge): only
             # leftovers to delete.
             _io.unlink_many([state.path / name for name in orphans])
-            after = layout.directory_bytes(state.path)
+            after = state.stored_bytes()
             return CompactionReport(True, "removed orphan files", shards_before, shards_before, before, after,
                                     max(0, before - after), state.live_count(), 0, len(orphans),
                                     time.perf_counter() - started)
@@ -118,7 +118,7 @@ class Compaction:
                 except OSError:
                     pass  # the next writer removes them
             raise
-        after = layout.directory_bytes(state.path)
+        after = state.stored_bytes()
         return CompactionReport(True, "compacted", shards_before, len(mf.shards), before, after,
                                 max(0, before - after), state.n, plan.evicted_records, len(orphans),
                                 time.perf_counter() - started)

@@ -11,7 +11,6 @@ import numpy as np
 
 from hmem import _io
 from hmem.errors import EntryNotFoundError, EntryTooLargeError
-from hmem.formats import layout
 from hmem.formats.records import EVICTED
 from hmem.store.compaction import Compaction
 from hmem.store.policy import eviction_order, scores
@@ -163,4 +162,4 @@ class Eviction:
             pending += state.builder.file_bytes_bound()
             new_shards += 1
         pending += new_shards * INDEX_BYTES_PER_SHARD + len(state.dirty) * INDEX_BYTES_PER_UPDATE
-        return layout.directory_bytes(state.path) + pending
+        return state.stored_bytes() + pending

@@ -117,6 +117,16 @@ class StoreState:
     def live_positions(self) -> np.ndarray:
         return np.flatnonzero(self.records["shard_idx"][: self.n] != EVICTED)
 
+    def stored_bytes(self) -> int:
+        """Bytes the store takes: the files of its directory; on object
+        storage, whose working copy holds no shard it did not make, also
+        the committed shards that live only there (hmem/store/remote.py)."""
+        total = layout.directory_bytes(self.path)
+        fetcher = self.cache.fetcher
+        if fetcher is not None:
+            total += sum(info.bytes for info in self.shards if info.uid in fetcher.remote)
+        return total
+
     def live_count(self) -> int:
         return sum(self.index.layer_counts().values())
 

@@ -646,8 +646,7 @@ class Store:
                 unflushed=state.n - state.committed_n,
                 layers=state.index.layer_counts(),
                 shards=shard_rows,
-                bytes_on_disk=(layout.directory_bytes(self.path) if self._remote is None
-                               else self._remote.total_bytes()),
+                bytes_on_disk=state.stored_bytes(),
                 live_bytes=int(np.sum(shard_file.entry_bytes(n_tokens, self.config.embed_dim,
                                                              self.config.storage_dtype,
                                                              self.config.signatures_per_entry))),
@@ -678,9 +677,7 @@ class Store:
         transient owner record aside); on object storage, the objects the
         manifest names."""
         with self._state.lock.shared():
-            if self._remote is not None:
-                return self._remote.total_bytes()
-            return layout.directory_bytes(self.path)
+            return self._state.stored_bytes()
 
 
 def _local_only(storage_options: Any) -> None:
