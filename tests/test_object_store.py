@@ -548,3 +548,42 @@ def test_the_disk_limit_counts_the_objects_not_the_working_copy(s3_url):
         st = writer.stats()
         assert st.bytes_on_disk <= limit
         assert st.limits.evicted > 0 or st.entries < 250
+
+
+def test_the_server_stopping_during_a_large_upload_leaves_old_or_new(s3_url, own_s3_server, monkeypatch):
+    """The server goes away while a flush is uploading megabytes: the flush
+    fails cleanly or completes; readers see the old state or the new one,
+    whole; once the server is back the same writer commits."""
+    server = own_s3_server
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    writer = Store.create(s3_url, embed_dim=DIM, storage_options={**FAST, "lease_seconds": 30})
+    first = _fill(writer, range(3))
+    writer.flush()
+    rng = np.random.default_rng(5)
+    big = {}
+    for n in range(8):  # about 8 MiB of new shard bytes
+        keys = rng.standard_normal((4096, DIM)).astype(np.float32)
+        big[writer.put(keys, keys, 0)] = keys
+    stopper = threading.Timer(0.05, server.stop)
+    stopper.start()
+    try:
+        writer.flush()
+        failed = False
+    except StorageError:
+        failed = True
+    stopper.join()
+    server.start()
+    with Store.open(s3_url, read_only=True, storage_options=FAST) as reader:
+        ids = set(reader.entry_ids())
+        assert ids in (set(first), set(first) | set(big))
+        assert failed or ids == set(first) | set(big)
+        for entry_id in ids & set(big):
+            assert np.array_equal(reader.get(entry_id).keys, big[entry_id])
+    writer.flush()
+    writer.close()
+    with Store.open(s3_url, read_only=True, storage_options=FAST) as reader:
+        assert set(reader.entry_ids()) == set(first) | set(big)
+        for entry_id, seed in first.items():
+            assert np.array_equal(reader.get(entry_id).keys, _kv(seed)[0])
+    report = hmem.verify(s3_url, full=True, storage_options=FAST)
+    assert not [f for f in report.problems if f.code != "remote.orphan"]
