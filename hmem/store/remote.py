@@ -113,6 +113,7 @@ class RemoteShardFile:
         self.size = size
         self.fd = _io.open_cache_file(path, size)
         self.present = np.zeros(-(-size // FETCH_BLOCK), dtype=bool)
+        self.fetched_bytes = 0
         self.lock = threading.Lock()
         self.last_used = time.monotonic()
 
@@ -125,6 +126,7 @@ class RemoteShardFile:
         self.last_used = time.monotonic()
         if self.present[first:last].all():
             return
+        fetched = 0
         with self.lock:
             missing = ~self.present[first:last]
             if not missing.any():
@@ -140,7 +142,11 @@ class RemoteShardFile:
                     raise self.fetcher.missing(self.key) from None
                 _io.write_cache_at(self.fd, self.path, begin, data)
                 self.present[first + int(lo): first + int(hi)] = True
-                self.fetcher.fetched(len(data))
+                self.fetched_bytes += len(data)
+                fetched += len(data)
+        # outside this file's lock: the cache may drop files and tell the
+        # shard cache, whose lock a thread may hold while it waits for ours
+        self.fetcher.fetched(fetched)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
@@ -194,19 +200,24 @@ class ShardFetcher:
             return found
 
     def fetched(self, nbytes: int) -> None:
+        """Count fetched bytes; past the bound, drop the least recently used
+        files (called holding no lock: on_drop takes the shard cache's)."""
+        dropped = []
         with self._lock:
             self._bytes += nbytes
             while self._bytes > self.cache_bytes and len(self._files) > 1:
                 uid, victim = min(self._files.items(), key=lambda item: item[1].last_used)
                 del self._files[uid]
-                self._bytes -= int(victim.present.sum()) * FETCH_BLOCK
+                self._bytes -= victim.fetched_bytes
                 _io.unlink(victim.path)  # readers that still map it keep its bytes
-                if self.on_drop is not None:
-                    self.on_drop(uid)
+                dropped.append(uid)
+        if self.on_drop is not None:
+            for uid in dropped:
+                self.on_drop(uid)
 
     def cached_bytes(self) -> int:
         with self._lock:
-            return max(0, self._bytes)
+            return self._bytes
 
     def close(self) -> None:
         with self._lock:
@@ -293,7 +304,7 @@ class LeaseHolder:
     def release(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.seconds)
+            self._thread.join(timeout=min(self.seconds, 5.0))
         if self.lost:
             return
         self.lost = True
@@ -357,6 +368,7 @@ class RemoteLink:
         self.manifest: fmt.RemoteManifest | None = None
         self.etag: str | None = None
         self.published_generation = -1  # the local commit last published
+        self.published_local: Manifest | None = None  # and what it said
         self._dirs = 0
 
     # ---- reading the committed state -------------------------------------------------
@@ -428,13 +440,21 @@ class RemoteLink:
         self.publish(directory, committed, create=True)
 
     def publish(self, directory: Path, committed: Manifest, written: bytes | None = None, *, create: bool = False,
-                snapshot: bool = False) -> None:
+                snapshot: bool = False, data_only: bool = False) -> None:
         """Commit the working copy's last local commit (`committed`; `written`:
         the index.json it wrote, whose pending updates say which records it
         changed in place) to the object store: a state object with what that
         commit changed, or a snapshot (module docstring)."""
         generation = committed.generation
         if generation == self.published_generation and not create:
+            return
+        if data_only and self._same_data(committed, written):
+            # A local commit of an id reservation alone: not needed here.  A
+            # writer that stops loses its working copy, and with it every id
+            # it handed out past the last commit: none of them is named anywhere.
+            # The files are as published, so the next commit's changes are
+            # still taken against them.
+            self.published_generation, self.published_local = generation, committed
             return
         index_bytes = committed.to_bytes()
         shards = committed.shards
@@ -508,6 +528,7 @@ class RemoteLink:
         self.manifest, self.etag = new_mf, etag
         self.fetcher.manifest_etag = etag
         self.published_generation = generation
+        self.published_local = committed
         # this writer's shards are complete local files: never fetched
         self.fetcher.remote = {uid: s for uid, s in named.items() if uid in self.fetcher.remote}
         if expired:
@@ -515,6 +536,16 @@ class RemoteLink:
                 self.client.delete(expired)
             except Exception:
                 pass  # left for compaction to remove (an orphan object)
+
+    def _same_data(self, committed: Manifest, written: bytes | None) -> bool:
+        """Whether `committed` holds what the last published commit held."""
+        last = self.published_local
+        if last is None or self.published_generation < 0:
+            return False
+        changed = _updated_positions(written, committed.generation)
+        return (changed is not None and not len(changed) and committed.record_count == last.record_count
+                and [s.uid for s in committed.shards] == [s.uid for s in last.shards]
+                and committed.sources == last.sources)
 
     # ---- whole objects, for verify and repair ------------------------------------------
 
@@ -532,22 +563,27 @@ class RemoteLink:
             _io.write_file(directory / info.file, [data])
         self.fetcher.remote = {}
 
-    def orphans(self) -> list[str]:
-        """Objects under the store that its manifest does not name, retired or not."""
+    def orphan_sizes(self) -> dict[str, int]:
+        """Objects under the store that its manifest does not name, retired
+        or not, and their sizes (one listing)."""
         mf = self.manifest
         assert mf is not None
         named = {fmt.MANIFEST_KEY, fmt.LEASE_KEY, *(s["key"] for s in mf.state),
                  *(s["key"] for s in mf.shards.values()), *(r["key"] for r in mf.retired)}
-        return sorted(key for key, _ in self.client.list() if key not in named)
+        return {key: size for key, size in sorted(self.client.list()) if key not in named}
 
-    def remove_orphans(self) -> int:
+    def orphans(self) -> list[str]:
+        return list(self.orphan_sizes())
+
+    def remove_orphans(self) -> dict[str, int]:
         """Delete the objects no commit names (left by a writer that
-        stopped between its uploads and its commit); a writer's job."""
+        stopped between its uploads and its commit); a writer's job.
+        Returns what it deleted, with sizes."""
         assert self.lease is not None
         self.lease.check()
-        orphans = self.orphans()
-        self.client.delete(orphans)
-        return len(orphans)
+        orphans = self.orphan_sizes()
+        self.client.delete(list(orphans))
+        return orphans
 
     def total_bytes(self) -> int:
         """Bytes of the objects the manifest names (retired ones aside)."""

@@ -118,12 +118,12 @@ class Store:
         else:
             self._release_unclosed = weakref.finalize(self, link.close)
 
-    def _publish(self, *, snapshot: bool = False) -> None:
+    def _publish(self, *, snapshot: bool = False, data_only: bool = False) -> None:
         """After a write: commit the working copy's last commit to the object
         store (nothing when it was published already or the store is local)."""
         link, state = self._remote, self._state
         if link is not None and not state.read_only:
-            link.publish(state.path, state.committed, state.manifest_bytes, snapshot=snapshot)
+            link.publish(state.path, state.committed, state.manifest_bytes, snapshot=snapshot, data_only=data_only)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -264,6 +264,7 @@ class Store:
                 link.fence()
                 store = cls.open(link.materialize(), verify_reads=verify_reads)
                 link.published_generation = store._state.committed.generation
+                link.published_local = store._state.committed
         except BaseException:
             link.close()
             raise
@@ -354,7 +355,7 @@ class Store:
                 self._state.check_writable()
                 self._eviction.make_room(batch)
                 entry_id = self._writer.insert(batch)[0]
-                self._publish()  # the limits may have evicted and committed
+                self._publish(data_only=True)  # the limits may have evicted and committed
                 return entry_id
         finally:
             batch.release()  # copied into the open shard, or not stored
@@ -369,7 +370,7 @@ class Store:
                 self._state.check_writable()
                 self._eviction.make_room(batch)
                 ids = self._writer.insert(batch)
-                self._publish()
+                self._publish(data_only=True)
                 return ids
         finally:
             batch.release()
@@ -463,6 +464,7 @@ class Store:
         ``total`` counts the live entries before it."""
         sort = validation.choice(sort, "sort", ENTRY_SORTS)
         keep = None if limit is None else validation.count(limit, "limit")
+        self._maybe_refresh()
         state = self._state
         with state.lock.shared():
             state.check_open()
@@ -492,6 +494,7 @@ class Store:
     def get(self, entry_id: int) -> StoredEntry:
         """One live entry's metadata and K/V (read-only arrays, bit-exact as
         put).  Raises EntryNotFoundError for an id that is not live."""
+        self._maybe_refresh()
         state = self._state
         with state.lock.shared():
             state.check_open()
@@ -585,7 +588,18 @@ class Store:
         """What compact() would do and gain, without changing anything."""
         with self._state.lock.shared():
             self._state.check_open()
-            return self._compaction.plan()
+            plan = self._compaction.plan()
+        if self._remote is None:
+            return plan
+        # on object storage, also the objects no commit names (a writer that stopped before its commit)
+        orphans = self._remote.orphan_sizes()
+        if not orphans:
+            return plan
+        reclaimable = plan.reclaimable_bytes + sum(orphans.values())
+        before = plan.bytes_before + sum(orphans.values())
+        return dataclasses.replace(plan, orphan_files=plan.orphan_files + tuple(orphans), needed=True,
+                                   bytes_before=before, bytes_after_estimate=before - reclaimable,
+                                   reclaimable_bytes=reclaimable, reclaimable_share=reclaimable / before)
 
     def compact(self, min_reclaim_share: float = 0.0, *,
                 progress: Callable[[int, int], None] | None = None) -> CompactionReport:
@@ -600,10 +614,17 @@ class Store:
             self._state.check_writable()
             share = validation.share(min_reclaim_share, "min_reclaim_share")
             report = self._compaction.run(share, progress)
-            self._publish(snapshot=True)  # the small files whole: the list of state objects starts again
-            if self._remote is not None:
-                self._remote.remove_orphans()
-            return report
+            if self._remote is None:
+                return report
+            self._publish(snapshot=report.performed)  # the small files whole: the state list starts again
+            removed = self._remote.remove_orphans()
+            if not removed:
+                return report
+            freed = sum(removed.values())
+            return dataclasses.replace(report, performed=True, orphans_removed=report.orphans_removed + len(removed),
+                                       bytes_before=report.bytes_before + freed,
+                                       bytes_freed=report.bytes_freed + freed,
+                                       reason=report.reason if report.performed else "removed orphan objects")
 
     def put_cache(self, cache: Any, *, chunk_tokens: int | None = None, importance: float = 1.0,
                   layers: Iterable[int] | None = None) -> dict[int, list[int]]:
@@ -674,8 +695,9 @@ class Store:
 
     def size(self) -> int:
         """Bytes on disk: the files of the store directory (the lock file's
-        transient owner record aside); on object storage, the objects the
-        manifest names."""
+        transient owner record aside); on object storage, the same files
+        (shards and small files) as they lie there (StoreStats.remote has
+        the bytes of the objects themselves)."""
         with self._state.lock.shared():
             return self._state.stored_bytes()
 
