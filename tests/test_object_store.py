@@ -587,3 +587,26 @@ def test_the_server_stopping_during_a_large_upload_leaves_old_or_new(s3_url, own
             assert np.array_equal(reader.get(entry_id).keys, _kv(seed)[0])
     report = hmem.verify(s3_url, full=True, storage_options=FAST)
     assert not [f for f in report.problems if f.code != "remote.orphan"]
+
+
+def test_a_refresh_that_fails_keeps_the_reader_on_its_commit(s3_url, s3_server):
+    server = s3_server
+    writer = Store.create(s3_url, embed_dim=DIM)
+    first = _fill(writer, range(4))
+    writer.flush()
+    reader = Store.open(s3_url, read_only=True, storage_options=FAST)
+    try:
+        second = _fill(writer, range(4, 8))
+        writer.flush()
+        key = _manifest(server, s3_url)["state"][-1]["key"]
+        saved = server.objects(_prefix(s3_url))[key]
+        server.delete_object(_prefix(s3_url), key)  # the new commit cannot be read
+        with pytest.raises(StoreChangedError):
+            reader.refresh()
+        _check_kv(reader, first)  # still the commit it held, whole
+        server.put_object(_prefix(s3_url), key, saved)  # readable again, the same commit
+        assert reader.refresh() is True
+        _check_kv(reader, {**first, **second})
+    finally:
+        reader.close()
+        writer.close()

@@ -285,12 +285,18 @@ class Store:
             self._state.check_open()
             if not self._state.read_only:
                 return False
-            assert link.manifest is not None
-            seen = link.manifest.generation
-            if link.read_manifest().generation == seen:
+            held, held_etag = link.manifest, link.etag
+            held_shards, held_shards_etag = link.fetcher.remote, link.fetcher.manifest_etag
+            assert held is not None
+            if link.read_manifest().generation == held.generation:
                 return False
             old = self._state
-            fresh = Store._open_reader(link.materialize(), old.verify_reads)
+            try:
+                fresh = Store._open_reader(link.materialize(), old.verify_reads)
+            except BaseException:  # still on the commit it holds: the next refresh tries again
+                link.manifest, link.etag = held, held_etag
+                link.fetcher.remote, link.fetcher.manifest_etag = held_shards, held_shards_etag
+                raise
             fresh._state.cache.fetcher = link.fetcher
             link.fetcher.on_drop = fresh._state.cache.drop_uid
             for name in ("_state", "_reader", "_writer", "_queries", "_compaction", "_eviction", "path", "config"):
