@@ -33,6 +33,7 @@ OPTION_NAMES = ("endpoint", "access_key_id", "secret_access_key", "session_token
 _DEFAULT_TIMEOUT = 30.0  # seconds per request
 _DEFAULT_CONNECT_TIMEOUT = 5.0
 _DEFAULT_RETRIES = 3
+PART_BYTES = 8 << 20  # objects larger than this are uploaded in parts of this size
 
 
 def is_url(location: object) -> bool:
@@ -152,9 +153,9 @@ class ObjectClient:
     def url(self) -> str:
         return self.location.url
 
-    def _count(self, kind: str, fetched: int = 0, sent: int = 0) -> None:
+    def _count(self, kind: str, fetched: int = 0, sent: int = 0, requests: int = 1) -> None:
         with self._stats_lock:
-            setattr(self.stats, kind, getattr(self.stats, kind) + 1)
+            setattr(self.stats, kind, getattr(self.stats, kind) + requests)
             self.stats.bytes_fetched += fetched
             self.stats.bytes_sent += sent
 
@@ -205,14 +206,16 @@ class ObjectClient:
 
     def list(self, prefix: str = "") -> list[tuple[str, int]]:
         """(key, size) of every object under `prefix`, keys relative to the store."""
+        pages = 0
         try:
             found: list[tuple[str, int]] = []
             for batch in self._obstore.list(self._store, prefix=prefix or None):
+                pages += 1  # a page of up to 1,000 keys a request
                 found.extend((str(meta["path"]), int(meta["size"])) for meta in batch)
         except Exception as exc:
-            self._count("lists")
+            self._count("lists", requests=pages + 1)
             raise self._fail(exc, "list", prefix) from None
-        self._count("lists")
+        self._count("lists", requests=max(pages, 1))
         return found
 
     # ---- writes ----------------------------------------------------------------------
@@ -227,12 +230,17 @@ class ObjectClient:
         elif if_match is not None:
             mode = {"e_tag": if_match}
         size = data.stat().st_size if isinstance(data, Path) else len(data)
+        # past one part, an upload is multipart: a request to begin, one per
+        # part, one to complete (a conditional write is always one request)
+        multipart = mode == "overwrite" and size > PART_BYTES
+        requests = -(-size // PART_BYTES) + 2 if multipart else 1
         try:
-            result = self._obstore.put(self._store, key, data, mode=mode)
+            result = self._obstore.put(self._store, key, data, mode=mode, use_multipart=multipart,
+                                       chunk_size=PART_BYTES)
         except Exception as exc:
             self._count("puts")
             raise self._fail(exc, "write", key) from None
-        self._count("puts", sent=size)
+        self._count("puts", sent=size, requests=requests)
         return str(result["e_tag"])
 
     def delete(self, keys: Sequence[str]) -> None:

@@ -505,10 +505,11 @@ class RemoteLink:
         state_list = [] if whole or old is None else list(old.state)
         if whole and old is not None:
             retired += [{"key": item["key"], "since": now} for item in old.state]
-        key = fmt.state_key(next_generation, lease.token[:8])
-        body = fmt.encode_state(pieces)
-        self.client.put(key, body)
-        state_list.append({"key": key, "bytes": len(body)})
+        if whole or pieces:  # a commit that changed none of these bytes (a close) needs no state object
+            key = fmt.state_key(next_generation, lease.token[:8])
+            body = fmt.encode_state(pieces)
+            self.client.put(key, body)
+            state_list.append({"key": key, "bytes": len(body)})
         new_mf = fmt.RemoteManifest(generation=next_generation, index=index_bytes, sizes=sizes, state=state_list,
                                     shards=named, retired=retired, writer=lease.token, committed=now)
         _io.crash_point("remote.objects_written")
