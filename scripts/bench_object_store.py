@@ -206,15 +206,23 @@ class Server:
 TRACE: list[tuple[str, int | None]] = []  # (key, start of a ranged GET or None)
 
 
-def install_trace() -> None:
+def install_trace(latency_ms: float = 0.0) -> None:
+    """Record every GET; with `latency_ms`, wait that long before each, as
+    a request over a network waits for its first byte (moto on 127.0.0.1
+    answers in a few ms)."""
     get, get_range = object_store.ObjectClient.get, object_store.ObjectClient.get_range
+    delay = latency_ms / 1000
 
     def traced_get(self, key):
         TRACE.append((key, None))
+        if delay:
+            time.sleep(delay)
         return get(self, key)
 
     def traced_get_range(self, key, start, end):
         TRACE.append((key, start))
+        if delay:
+            time.sleep(delay)
         return get_range(self, key, start, end)
 
     object_store.ObjectClient.get = traced_get
@@ -638,6 +646,11 @@ def main(argv: list[str] | None = None) -> int:
                         "so put runs with them)")
     p.add_argument("--root", help="where the local stores and the cache go (a temporary directory otherwise)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--latency-ms", type=float, default=0.0,
+                   help="wait this long before each GET, as over a network (default 0: moto's own time only)")
+    p.add_argument("--sequential-reads", action="store_true",
+                   help="baseline: read a query's shard bytes one request after another, as without "
+                   "EntryReader.prefetch (its concurrent fetch turned off)")
     args = p.parse_args(argv)
     if not benchlib.native_kernels():
         return 2
@@ -649,10 +662,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {key:10} {value}")
     print(f"  {'server':10} moto {importlib.metadata.version('moto')} ThreadedMotoServer on 127.0.0.1, "
           f"{'a child process' if args.server == 'process' else 'a thread of this process'}")
+    print(f"  {'latency':10} {args.latency_ms:g} ms added before each GET"
+          + ("; a query's shard bytes read one request after another (--sequential-reads)"
+             if args.sequential_reads else ""))
     print()
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="hmem-bench-s3-"))
     root.mkdir(parents=True, exist_ok=True)
-    install_trace()
+    install_trace(args.latency_ms)
+    if args.sequential_reads:
+        from hmem.store import reading  # the baseline: no concurrent fetch before a query's reads
+
+        reading.EntryReader.prefetch = lambda self, positions, kinds=None: None
     server = Server(args.server)
     put = queries = clients = None
     try:

@@ -142,7 +142,8 @@ class Queries:
             keys, found = self._from_pooled_file(wanted, skip=check is True)
             pooled = dict(zip(wanted[found].tolist(), keys[found]))
             pooled.update(self._read_by_shard(wanted[~found],
-                                              lambda pos: self.reader.tensor(pos, "p", check=check).ravel()))
+                                              lambda pos: self.reader.tensor(pos, "p", check=check).ravel(),
+                                              ("p",)))
         finals = []
         for (positions, _), mean, q_tokens in zip(shortlists, means, span_tokens):
             if rerank and len(positions):
@@ -156,10 +157,12 @@ class Queries:
                                   lambda pos: self.reader.kv(pos, check=check))
         return pooled, kvs
 
-    def _read_by_shard(self, positions: np.ndarray, read: Callable[[int], T]) -> dict[int, T]:
+    def _read_by_shard(self, positions: np.ndarray, read: Callable[[int], T],
+                       kinds: tuple[str, ...] | None = None) -> dict[int, T]:
         """read(pos) of each distinct position, in shard order; damaged ones left out."""
         unique = np.unique(positions)
         out: dict[int, T] = {}
+        self.reader.prefetch(unique, kinds)  # object storage: all at once
         for pos in unique[np.argsort(self.state.records["shard_idx"][unique], kind="stable")].tolist():
             try:
                 out[pos] = read(pos)
@@ -194,6 +197,7 @@ class Queries:
                 cosines = self._rerank_cosines(positions, keys, q_mean, q_tokens)
                 order = np.lexsort((state.records["entry_id"][positions], -cosines))[:k]
                 positions, sims, cosines = positions[order], sims[order], cosines[order]
+            self.reader.prefetch(positions[~np.isin(positions, list(kvs))])  # object storage: all at once
             kv = self._read_all(positions, lambda pos: kvs[pos] if pos in kvs
                                 else self.reader.kv(pos, check=check), skipped)
             if kv is not None:

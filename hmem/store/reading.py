@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from hmem.errors import CorruptStoreError, Hint, StoreChangedError
+from hmem.errors import CorruptStoreError, Hint, HmemError, StoreChangedError
 from hmem.formats import layout, shard_file
 from hmem.store import storage as storage_codec
 from hmem.store.results import StoreHealth
@@ -61,6 +61,40 @@ class EntryReader:
         if not isinstance(value, dict):
             raise CorruptStoreError(f"entry {entry_id}: its metadata in shard {shard_idx} is damaged", hint=Hint.VERIFY)
         return value
+
+    def prefetch(self, positions: np.ndarray, kinds: tuple[str, ...] | None = None) -> None:
+        """On object storage, fetch what reading these records' tensors
+        (`kinds`; by default their K/V) will need, all at once: first the
+        header and index of each shard not yet read, then the tensors' byte
+        ranges, the requests of each round made concurrently
+        (hmem/store/remote.py).  The reads that follow then wait for no
+        request.  Nothing for a local store; damage found here is left for
+        those reads to report."""
+        state = self.state
+        fetcher = state.cache.fetcher
+        if fetcher is None or not len(positions):
+            return
+        if kinds is None:
+            kinds = ("k", "v", "ks", "vs") if state.config.storage_dtype == "int8" else ("k", "v")
+        rows = state.records[np.unique(positions)]
+        sealed = [i for i in np.unique(rows["shard_idx"]).tolist() if i < len(state.shards)]
+        remote = [i for i in sealed if state.shards[i].uid in fetcher.remote]
+        if not remote:
+            return
+        try:
+            fetcher.fetch_heads([state.shards[i].uid for i in remote])
+            spans = []
+            for row in rows[np.isin(rows["shard_idx"], remote)]:
+                entry_id, shard_idx = int(row["entry_id"]), int(row["shard_idx"])
+                reader = self.shard(shard_idx)
+                for kind in kinds:
+                    dtype, shape = shard_file.tensor_layout(kind, int(row["n_tokens"]), state.config.embed_dim,
+                                                            state.config.storage_dtype,
+                                                            state.config.signatures_per_entry)
+                    spans.append((reader.source, *reader.span(entry_id, kind, int(np.prod(shape)) * dtype.itemsize)))
+            fetcher.fetch_many([span for span in spans if span[0] is not None])
+        except HmemError:
+            return  # the reads report it, each for its own entry
 
     def tensor(self, pos: int, kind: str, *, check: bool | None = None) -> np.ndarray:
         """Tensor `kind` (k, v, p, ks, vs) of the record at `pos`, its CRC

@@ -20,6 +20,7 @@ ties it to the objects:
 
 from __future__ import annotations
 
+import concurrent.futures
 import getpass
 import json
 import os
@@ -116,6 +117,31 @@ class RemoteShardFile:
         self.fetched_bytes = 0
         self.lock = threading.Lock()
         self.last_used = time.monotonic()
+
+    def missing_runs(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Byte ranges [begin, stop) of the whole blocks of [start, end)
+        not yet present, one per run of consecutive blocks."""
+        end = min(end, self.size)
+        if end <= start:
+            return []
+        first, last = start // FETCH_BLOCK, -(-end // FETCH_BLOCK)
+        missing = ~self.present[first:last]
+        if not missing.any():
+            return []
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], missing.astype(np.int8), [0]))))
+        return [((first + int(lo)) * FETCH_BLOCK, min((first + int(hi)) * FETCH_BLOCK, self.size))
+                for lo, hi in zip(edges[0::2], edges[1::2])]
+
+    def store(self, begin: int, data: bytes) -> int:
+        """Write fetched whole blocks from `begin`; returns the bytes newly held."""
+        with self.lock:
+            first, last = begin // FETCH_BLOCK, -(-(begin + len(data)) // FETCH_BLOCK)
+            if self.present[first:last].all():
+                return 0  # another thread fetched them meanwhile (the same bytes: objects never change)
+            _io.write_cache_at(self.fd, self.path, begin, data)
+            self.present[first:last] = True
+            self.fetched_bytes += len(data)
+            return len(data)
 
     def ensure(self, start: int, end: int) -> None:
         """Make bytes [start, end) present in the local file."""
@@ -215,6 +241,37 @@ class ShardFetcher:
             for uid in dropped:
                 self.on_drop(uid)
 
+    def fetch_heads(self, uids: list[str]) -> None:
+        """The first block of each of these shards (its header and entry
+        index, which every read of a shard checks first), concurrently."""
+        files = [found for found in (self.source(uid) for uid in uids) if found is not None]
+        self.fetch_many([(found, 0, FETCH_BLOCK) for found in files])
+
+    def fetch_many(self, spans: list[tuple[RemoteShardFile, int, int]]) -> None:
+        """Make each (file, start, end) present, the missing blocks' ranged
+        GETs made concurrently (obstore waits without the GIL)."""
+        work: dict[tuple[int, int, int], RemoteShardFile] = {}
+        for found, start, end in spans:
+            for begin, stop in found.missing_runs(start, end):
+                work[(id(found), begin, stop)] = found
+        if not work:
+            return
+        if len(work) == 1:
+            ((_, begin, stop), found), = work.items()
+            found.ensure(begin, stop)
+            return
+
+        def fetch(item: tuple[tuple[int, int, int], RemoteShardFile]) -> int:
+            (_, begin, stop), found = item
+            found.last_used = time.monotonic()
+            try:
+                data = self.client.get_range(found.key, begin, stop)
+            except ObjectMissing:
+                raise self.missing(found.key) from None
+            return found.store(begin, data)
+
+        self.fetched(sum(_pool().map(fetch, work.items())))
+
     def cached_bytes(self) -> int:
         with self._lock:
             return self._bytes
@@ -224,6 +281,19 @@ class ShardFetcher:
             for found in self._files.values():
                 found.close()
             self._files.clear()
+
+
+_FETCHERS: concurrent.futures.ThreadPoolExecutor | None = None
+_FETCHERS_LOCK = threading.Lock()
+FETCH_THREADS = 16  # ranged GETs in flight at once; they wait on the network, not the CPU
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _FETCHERS
+    with _FETCHERS_LOCK:
+        if _FETCHERS is None:
+            _FETCHERS = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="hmem-fetch")
+        return _FETCHERS
 
 
 # ---- the writer's lease -------------------------------------------------------------
@@ -389,13 +459,17 @@ class RemoteLink:
         mf = self.manifest
         assert mf is not None
         files = [bytearray(mf.sizes[name]) for name in fmt.STATE_FILES]
-        for item in mf.state:
+        def fetch(key: str) -> bytes:
             try:
-                data, _ = self.client.get(item["key"])
+                return self.client.get(key)[0]
             except ObjectMissing:
                 raise StoreChangedError(f"{self.url} changed while it was being read (state object "
-                                        f"{item['key']} is gone)", hint=Hint.REFRESH) from None
-            fmt.apply_state(data, files, item["key"])
+                                        f"{key} is gone)", hint=Hint.REFRESH) from None
+
+        keys = [item["key"] for item in mf.state]
+        # fetched concurrently, applied in order
+        for key, data in zip(keys, _pool().map(fetch, keys) if len(keys) > 1 else map(fetch, keys)):
+            fmt.apply_state(data, files, key)
         self._dirs += 1
         directory = self.workdir / f"store-{self._dirs}"
         _io.make_dir(directory)

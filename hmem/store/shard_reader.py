@@ -146,13 +146,18 @@ class ShardReader:
         """The CRC-32C the index records for a tensor."""
         return self._locate(entry_id, kind)[1]
 
-    def file_range(self, entry_id: int, kind: str, nbytes: int) -> _io.FileRange:
-        """Where a tensor's bytes lie in the file."""
+    def span(self, entry_id: int, kind: str, nbytes: int) -> tuple[int, int]:
+        """Bytes [begin, end) of the file that hold a tensor."""
         start, _ = self._locate(entry_id, kind)
         if start < 0 or self.data_start + start + nbytes > self.size:
             raise self._bad(f"tensor {kind}_{entry_id} lies outside the file")
-        self._ensure(self.data_start + start, self.data_start + start + nbytes)
-        return _io.FileRange(self.path if self.source is None else self.source.path, self.data_start + start, nbytes)
+        return self.data_start + start, self.data_start + start + nbytes
+
+    def file_range(self, entry_id: int, kind: str, nbytes: int) -> _io.FileRange:
+        """Where a tensor's bytes lie in the file."""
+        begin, end = self.span(entry_id, kind, nbytes)
+        self._ensure(begin, end)
+        return _io.FileRange(self.path if self.source is None else self.source.path, begin, nbytes)
 
     def check(self, entry_id: int, kind: str, tensor: np.ndarray) -> bool:
         """Whether `tensor` (read from this shard) matches its recorded CRC-32C."""
