@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hmem import _io
-from hmem.errors import NotAStoreError, StoreExistsError
+from hmem.errors import StoreExistsError
 from hmem.formats import layout, manifest
 from hmem.formats.manifest import Manifest, Pending
 from hmem.object_store import is_url
@@ -100,13 +100,7 @@ def _write(directory: Path, committed: Manifest, destination: Any, options: dict
     if is_url(str(destination)):
         target = RemoteLink(str(destination), options)
         try:
-            try:
-                target.read_manifest()
-            except NotAStoreError:
-                pass
-            else:
-                raise StoreExistsError(f"{target.url} already holds an hmem store", hint="choose a new URL")
-            target.take_lease(0.0)
+            target.claim_new()
             target.create(directory, committed)
         finally:
             target.close()

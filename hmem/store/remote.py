@@ -483,6 +483,18 @@ class RemoteLink:
 
     # ---- the writer ------------------------------------------------------------------
 
+    def claim_new(self) -> None:
+        """Before a new store is made at this URL: refuse one that holds a
+        store (StoreExistsError), then take the lease.  The first commit is
+        create-only all the same (create)."""
+        try:
+            self.read_manifest()
+        except NotAStoreError:
+            pass
+        else:
+            raise StoreExistsError(f"{self.url} already holds an hmem store", hint="open it, or choose a new URL")
+        self.take_lease(0.0)
+
     def take_lease(self, wait_seconds: float) -> None:
         self.lease = LeaseHolder(self.client, self.lease_seconds, wait_seconds)
 

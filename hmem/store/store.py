@@ -29,7 +29,6 @@ from hmem.config import StoreConfig
 from hmem.errors import (
     CorruptStoreError,
     EntryNotFoundError,
-    NotAStoreError,
     Hint,
     InvalidArgumentError,
     StoreChangedError,
@@ -231,13 +230,7 @@ class Store:
         link = remote.RemoteLink(url, storage_options)
         store: Store | None = None
         try:
-            try:
-                link.read_manifest()
-            except NotAStoreError:
-                pass
-            else:
-                raise StoreExistsError(f"{url} already holds an hmem store", hint="open it instead")
-            link.take_lease(0.0)
+            link.claim_new()
             store = cls.create(link.workdir / "store-0", config)
             store._attach(link)
             state = store._state
