@@ -28,7 +28,8 @@ from hmem.formats import manifest, shard_file
 from hmem.formats import remote as fmt
 from hmem.recovery.repair import RepairReport, repair
 from hmem.recovery.verify import ERROR, WARNING, Finding, VerifyReport, verify
-from hmem.store.remote import RemoteLink, RemoteShardFile
+from hmem.store.remote import RemoteLink
+from hmem.store.remote_fetch import RemoteShardFile
 
 
 def verify_remote(url: str, *, full: bool, subset: tuple[int, int] | None, max_seconds: float | None,

@@ -7,10 +7,10 @@ ties it to the objects:
 
 - at open, the committed manifest is read and the store's small files
   (index.json, entries.bin, pooled.bin, sources.jsonl) are made from its
-  state objects; shard files are not fetched: ``ShardFetcher`` fetches the
-  byte ranges a read needs, once, into sparse local files, keeping at most
-  ``cache_bytes`` of them;
-- a writer holds the lease (``LeaseHolder``), and after each local commit
+  state objects; shard files are not fetched: ``ShardFetcher``
+  (hmem/store/remote_fetch.py) fetches the byte ranges a read needs, once,
+  into sparse local files, keeping at most ``cache_bytes`` of them;
+- a writer holds the lease (``LeaseHolder``, hmem/store/lease.py), and after each local commit
   ``publish`` uploads the new shard files and one state object with the
   bytes of the small files that changed, then replaces the manifest with a
   write conditional on the ETag it read: if another writer committed
@@ -20,14 +20,9 @@ ties it to the objects:
 
 from __future__ import annotations
 
-import concurrent.futures
-import getpass
 import json
 import os
-import socket
-import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +42,10 @@ from hmem.formats import layout
 from hmem.formats import remote as fmt
 from hmem.formats.manifest import Manifest, Pending
 from hmem.object_store import ConditionFailed, ObjectClient, ObjectMissing
+from hmem.store.lease import LeaseHolder
+from hmem.store.remote_fetch import ShardFetcher, fetch_pool
 
 CACHE_ENV = "HMEM_CACHE_DIR"
-FETCH_BLOCK = 1 << 20  # shard bytes are fetched in whole blocks of this size
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_LEASE_SECONDS = 60.0
 DEFAULT_RETIRE_SECONDS = 900.0  # objects no commit names stay this long for readers of older commits
@@ -98,290 +94,6 @@ def make_workdir(cache_dir: Any) -> Path:
     work = _io.make_private_dir(root, f"remote-{os.getpid()}-")
     _io.make_dir(work / "shards")
     return work
-
-
-# ---- shard bytes, fetched on demand ---------------------------------------------------
-
-
-class RemoteShardFile:
-    """One shard's object, mirrored into a sparse local file block by block
-    as reads need its bytes (the reads go through the file's memory map)."""
-
-    def __init__(self, fetcher: ShardFetcher, key: str, path: Path, size: int) -> None:
-        self.fetcher = fetcher
-        self.key = key
-        self.path = path
-        self.size = size
-        self.fd = _io.open_cache_file(path, size)
-        self.present = np.zeros(-(-size // FETCH_BLOCK), dtype=bool)
-        self.fetched_bytes = 0
-        self.lock = threading.Lock()
-        self.last_used = time.monotonic()
-
-    def missing_runs(self, start: int, end: int) -> list[tuple[int, int]]:
-        """Byte ranges [begin, stop) of the whole blocks of [start, end)
-        not yet present, one per run of consecutive blocks."""
-        end = min(end, self.size)
-        if end <= start:
-            return []
-        first, last = start // FETCH_BLOCK, -(-end // FETCH_BLOCK)
-        missing = ~self.present[first:last]
-        if not missing.any():
-            return []
-        edges = np.flatnonzero(np.diff(np.concatenate(([0], missing.astype(np.int8), [0]))))
-        return [((first + int(lo)) * FETCH_BLOCK, min((first + int(hi)) * FETCH_BLOCK, self.size))
-                for lo, hi in zip(edges[0::2], edges[1::2])]
-
-    def store(self, begin: int, data: bytes) -> int:
-        """Write fetched whole blocks from `begin`; returns the bytes newly held."""
-        with self.lock:
-            first, last = begin // FETCH_BLOCK, -(-(begin + len(data)) // FETCH_BLOCK)
-            if self.present[first:last].all():
-                return 0  # another thread fetched them meanwhile (the same bytes: objects never change)
-            _io.write_cache_at(self.fd, self.path, begin, data)
-            self.present[first:last] = True
-            self.fetched_bytes += len(data)
-            return len(data)
-
-    def ensure(self, start: int, end: int) -> None:
-        """Make bytes [start, end) present in the local file."""
-        end = min(end, self.size)
-        if end <= start:
-            return
-        first, last = start // FETCH_BLOCK, -(-end // FETCH_BLOCK)
-        self.last_used = time.monotonic()
-        if self.present[first:last].all():
-            return
-        fetched = 0
-        with self.lock:
-            missing = ~self.present[first:last]
-            if not missing.any():
-                return
-            # one ranged GET per run of missing blocks
-            edges = np.flatnonzero(np.diff(np.concatenate(([0], missing.astype(np.int8), [0]))))
-            for lo, hi in zip(edges[0::2], edges[1::2]):
-                begin = (first + int(lo)) * FETCH_BLOCK
-                stop = min((first + int(hi)) * FETCH_BLOCK, self.size)
-                try:
-                    data = self.fetcher.client.get_range(self.key, begin, stop) if stop > begin else b""
-                except ObjectMissing:
-                    raise self.fetcher.missing(self.key) from None
-                _io.write_cache_at(self.fd, self.path, begin, data)
-                self.present[first + int(lo): first + int(hi)] = True
-                self.fetched_bytes += len(data)
-                fetched += len(data)
-        # outside this file's lock: the cache may drop files and tell the
-        # shard cache, whose lock a thread may hold while it waits for ours
-        self.fetcher.fetched(fetched)
-
-    def close(self) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-    def __del__(self) -> None:
-        self.close()
-
-
-class ShardFetcher:
-    """The shard files of a store on object storage that this process read
-    from, by uid, within a bound of `cache_bytes` fetched bytes (the least
-    recently used shard's file goes first; readers still using it keep it)."""
-
-    def __init__(self, client: ObjectClient, directory: Path, cache_bytes: int) -> None:
-        self.client = client
-        self.directory = directory
-        self.cache_bytes = cache_bytes
-        self.remote: dict[str, dict[str, Any]] = {}  # uid -> {"key", "bytes"} of shards that live remotely
-        self._files: dict[str, RemoteShardFile] = {}
-        self._bytes = 0
-        self._lock = threading.RLock()
-        self.on_drop: Any = None  # called with a uid whose file was dropped (the shard cache forgets its map)
-        self.manifest_etag: str | None = None  # of the commit the shards were named by
-
-    def missing(self, key: str) -> Exception:
-        """The error for a shard object that is gone: the store changed
-        (a newer commit retired and removed it) or it is damaged."""
-        try:
-            _, etag = self.client.get(fmt.MANIFEST_KEY)
-        except ObjectMissing:
-            etag = None
-        if etag != self.manifest_etag:
-            return StoreChangedError(f"{self.client.url} changed since it was opened (shard object {key} is gone)",
-                                     hint=Hint.REFRESH)
-        return CorruptStoreError(f"{self.client.url}: shard object {key} is missing", hint=Hint.VERIFY)
-
-    def source(self, uid: str) -> RemoteShardFile | None:
-        """The local mirror of shard `uid`, or None when its file is local
-        (a shard this writer made)."""
-        info = self.remote.get(uid)
-        if info is None:
-            return None
-        with self._lock:
-            found = self._files.get(uid)
-            if found is None:
-                path = self.directory / f"{uid}.safetensors"
-                _io.unlink(path)  # a file dropped from the cache earlier
-                found = self._files[uid] = RemoteShardFile(self, info["key"], path, info["bytes"])
-            return found
-
-    def fetched(self, nbytes: int) -> None:
-        """Count fetched bytes; past the bound, drop the least recently used
-        files (called holding no lock: on_drop takes the shard cache's)."""
-        dropped = []
-        with self._lock:
-            self._bytes += nbytes
-            while self._bytes > self.cache_bytes and len(self._files) > 1:
-                uid, victim = min(self._files.items(), key=lambda item: item[1].last_used)
-                del self._files[uid]
-                self._bytes -= victim.fetched_bytes
-                _io.unlink(victim.path)  # readers that still map it keep its bytes
-                dropped.append(uid)
-        if self.on_drop is not None:
-            for uid in dropped:
-                self.on_drop(uid)
-
-    def fetch_heads(self, uids: list[str]) -> None:
-        """The first block of each of these shards (its header and entry
-        index, which every read of a shard checks first), concurrently."""
-        files = [found for found in (self.source(uid) for uid in uids) if found is not None]
-        self.fetch_many([(found, 0, FETCH_BLOCK) for found in files])
-
-    def fetch_many(self, spans: list[tuple[RemoteShardFile, int, int]]) -> None:
-        """Make each (file, start, end) present, the missing blocks' ranged
-        GETs made concurrently (obstore waits without the GIL)."""
-        work: dict[tuple[int, int, int], RemoteShardFile] = {}
-        for found, start, end in spans:
-            for begin, stop in found.missing_runs(start, end):
-                work[(id(found), begin, stop)] = found
-        if not work:
-            return
-        if len(work) == 1:
-            ((_, begin, stop), found), = work.items()
-            found.ensure(begin, stop)
-            return
-
-        def fetch(item: tuple[tuple[int, int, int], RemoteShardFile]) -> int:
-            (_, begin, stop), found = item
-            found.last_used = time.monotonic()
-            try:
-                data = self.client.get_range(found.key, begin, stop)
-            except ObjectMissing:
-                raise self.missing(found.key) from None
-            return found.store(begin, data)
-
-        self.fetched(sum(_pool().map(fetch, work.items())))
-
-    def cached_bytes(self) -> int:
-        with self._lock:
-            return self._bytes
-
-    def close(self) -> None:
-        with self._lock:
-            for found in self._files.values():
-                found.close()
-            self._files.clear()
-
-
-_FETCHERS: concurrent.futures.ThreadPoolExecutor | None = None
-_FETCHERS_LOCK = threading.Lock()
-FETCH_THREADS = 16  # ranged GETs in flight at once; they wait on the network, not the CPU
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _FETCHERS
-    with _FETCHERS_LOCK:
-        if _FETCHERS is None:
-            _FETCHERS = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="hmem-fetch")
-        return _FETCHERS
-
-
-# ---- the writer's lease -------------------------------------------------------------
-
-
-def _owner() -> dict[str, Any]:
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = "?"
-    return {"host": socket.gethostname(), "pid": os.getpid(), "user": user}
-
-
-class LeaseHolder:
-    """The lease of a store's single writer, held and renewed in the
-    background until ``release`` (docs/format.md, "The writer's lease")."""
-
-    def __init__(self, client: ObjectClient, seconds: float, wait_seconds: float = 0.0) -> None:
-        self.client = client
-        self.seconds = seconds
-        self.token = uuid.uuid4().hex
-        self.owner = _owner()
-        self.lost = False
-        self._stop = threading.Event()
-        self._etag = self._acquire(wait_seconds)
-        self._thread = threading.Thread(target=self._renew_loop, name="hmem-lease", daemon=True)
-        self._thread.start()
-
-    def _document(self) -> bytes:
-        self.expires = time.time() + self.seconds
-        return fmt.Lease(self.token, self.owner, self.expires).to_bytes()
-
-    def _acquire(self, wait_seconds: float) -> str:
-        deadline = time.monotonic() + max(0.0, wait_seconds)
-        while True:
-            try:
-                return self.client.put(fmt.LEASE_KEY, self._document(), create_only=True)
-            except ConditionFailed:
-                pass
-            try:
-                data, etag = self.client.get(fmt.LEASE_KEY)
-            except ObjectMissing:
-                continue  # released meanwhile
-            held = fmt.Lease.parse(data)
-            if held is None or held.expires < time.time():
-                try:  # expired: take it over, unless someone else just did
-                    return self.client.put(fmt.LEASE_KEY, self._document(), if_match=etag)
-                except ConditionFailed:
-                    continue
-            if time.monotonic() >= deadline:
-                owner = held.owner
-                left = max(0.0, held.expires - time.time())
-                raise StoreLockedError(
-                    f"{self.client.url} is locked for writing by pid {owner.get('pid')} on {owner.get('host')} "
-                    f"(user {owner.get('user')}); its lease runs {left:.0f} s more unless renewed",
-                    hint=Hint.LOCK_WAIT)
-            time.sleep(min(0.25, max(0.01, deadline - time.monotonic())))
-
-    def _renew_loop(self) -> None:
-        while not self._stop.wait(self.seconds / 3):
-            try:
-                self._etag = self.client.put(fmt.LEASE_KEY, self._document(), if_match=self._etag)
-            except ConditionFailed:
-                self.lost = True  # taken over: this writer may not commit again
-                return
-            except Exception:  # the server is unreachable: try again while the lease lasts
-                if time.time() >= self.expires:
-                    self.lost = True
-                    return
-
-    def check(self) -> None:
-        """Raise unless the lease is held with time to spare for a commit."""
-        if self.lost or time.time() > self.expires - min(5.0, self.seconds / 4):
-            self.lost = True
-            raise StoreLockedError(f"this writer lost its lease on {self.client.url} (another writer may hold it "
-                                   "now): nothing more is committed", hint=Hint.OPEN_AGAIN)
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=min(self.seconds, 5.0))
-        if self.lost:
-            return
-        self.lost = True
-        try:  # give it back at once rather than let it expire
-            self.client.put(fmt.LEASE_KEY, fmt.Lease(self.token, self.owner, 0.0).to_bytes(), if_match=self._etag)
-        except Exception:
-            pass  # it expires by itself
 
 
 # ---- the link between the working copy and the objects ---------------------------------
@@ -468,7 +180,7 @@ class RemoteLink:
 
         keys = [item["key"] for item in mf.state]
         # fetched concurrently, applied in order
-        for key, data in zip(keys, _pool().map(fetch, keys) if len(keys) > 1 else map(fetch, keys)):
+        for key, data in zip(keys, fetch_pool().map(fetch, keys) if len(keys) > 1 else map(fetch, keys)):
             fmt.apply_state(data, files, key)
         self._dirs += 1
         directory = self.workdir / f"store-{self._dirs}"

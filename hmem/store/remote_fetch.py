@@ -1,0 +1,217 @@
+"""The shard bytes of a store on object storage, fetched as reads need
+them (docs/format.md, "The working copy"): each shard's object mirrored
+into a sparse local file, block by block, within a bound of cached bytes;
+the blocks a query needs fetched all at once, the requests of a round
+made concurrently."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hmem import _io
+from hmem.errors import CorruptStoreError, Hint, StoreChangedError
+from hmem.formats import remote as fmt
+from hmem.object_store import ObjectClient, ObjectMissing
+
+FETCH_BLOCK = 1 << 20  # shard bytes are fetched in whole blocks of this size
+FETCH_THREADS = 16  # ranged GETs in flight at once; they wait on the network, not the CPU
+
+_FETCHERS: concurrent.futures.ThreadPoolExecutor | None = None
+_FETCHERS_LOCK = threading.Lock()
+
+
+def fetch_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _FETCHERS
+    with _FETCHERS_LOCK:
+        if _FETCHERS is None:
+            _FETCHERS = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="hmem-fetch")
+        return _FETCHERS
+
+
+class RemoteShardFile:
+    """One shard's object, mirrored into a sparse local file block by block
+    as reads need its bytes (the reads go through the file's memory map)."""
+
+    def __init__(self, fetcher: ShardFetcher, key: str, path: Path, size: int) -> None:
+        self.fetcher = fetcher
+        self.key = key
+        self.path = path
+        self.size = size
+        self.fd = _io.open_cache_file(path, size)
+        self.present = np.zeros(-(-size // FETCH_BLOCK), dtype=bool)
+        self.fetched_bytes = 0
+        self.lock = threading.Lock()
+        self.last_used = time.monotonic()
+
+    def missing_runs(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Byte ranges [begin, stop) of the whole blocks of [start, end)
+        not yet present, one per run of consecutive blocks."""
+        end = min(end, self.size)
+        if end <= start:
+            return []
+        first, last = start // FETCH_BLOCK, -(-end // FETCH_BLOCK)
+        missing = ~self.present[first:last]
+        if not missing.any():
+            return []
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], missing.astype(np.int8), [0]))))
+        return [((first + int(lo)) * FETCH_BLOCK, min((first + int(hi)) * FETCH_BLOCK, self.size))
+                for lo, hi in zip(edges[0::2], edges[1::2])]
+
+    def store(self, begin: int, data: bytes) -> int:
+        """Write fetched whole blocks from `begin`; returns the bytes newly held."""
+        with self.lock:
+            first, last = begin // FETCH_BLOCK, -(-(begin + len(data)) // FETCH_BLOCK)
+            if self.present[first:last].all():
+                return 0  # another thread fetched them meanwhile (the same bytes: objects never change)
+            _io.write_cache_at(self.fd, self.path, begin, data)
+            self.present[first:last] = True
+            self.fetched_bytes += len(data)
+            return len(data)
+
+    def ensure(self, start: int, end: int) -> None:
+        """Make bytes [start, end) present in the local file."""
+        end = min(end, self.size)
+        if end <= start:
+            return
+        first, last = start // FETCH_BLOCK, -(-end // FETCH_BLOCK)
+        self.last_used = time.monotonic()
+        if self.present[first:last].all():
+            return
+        fetched = 0
+        with self.lock:
+            missing = ~self.present[first:last]
+            if not missing.any():
+                return
+            # one ranged GET per run of missing blocks
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], missing.astype(np.int8), [0]))))
+            for lo, hi in zip(edges[0::2], edges[1::2]):
+                begin = (first + int(lo)) * FETCH_BLOCK
+                stop = min((first + int(hi)) * FETCH_BLOCK, self.size)
+                try:
+                    data = self.fetcher.client.get_range(self.key, begin, stop) if stop > begin else b""
+                except ObjectMissing:
+                    raise self.fetcher.missing(self.key) from None
+                _io.write_cache_at(self.fd, self.path, begin, data)
+                self.present[first + int(lo): first + int(hi)] = True
+                self.fetched_bytes += len(data)
+                fetched += len(data)
+        # outside this file's lock: the cache may drop files and tell the
+        # shard cache, whose lock a thread may hold while it waits for ours
+        self.fetcher.fetched(fetched)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class ShardFetcher:
+    """The shard files of a store on object storage that this process read
+    from, by uid, within a bound of `cache_bytes` fetched bytes (the least
+    recently used shard's file goes first; readers still using it keep it)."""
+
+    def __init__(self, client: ObjectClient, directory: Path, cache_bytes: int) -> None:
+        self.client = client
+        self.directory = directory
+        self.cache_bytes = cache_bytes
+        self.remote: dict[str, dict[str, Any]] = {}  # uid -> {"key", "bytes"} of shards that live remotely
+        self._files: dict[str, RemoteShardFile] = {}
+        self._bytes = 0
+        self._lock = threading.RLock()
+        self.on_drop: Any = None  # called with a uid whose file was dropped (the shard cache forgets its map)
+        self.manifest_etag: str | None = None  # of the commit the shards were named by
+
+    def missing(self, key: str) -> Exception:
+        """The error for a shard object that is gone: the store changed
+        (a newer commit retired and removed it) or it is damaged."""
+        try:
+            _, etag = self.client.get(fmt.MANIFEST_KEY)
+        except ObjectMissing:
+            etag = None
+        if etag != self.manifest_etag:
+            return StoreChangedError(f"{self.client.url} changed since it was opened (shard object {key} is gone)",
+                                     hint=Hint.REFRESH)
+        return CorruptStoreError(f"{self.client.url}: shard object {key} is missing", hint=Hint.VERIFY)
+
+    def source(self, uid: str) -> RemoteShardFile | None:
+        """The local mirror of shard `uid`, or None when its file is local
+        (a shard this writer made)."""
+        info = self.remote.get(uid)
+        if info is None:
+            return None
+        with self._lock:
+            found = self._files.get(uid)
+            if found is None:
+                path = self.directory / f"{uid}.safetensors"
+                _io.unlink(path)  # a file dropped from the cache earlier
+                found = self._files[uid] = RemoteShardFile(self, info["key"], path, info["bytes"])
+            return found
+
+    def fetched(self, nbytes: int) -> None:
+        """Count fetched bytes; past the bound, drop the least recently used
+        files (called holding no lock: on_drop takes the shard cache's)."""
+        dropped = []
+        with self._lock:
+            self._bytes += nbytes
+            while self._bytes > self.cache_bytes and len(self._files) > 1:
+                uid, victim = min(self._files.items(), key=lambda item: item[1].last_used)
+                del self._files[uid]
+                self._bytes -= victim.fetched_bytes
+                _io.unlink(victim.path)  # readers that still map it keep its bytes
+                dropped.append(uid)
+        if self.on_drop is not None:
+            for uid in dropped:
+                self.on_drop(uid)
+
+    def fetch_heads(self, uids: list[str]) -> None:
+        """The first block of each of these shards (its header and entry
+        index, which every read of a shard checks first), concurrently."""
+        files = [found for found in (self.source(uid) for uid in uids) if found is not None]
+        self.fetch_many([(found, 0, FETCH_BLOCK) for found in files])
+
+    def fetch_many(self, spans: list[tuple[RemoteShardFile, int, int]]) -> None:
+        """Make each (file, start, end) present, the missing blocks' ranged
+        GETs made concurrently (obstore waits without the GIL)."""
+        work: dict[tuple[int, int, int], RemoteShardFile] = {}
+        for found, start, end in spans:
+            for begin, stop in found.missing_runs(start, end):
+                work[(id(found), begin, stop)] = found
+        if not work:
+            return
+        if len(work) == 1:
+            ((_, begin, stop), found), = work.items()
+            found.ensure(begin, stop)
+            return
+
+        def fetch(item: tuple[tuple[int, int, int], RemoteShardFile]) -> int:
+            (_, begin, stop), found = item
+            found.last_used = time.monotonic()
+            try:
+                data = self.client.get_range(found.key, begin, stop)
+            except ObjectMissing:
+                raise self.missing(found.key) from None
+            return found.store(begin, data)
+
+        self.fetched(sum(fetch_pool().map(fetch, work.items())))
+
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def close(self) -> None:
+        with self._lock:
+            for found in self._files.values():
+                found.close()
+            self._files.clear()
+
+
