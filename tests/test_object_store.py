@@ -610,3 +610,56 @@ def test_a_refresh_that_fails_keeps_the_reader_on_its_commit(s3_url, s3_server):
     finally:
         reader.close()
         writer.close()
+
+
+def test_reader_threads_share_one_store_while_a_writer_commits(s3_url):
+    """Threads of one reader query, read and refresh while another process's
+    writer (here another Store object) commits; the shard cache is small, so
+    shard files are dropped and fetched again under the threads' feet."""
+    writer = Store.create(s3_url, embed_dim=DIM, hdc_dim=512, shard_max_bytes=16 << 10)
+    seeds = _fill(writer, range(120))
+    writer.flush()
+    reader = Store.open(s3_url, read_only=True, storage_options={"cache_bytes": 64 << 10})
+    errors: list[BaseException] = []
+    checked = [0]
+    stop = threading.Event()
+    known = dict(seeds)
+
+    def read(worker: int) -> None:
+        rng = np.random.default_rng(worker)
+        try:
+            while not stop.is_set():
+                seed = int(rng.integers(0, 120))
+                for result in reader.query(_kv(seed)[0], 0, top_k=3, count_access=False):
+                    keys, values = _kv(known[result.entry_id])
+                    assert np.array_equal(result.keys, keys) and np.array_equal(result.values, values)
+                    checked[0] += 1
+                if worker == 0:
+                    reader.refresh()
+        except StoreChangedError:
+            pass  # documented: a shard retired and removed under an old commit; refresh and go on
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for round_ in range(6):
+            new = _fill(writer, range(1000 + round_ * 10, 1010 + round_ * 10))
+            known.update(new)
+            writer.flush()
+            if round_ == 3:
+                writer.compact()
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        writer.close()
+    assert not any(t.is_alive() for t in threads), "a reader thread hung"
+    assert not errors, errors[0]
+    assert checked[0] > 50
+    reader.refresh()
+    _check_kv(reader, known)
+    reader.close()
