@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -41,6 +42,9 @@ from typer.testing import CliRunner
 import hmem
 from hmem.cli.app import app
 from hmem.cli.exit_codes import ExitCode
+
+# subprocesses import the installed hmem (with its compiled kernels), not the checkout
+OUTSIDE_CHECKOUT = tempfile.gettempdir()
 
 D = 32  # embed_dim of the command-line store
 HDC = 256
@@ -104,7 +108,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def python(code: str, *args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], env=env or clean_env(), capture_output=True,
-                          text=True, timeout=timeout)
+                          cwd=OUTSIDE_CHECKOUT, text=True, timeout=timeout)
 
 
 def in_process(*args):
@@ -329,7 +333,7 @@ def test_put_while_another_process_holds_the_store(tmp_path, s3_url, s3_server, 
     save_file({"keys": np.full((4, D), 2, np.float32), "values": np.full((4, D), 3, np.float32)},
               tmp_path / "new.safetensors")
     before = contents(s3_url)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, s3_url], stdin=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, s3_url], stdin=subprocess.PIPE, cwd=OUTSIDE_CHECKOUT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
     try:
         assert holder.stdout.readline().strip() == "ready", holder.stderr.read()
@@ -472,6 +476,7 @@ def test_writer_sigkilled_at_random_moments(s3_url):
     with hmem.Store.open(s3_url, read_only=True) as follower:  # one reader kept open across the kills
         for _ in range(rounds):
             writer = subprocess.Popen([sys.executable, "-c", LOOP_WRITER, s3_url], stdout=subprocess.PIPE,
+                                      cwd=OUTSIDE_CHECKOUT,
                                       stderr=subprocess.PIPE, text=True, env=clean_env())
             try:
                 ready = writer.stdout.readline().split()
