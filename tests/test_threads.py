@@ -335,3 +335,55 @@ def test_intent_lets_readers_in_and_keeps_writers_out():
     f.join(5)
     p.join(5)
     assert order == ["flush", "put"]
+
+
+@pytest.mark.parametrize("signatures", [1, 3])
+def test_first_queries_of_many_threads_on_a_fresh_open_agree(tmp_path, signatures):
+    """A layer's signature matrix is made at its first query, once, whichever
+    thread gets there first (hmem/store/search.py, LayerIndex.defer): many
+    threads starting on a freshly opened store, each layer in another
+    order, answer exactly as one thread does; puts and evictions on a
+    layer nobody queried yet keep it right."""
+    import numpy as np
+
+    import hmem
+
+    rng = np.random.default_rng(11)
+    layers, dim = 6, 16
+    with hmem.Store.create(tmp_path / "s", embed_dim=dim, hdc_dim=512, signatures_per_entry=signatures) as store:
+        store.put_many([(rng.standard_normal((5, dim), dtype=np.float32),
+                         rng.standard_normal((5, dim), dtype=np.float32), i % layers) for i in range(600)])
+    queries = rng.standard_normal((8, dim), dtype=np.float32)
+
+    def answers(store, order) -> dict:
+        return {(layer, j): [r.entry_id for r in store.query(q, layer, top_k=4, count_access=False)]
+                for layer in order for j, q in enumerate(queries)}
+
+    with hmem.Store.open(tmp_path / "s", read_only=True) as store:
+        expected = answers(store, range(layers))
+    with hmem.Store.open(tmp_path / "s", read_only=True) as store:
+        got: list[dict] = []
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(4)
+
+        def run(seed: int) -> None:
+            order = np.random.default_rng(seed).permutation(layers).tolist()
+            barrier.wait()
+            try:
+                got.append(answers(store, order))
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                errors.append(exc)
+
+        workers = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        assert not errors, errors[0]
+        assert len(got) == 4 and all(g == expected for g in got)
+    with hmem.Store.open(tmp_path / "s") as writer:  # a writer changes layers no query has touched
+        extra = writer.put(queries[0][None, :].repeat(3, axis=0), queries[0][None, :].repeat(3, axis=0), 2)
+        evicted = writer.entry_ids(3)[:50]
+        writer.delete(evicted)
+        assert writer.query(queries[0], 2, top_k=1)[0].entry_id == extra
+        assert not set(r.entry_id for r in writer.query(queries[1], 3, top_k=100)) & set(evicted)

@@ -85,6 +85,9 @@ class LayerIndex:
         # two-stage search first needs it
         self.prefixes: np.ndarray | None = None
         self._making = threading.RLock()
+        # (signatures, positions, spans) whose gather waits for the layer's
+        # first use (defer); None once the matrix holds them
+        self._deferred: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
         self.n = 0
         self.dead = 0
 
@@ -143,9 +146,46 @@ class LayerIndex:
         self.n = k
         return np.arange(k, dtype=np.int64)
 
+    def defer(self, signatures: np.ndarray, positions: np.ndarray, spans: np.ndarray | None = None) -> np.ndarray:
+        """fill(), the gather left for the layer's first use (ready): an
+        open then reads and checks the records and copies no signature; a
+        query pays the copy of its own layer's, once.  `signatures` (and
+        `spans`) must not change meanwhile: a store's committed signatures
+        never do, and a grown records array is a new one."""
+        assert self.n == 0
+        k = len(positions)
+        self.positions = np.zeros(max(k, _MIN_CAPACITY), dtype=np.int64)
+        self.positions[:k] = positions
+        self.alive = np.ones(len(self.positions), dtype=np.uint8)
+        self.prefixes = None
+        self._deferred = (signatures, np.array(positions, dtype=np.int64), spans)
+        self.n = k
+        return np.arange(k, dtype=np.int64)
+
+    def ready(self) -> None:
+        """Make the matrix that defer() left for later: once, whichever
+        thread first needs it (the others wait for it)."""
+        if self._deferred is None:
+            return
+        with self._making:
+            if self._deferred is None:
+                return
+            signatures, positions, spans = self._deferred
+            k = len(positions)
+            sigs = memory.filled_soon((max(k, _MIN_CAPACITY), self.sigs.shape[1]), np.uint8)
+            hamming_kernels.gather_rows(signatures, positions, sigs[:k])
+            if self.span_rows is not None:
+                assert spans is not None
+                self.span_rows = memory.filled_soon((len(sigs) * self.per_entry, self.span_rows.shape[1]), np.uint8)
+                self.sigs = sigs
+                self._set_span_rows(0, sigs[:k], spans[positions])
+            self.sigs = sigs
+            self._deferred = None
+
     def append(self, sigs: np.ndarray, positions: np.ndarray, spans: np.ndarray | None = None) -> np.ndarray:
         """Add rows (`spans`: their span signatures, in a store that keeps
         them); returns their row numbers."""
+        self.ready()
         k = len(positions)
         self._reserve(k)
         rows = np.arange(self.n, self.n + k, dtype=np.int64)
@@ -170,6 +210,7 @@ class LayerIndex:
         positions of the surviving rows (now rows 0..n-1), or None."""
         if self.dead * 4 <= self.n:
             return None
+        self.ready()
         keep = np.flatnonzero(self.alive[: self.n])
         self.sigs[: len(keep)] = self.sigs[keep]
         self.positions[: len(keep)] = self.positions[keep]
@@ -191,6 +232,7 @@ class LayerIndex:
         return self.live >= TWO_STAGE_MIN_ROWS and SURVIVORS_PER_PLACE * k * 4 <= self.live
 
     def _prefix_matrix(self) -> np.ndarray:
+        self.ready()
         with self._making:  # the first two-stage queries of several threads make it once
             if self.prefixes is None:
                 prefixes = memory.filled_soon((len(self.sigs), PREFIX_BYTES), np.uint8)
@@ -219,6 +261,7 @@ class LayerIndex:
         """(record positions, Hamming distances) of the k nearest live rows."""
         if self.live == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        self.ready()
         if self.two_stage(search, k):
             survivors, _ = self._scan(query[:PREFIX_BYTES], self._prefix_matrix(), SURVIVORS_PER_PLACE * k)
             rows, dists = self._second_stage(query, survivors, k)
@@ -232,6 +275,7 @@ class LayerIndex:
         (its first span-signature bytes), ties to the lower entry."""
         if self.live == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        self.ready()
         assert self.span_rows is not None
         per = self.per_entry
         alive = np.repeat(self.alive[: self.n], per) if self.dead else None
@@ -255,6 +299,7 @@ class LayerIndex:
 
     def span_distances(self, query: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The distance of each of these entry rows' nearest span-matrix row to `query`."""
+        self.ready()
         assert self.span_rows is not None
         per, width = self.per_entry, self.span_rows.shape[1]
         picked = (rows[:, None] * per + np.arange(per)).ravel()
@@ -266,6 +311,7 @@ class LayerIndex:
         """topk of each row of `queries`, the matrix read once for all."""
         if self.live == 0:
             return [(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)) for _ in queries]
+        self.ready()
         alive = self.alive[: self.n] if self.dead else None
         two_stage = self.two_stage(search, k)
         if two_stage:
@@ -305,8 +351,10 @@ class SearchIndex:
             layer = self.layers[layer_idx] = LayerIndex(self.signature_bytes, self.spans, self.span_bytes)
         return layer
 
-    def add_records(self, records: np.ndarray, positions: np.ndarray) -> None:
-        """Index the live records among records[positions] (vectorised per layer)."""
+    def add_records(self, records: np.ndarray, positions: np.ndarray, *, defer: bool = False) -> None:
+        """Index the live records among records[positions] (vectorised per
+        layer).  With `defer` (at open), empty layers copy their signatures
+        at their first use instead of now (LayerIndex.defer)."""
         live = positions[records["shard_idx"][positions] != 0xFFFFFFFF]
         layers = records["layer_idx"][live]
         if len(layers) and int(layers.max()) < 1 << 16:
@@ -321,6 +369,14 @@ class SearchIndex:
         # Empty layers (all of them, at open) are filled on every core: the
         # mapping of their memory (mmap) and the gather both run without the GIL.
         empty = [i for i, layer in enumerate(targets) if layer.n == 0]
+        if defer:
+            for i in empty:
+                self._track(groups[i], targets[i].defer(signatures, groups[i], spans))
+            empty_set = set(empty)
+            for i, (group, layer) in enumerate(zip(groups, targets)):
+                if i not in empty_set:
+                    self._track(group, layer.append(signatures[group], group, None if spans is None else spans[group]))
+            return
 
         def fill(lo: int, hi: int) -> list[np.ndarray]:
             return [targets[i].fill(signatures, groups[i], spans) for i in empty[lo:hi]]

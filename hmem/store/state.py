@@ -106,7 +106,8 @@ class StoreState:
         self.shards = [dataclasses.replace(info) for info in committed.shards]  # committed, then sealed since
         self.shards_committed = len(self.shards)
         self.index = SearchIndex(self.config.signature_bytes, self.config.spans, self.config.span_signature_bytes)
-        self.index.add_records(self.records, np.arange(self.n, dtype=np.int64))
+        # each layer's signatures are copied into its matrix at its first query (LayerIndex.defer)
+        self.index.add_records(self.records, np.arange(self.n, dtype=np.int64), defer=True)
 
     # ---- facts derived from the state ---------------------------------------------
 
