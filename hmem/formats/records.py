@@ -27,6 +27,8 @@ checksum of a committed record ever change, and they are adjacent (bytes
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +153,68 @@ def read(path: Path, count: int, config: StoreConfig | int) -> np.ndarray:
             return np.fromfile(f, dtype=dtype, count=count)
         except OSError as exc:
             raise storage_error(exc, "read", path, writing=False) from exc
+
+
+_READ_CHUNK_BYTES = 32 << 20  # read_checked checks one chunk while it reads the next
+
+
+def read_checked(path: Path, count: int, config: StoreConfig | int) -> tuple[np.ndarray, np.ndarray]:
+    """read(), and the positions of the records whose checksum does not
+    match (damaged), computed as the file comes in: a thread checks each
+    chunk while the next is read (the read and the CRC kernel both run
+    without the GIL), so opening a large store costs little more than
+    reading its records."""
+    dtype = record_dtype(config)
+    try:
+        fd = _io.open_regular(path)
+    except FileNotFoundError:
+        if count == 0:
+            return empty(0, config), np.zeros(0, dtype=np.int64)
+        raise CorruptStoreError(f"{path} is missing but the store commits {count} records",
+                                hint=Hint.VERIFY) from None
+    except OSError as exc:  # permissions, a disk error: docs/reliability.md, "OS errors"
+        raise storage_error(exc, "read", path, writing=False) from exc
+    size = os.fstat(fd).st_size
+    if size < count * dtype.itemsize:  # checked before anything is allocated for them
+        os.close(fd)
+        raise CorruptStoreError(f"{path} holds {size // dtype.itemsize} whole records but the store commits {count}",
+                                hint=Hint.VERIFY)
+    try:
+        out = np.empty(count, dtype=dtype)
+    except BaseException:
+        os.close(fd)
+        raise
+    rows = out.view(np.uint8).reshape(count, dtype.itemsize)
+    step = max(1, _READ_CHUNK_BYTES // dtype.itemsize)
+    chunks: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+    bad: list[np.ndarray] = []
+
+    def check() -> None:
+        while (chunk := chunks.get()) is not None:
+            lo, hi = chunk
+            sums = checksum_kernels.crc32c_rows(rows[lo:hi], CHECKSUM_OFFSET, HEADER_BYTES)
+            bad.append(np.flatnonzero(sums != out["checksum"][lo:hi]) + lo)
+
+    checker = threading.Thread(target=check, name="hmem-records-check", daemon=True)
+    checker.start()
+    try:
+        with open(fd, "rb") as f:
+            for lo in range(0, count, step):
+                hi = min(count, lo + step)
+                view = rows[lo:hi].reshape(-1).data
+                got = 0
+                while got < len(view):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise CorruptStoreError(f"{path} ended while it was being read", hint=Hint.VERIFY)
+                    got += n
+                chunks.put((lo, hi))
+    except OSError as exc:
+        raise storage_error(exc, "read", path, writing=False) from exc
+    finally:
+        chunks.put(None)
+        checker.join()
+    return out, (np.concatenate(bad) if bad else np.zeros(0, dtype=np.int64))
 
 
 def updates_for(records: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -37,6 +37,7 @@ import threading
 import numpy as np
 
 from hmem import memory, threads
+from hmem.formats.records import EVICTED
 from hmem.kernels import hamming as hamming_kernels
 
 _MIN_CAPACITY = 64
@@ -154,11 +155,13 @@ class LayerIndex:
         never do, and a grown records array is a new one."""
         assert self.n == 0
         k = len(positions)
-        self.positions = np.zeros(max(k, _MIN_CAPACITY), dtype=np.int64)
-        self.positions[:k] = positions
-        self.alive = np.ones(len(self.positions), dtype=np.uint8)
+        # `positions` is taken as it is (no copy): rows past it are added
+        # into a new array (_reserve), and pack() moves rows only once the
+        # deferred gather has read them (ready)
+        self.positions = positions
+        self.alive = np.ones(k, dtype=np.uint8)
         self.prefixes = None
-        self._deferred = (signatures, np.array(positions, dtype=np.int64), spans)
+        self._deferred = (signatures, positions, spans)
         self.n = k
         return np.arange(k, dtype=np.int64)
 
@@ -351,10 +354,45 @@ class SearchIndex:
             layer = self.layers[layer_idx] = LayerIndex(self.signature_bytes, self.spans, self.span_bytes)
         return layer
 
-    def add_records(self, records: np.ndarray, positions: np.ndarray, *, defer: bool = False) -> None:
-        """Index the live records among records[positions] (vectorised per
-        layer).  With `defer` (at open), empty layers copy their signatures
-        at their first use instead of now (LayerIndex.defer)."""
+    def load(self, records: np.ndarray) -> None:
+        """Index every live record, into an index that holds none yet (at
+        open, and after a compaction rewrote the store): each layer's
+        positions now, its signatures at its first query (LayerIndex.defer).
+        Records are grouped by layer with one sort of their 16-bit layer
+        numbers (a radix sort), without a copy of the records."""
+        assert not self.layers
+        n = len(records)
+        if not n:
+            return
+        layer_of = records["layer_idx"]
+        if int(layer_of.max()) >= 1 << 16:  # not from hmem (layers are < 2**16): the general path
+            self.add_records(records, np.arange(n, dtype=np.int64))
+            return
+        keys = layer_of.astype(np.uint16)
+        evicted = records["shard_idx"] == EVICTED
+        self._row_of = memory.filled_soon((max(n, _MIN_CAPACITY),), np.int64)
+        self._row_of[n:] = -1
+        if evicted.any():
+            self._row_of[:] = -1
+            live = np.flatnonzero(~evicted)
+            order = live[np.argsort(keys[live], kind="stable")]
+        else:
+            order = np.argsort(keys, kind="stable")  # keeps position order within a layer
+        if not len(order):
+            return
+        sorted_keys = keys[order]
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(sorted_keys)) + 1))
+        sizes = np.diff(np.concatenate((starts, [len(order)])))
+        # each record's row in its layer: its place in the sorted order less its layer's start
+        self._row_of[order] = np.arange(len(order), dtype=np.int64) - np.repeat(starts, sizes)
+        signatures = records["signature"]
+        spans = records["spans"] if self.spans else None
+        for start, size in zip(starts.tolist(), sizes.tolist()):
+            layer = self._layer(int(sorted_keys[start]))
+            layer.defer(signatures, order[start:start + size], spans)
+
+    def add_records(self, records: np.ndarray, positions: np.ndarray) -> None:
+        """Index the live records among records[positions] (vectorised per layer)."""
         live = positions[records["shard_idx"][positions] != 0xFFFFFFFF]
         layers = records["layer_idx"][live]
         if len(layers) and int(layers.max()) < 1 << 16:
@@ -369,14 +407,6 @@ class SearchIndex:
         # Empty layers (all of them, at open) are filled on every core: the
         # mapping of their memory (mmap) and the gather both run without the GIL.
         empty = [i for i, layer in enumerate(targets) if layer.n == 0]
-        if defer:
-            for i in empty:
-                self._track(groups[i], targets[i].defer(signatures, groups[i], spans))
-            empty_set = set(empty)
-            for i, (group, layer) in enumerate(zip(groups, targets)):
-                if i not in empty_set:
-                    self._track(group, layer.append(signatures[group], group, None if spans is None else spans[group]))
-            return
 
         def fill(lo: int, hi: int) -> list[np.ndarray]:
             return [targets[i].fill(signatures, groups[i], spans) for i in empty[lo:hi]]

@@ -107,7 +107,7 @@ class StoreState:
         self.shards_committed = len(self.shards)
         self.index = SearchIndex(self.config.signature_bytes, self.config.spans, self.config.span_signature_bytes)
         # each layer's signatures are copied into its matrix at its first query (LayerIndex.defer)
-        self.index.add_records(self.records, np.arange(self.n, dtype=np.int64), defer=True)
+        self.index.load(self.records[: self.n])
 
     # ---- facts derived from the state ---------------------------------------------
 
@@ -189,13 +189,19 @@ def load_records(root: Path, committed: Manifest, *, follow_renames: bool) -> np
     name = layout.ENTRIES_FILE
     path = layout.resolve(root, name, committed.pending) if follow_renames else root / name
     try:
-        loaded = records.read(path, committed.record_count, committed.config)
+        loaded, bad = records.read_checked(path, committed.record_count, committed.config)
     except (CorruptStoreError, FileNotFoundError):
         if path == root / name:
             raise
-        loaded = records.read(root / name, committed.record_count, committed.config)  # renamed meanwhile
-    records.apply_updates(loaded, committed.pending.record_updates)
-    bad = records.damaged(loaded)
+        loaded, bad = records.read_checked(root / name, committed.record_count, committed.config)  # renamed meanwhile
+    updates = committed.pending.record_updates
+    if len(updates):
+        # checked as read; the records the pending updates change are checked again once changed
+        records.apply_updates(loaded, updates)
+        updated = np.unique(updates["position"].astype(np.int64))
+        updated = updated[updated < len(loaded)]
+        again = updated[records.damaged(loaded[updated])]
+        bad = np.union1d(np.setdiff1d(bad, updated), again)
     if len(bad):
         first = int(bad[0])
         raise CorruptStoreError(
