@@ -165,9 +165,11 @@ class RemoteLink:
         self.manifest, self.etag = mf, etag
         return mf
 
-    def materialize(self) -> Path:
+    def materialize(self, *, keep_known: bool = False) -> Path:
         """Make the committed state's small files in a new directory of the
-        working copy; returns it.  Shards are fetched later, as reads need them."""
+        working copy; returns it.  Shards are fetched later, as reads need
+        them.  `keep_known`: the fetcher keeps knowing the shards of the
+        commit read before too (a refresh, until it swaps the new one in)."""
         mf = self.manifest
         assert mf is not None
         files = [bytearray(mf.sizes[name]) for name in fmt.STATE_FILES]
@@ -189,8 +191,11 @@ class RemoteLink:
         for name, content in zip(fmt.STATE_FILES, files):
             if content or name == layout.ENTRIES_FILE:
                 _io.write_file(directory / name, [content])
-        self.fetcher.remote = dict(mf.shards)
-        self.fetcher.manifest_etag = self.etag
+        if keep_known:
+            self.fetcher.remote = {**self.fetcher.remote, **mf.shards}
+        else:
+            self.fetcher.remote = dict(mf.shards)
+            self.fetcher.manifest_etag = self.etag
         return directory
 
     # ---- the writer ------------------------------------------------------------------

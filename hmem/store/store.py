@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -103,6 +104,7 @@ class Store:
         self.location: str = str(state.path)  # what the store was opened as: a directory or a URL
         self._refresh_seconds: float | None = None
         self._refreshed = time.monotonic()
+        self._refresh_lock = threading.Lock()  # one refresh at a time
 
     def _attach(self, link: remote.RemoteLink) -> None:
         """Tie this store (a working copy) to the objects of `link`."""
@@ -268,39 +270,52 @@ class Store:
     def refresh(self) -> bool:
         """A reader of a store on object storage: take the newest commit if
         there is one (one request when there is none); returns whether the
-        store changed.  Entries read before stay valid; ids a new commit
-        removed are gone.  Nothing for a writer or a local store."""
+        store changed.  Queries of other threads go on while the new commit
+        is fetched, and pause only while it is swapped in.  Entries read
+        before stay valid; ids a new commit removed are gone.  Nothing for a
+        writer or a local store."""
+        return self._refresh(wait=True)
+
+    def _refresh(self, *, wait: bool) -> bool:
         link = self._remote
         self._refreshed = time.monotonic()
-        if link is None:
+        if link is None or not self._state.read_only:
             return False
-        with self._state.lock.exclusive():
+        if not self._refresh_lock.acquire(blocking=wait):
+            return False  # another thread is refreshing: this read goes on with the commit it has
+        try:
             self._state.check_open()
-            if not self._state.read_only:
-                return False
             held, held_etag = link.manifest, link.etag
             held_shards, held_shards_etag = link.fetcher.remote, link.fetcher.manifest_etag
             assert held is not None
-            if link.read_manifest().generation == held.generation:
-                return False
-            old = self._state
             try:
-                fresh = Store._open_reader(link.materialize(), old.verify_reads)
+                if link.read_manifest().generation == held.generation:
+                    return False
+                # fetched without the store's lock: queries go on meanwhile, on the commit they
+                # have, whose shards stay known to the fetcher until the swap
+                fresh = Store._open_reader(link.materialize(keep_known=True), self._state.verify_reads)
             except BaseException:  # still on the commit it holds: the next refresh tries again
                 link.manifest, link.etag = held, held_etag
                 link.fetcher.remote, link.fetcher.manifest_etag = held_shards, held_shards_etag
                 raise
-            fresh._state.cache.fetcher = link.fetcher
-            link.fetcher.on_drop = fresh._state.cache.drop_uid
-            for name in ("_state", "_reader", "_writer", "_queries", "_compaction", "_eviction", "path", "config"):
-                setattr(self, name, getattr(fresh, name))
-            old.shut()
+            with self._state.lock.exclusive():
+                old = self._state
+                fresh._state.cache.fetcher = link.fetcher
+                link.fetcher.on_drop = fresh._state.cache.drop_uid
+                for name in ("_state", "_reader", "_writer", "_queries", "_compaction", "_eviction", "path",
+                             "config"):
+                    setattr(self, name, getattr(fresh, name))
+                assert link.manifest is not None
+                link.fetcher.remote, link.fetcher.manifest_etag = dict(link.manifest.shards), link.etag
+                old.shut()
             _io.remove_tree(old.path)
             return True
+        finally:
+            self._refresh_lock.release()
 
     def _maybe_refresh(self) -> None:
         if self._refresh_seconds is not None and time.monotonic() - self._refreshed >= self._refresh_seconds:
-            self.refresh()
+            self._refresh(wait=False)
 
     @property
     def read_only(self) -> bool:
