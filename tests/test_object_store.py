@@ -663,3 +663,35 @@ def test_reader_threads_share_one_store_while_a_writer_commits(s3_url):
     reader.refresh()
     _check_kv(reader, known)
     reader.close()
+
+
+@pytest.mark.parametrize("pieces", [3, 300])
+def test_state_objects_apply_as_their_pieces_in_order(pieces):
+    # the format's own encoder and decoder (hmem/formats/remote.py): a state
+    # object's pieces land where they say, few or many, and a damaged one is refused
+    from hmem.formats import remote as fmt
+
+    rng = np.random.default_rng(pieces)
+    sizes = [4096 * 8, 2048, 512]
+    expected = [bytearray(rng.integers(0, 256, size, dtype=np.uint8).tobytes()) for size in sizes]
+    files = [bytearray(f) for f in expected]
+    chosen = []
+    for number, size in enumerate(sizes):  # non-overlapping pieces of each file
+        starts = np.sort(rng.choice(size // 8, size=min(pieces, size // 8), replace=False)) * 8
+        for start in starts.tolist():
+            length = int(rng.integers(1, 9))
+            data = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
+            chosen.append((number, start, data))
+            expected[number][start:start + length] = data
+    body = fmt.encode_state(chosen)
+    fmt.apply_state(body, files, "state/x")
+    assert files == expected
+    for damage in (lambda b: b[:-1] + bytes([b[-1] ^ 1]), lambda b: b[:20] + b[21:]):
+        with pytest.raises(CorruptStoreError):
+            fmt.apply_state(damage(body), [bytearray(len(f)) for f in expected], "state/x")
+    outside = fmt.encode_state([(0, sizes[0] - 2, b"abc")])
+    with pytest.raises(CorruptStoreError, match="outside"):
+        fmt.apply_state(outside, [bytearray(s) for s in sizes], "state/x")
+    no_file = fmt.encode_state([(7, 0, b"abc")])
+    with pytest.raises(CorruptStoreError):
+        fmt.apply_state(no_file, [bytearray(s) for s in sizes], "state/x")

@@ -81,8 +81,9 @@ def encode_state(pieces: list[tuple[int, int, bytes | memoryview]]) -> bytes:
     count rows of (u32 file, u32 zero, u64 offset, u64 length); the pieces'
     bytes in row order; u32 CRC-32C of all the preceding bytes."""
     table = np.zeros(len(pieces), dtype=_PIECE)
-    for row, (file, offset, data) in enumerate(pieces):
-        table[row] = (file, 0, offset, len(data))
+    table["file"] = [file for file, _, _ in pieces]
+    table["offset"] = [offset for _, offset, _ in pieces]
+    table["length"] = [len(data) for _, _, data in pieces]
     parts = [_STATE_HEAD.pack(_STATE_MAGIC, 1, len(pieces)), table.tobytes(), *(bytes(d) for _, _, d in pieces)]
     body = b"".join(parts)
     return body + struct.pack("<I", _crc(body))
@@ -106,14 +107,32 @@ def apply_state(data: bytes, files: list[bytearray], key: str) -> None:
     if start > len(data) - 4:
         raise bad("its table runs past its end")
     table = np.frombuffer(data, dtype=_PIECE, count=count, offset=_STATE_HEAD.size)
-    at = start
-    for file, _, offset, length in table.tolist():
-        if file >= len(files) or offset + length > len(files[file]) or at + length > len(data) - 4:
-            raise bad("a piece lies outside its file")
-        files[file][offset:offset + length] = data[at:at + length]
-        at += length
-    if at != len(data) - 4:
-        raise bad("its pieces do not fill it")
+    lengths = table["length"].astype(np.int64)
+    ends = np.cumsum(lengths)
+    if len(table) and (int(table["file"].max()) >= len(files) or int(ends[-1]) != len(data) - 4 - start):
+        raise bad("its pieces do not fill it, or name a file that does not exist")
+    if not len(table):
+        if start != len(data) - 4:
+            raise bad("its pieces do not fill it")
+        return
+    sizes = np.array([len(f) for f in files], dtype=np.int64)[table["file"]]
+    offsets = table["offset"].astype(np.int64)
+    if np.any(table["offset"] > np.uint64(1 << 62)) or np.any(offsets + lengths > sizes):
+        raise bad("a piece lies outside its file")
+    body = np.frombuffer(data, dtype=np.uint8, count=len(data) - 4 - start, offset=start)
+    sources = ends - lengths
+    for number, target in enumerate(files):
+        mine = np.flatnonzero(table["file"] == number)
+        if not len(mine):
+            continue
+        out = np.frombuffer(target, dtype=np.uint8)
+        if len(mine) <= 64:  # a snapshot, or a few runs: copied piece by piece
+            for i in mine.tolist():
+                out[offsets[i]:offsets[i] + lengths[i]] = body[sources[i]:sources[i] + lengths[i]]
+            continue
+        # many small pieces (records updated here and there): one gather and one scatter
+        within = np.arange(int(lengths[mine].sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths[mine]) - lengths[mine], lengths[mine])
+        out[np.repeat(offsets[mine], lengths[mine]) + within] = body[np.repeat(sources[mine], lengths[mine]) + within]
 
 
 # ---- the manifest ----------------------------------------------------------------------
