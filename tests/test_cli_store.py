@@ -429,12 +429,13 @@ def test_query_json_matches_library(filled, kv_files):
         assert (row["score"], row["similarity"], row["n_tokens"], row["layer"], row["importance"]) == \
             (r.score, r.similarity, r.n_tokens, r.layer_idx, r.importance)
     assert (doc["layer"], doc["top_k"], doc["rerank"], doc["search"], doc["export"]) == (0, 5, True, "auto", None)
+    assert doc["searched"] == "full"  # what "auto" chose on a small layer
     for mode in ("full", "two-stage"):
         doc = run_json("query", filled, "--query", "q.npy", "-l", 0, "-k", 5, "--search", mode)
         with hmem.Store.open(filled, read_only=True) as s:
             lib = s.query(keys, 0, top_k=5, search=mode)
         assert [r["entry_id"] for r in doc["results"]] == [r.entry_id for r in lib], mode
-        assert doc["search"] == mode
+        assert doc["search"] == mode and doc["searched"] == lib.search  # short signatures take one stage
 
 
 def test_query_input_file_forms(filled, kv_files):

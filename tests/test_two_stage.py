@@ -135,14 +135,19 @@ def test_auto_takes_two_stages_on_large_layers_only(tmp_path, rng, few_survivors
             return [[r.entry_id for r in store.query(q, 0, top_k=4, rerank=False, search=mode,
                                                      count_access=False)] for q in queries]
 
+        def searched(top_k=4):  # what "auto" chose, as the results say
+            return store.query(queries[0], 0, top_k=top_k, rerank=False, search="auto", count_access=False).search
+
         full, two = ids("full"), ids("two-stage")
         assert full != two
-        assert ids("auto") == full  # 300 entries: below TWO_STAGE_MIN_ROWS
+        assert ids("auto") == full and searched() == "full"  # 300 entries: below TWO_STAGE_MIN_ROWS
         monkeypatch.setattr(search_module, "TWO_STAGE_MIN_ROWS", 300)
-        assert ids("auto") == two
+        assert ids("auto") == two and searched() == "two-stage"
+        assert store.query_many(queries[:2], 0, top_k=4, rerank=False, count_access=False)[1].search == "two-stage"
         # a shortlist of more than a quarter of the layer's survivors: one stage
         many = store.query(queries[0], 0, top_k=80, rerank=False, search="auto", count_access=False)
         assert [r.entry_id for r in many] == expected(store, keys, queries[0], 80, few_survivors, two_stage=False)
+        assert many.search == "full"
 
 
 def test_short_signatures_take_one_stage(tmp_path, rng, few_survivors, expected):

@@ -129,6 +129,7 @@ def query(
     ]
     if json_output:
         out.emit_json({"store": str(store), "layer": layer, "top_k": top_k, "rerank": rerank, "search": search,
+                       "searched": results.search,
                        "results": rows, "skipped": skipped_json(results), "export": str(export) if export else None,
                        "seconds": seconds})
         return

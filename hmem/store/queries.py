@@ -112,6 +112,9 @@ class Queries:
         answers = [self._answer(layer, sig, mean, shortlist, k, factor, rerank=rerank, framework=framework,
                                 skip=skip, search=search, pooled=pooled, kvs=kvs, q_tokens=q_tokens)
                    for (sig, mean), shortlist, q_tokens in zip(prepared, shortlists, span_tokens)]
+        used = self._searched(layer, search, k * factor)
+        for answer, _ in answers:
+            answer.search = used
         # Accesses are counted once every query is answered (a damaged entry
         # that raises leaves no count behind), in order: each query's results
         # show the counts of the queries before it, as one after another.
@@ -122,8 +125,16 @@ class Queries:
             for answer, positions in answers:
                 now = self.count_access(positions)
                 counted.append(QueryResults([dataclasses.replace(r, access_count=int(c)) for r, c in zip(answer, now)],
-                                            answer.skipped))
+                                            answer.skipped, used))
         return counted
+
+    def _searched(self, layer: int, search: str, n: int) -> str:
+        """How a search of mode `search` for n rows ran on this layer: what
+        "auto" chose, for QueryResults.search."""
+        if search == "spans":
+            return "spans"
+        index = self.state.index.layers.get(layer)
+        return "two-stage" if index is not None and index.two_stage(search, n) else "full"
 
     def _read_ahead(self, shortlists: list[tuple[np.ndarray, np.ndarray]], means: list[np.ndarray], k: int,
                     rerank: bool, check: bool | None, span_tokens: list[int | None]

@@ -47,16 +47,19 @@ class SkippedEntry(NamedTuple):
 
 
 class QueryResults(list[QueryResult]):
-    """What ``Store.query`` returns: the results, best first (a list), and in
+    """What ``Store.query`` returns: the results, best first (a list), in
     ``skipped`` the damaged entries left out (always empty unless the query
-    was made with ``on_damage="skip"``), in the order they were found."""
+    was made with ``on_damage="skip"``), in the order they were found, and
+    in ``search`` how the layer was searched: "full", "two-stage" or
+    "spans" (what "auto" chose)."""
 
-    def __init__(self, results: Any = (), skipped: Any = ()) -> None:
+    def __init__(self, results: Any = (), skipped: Any = (), search: str = "full") -> None:
         super().__init__(results)
         self.skipped: tuple[SkippedEntry, ...] = tuple(skipped)
+        self.search = search
 
     def __repr__(self) -> str:
-        return f"QueryResults({list.__repr__(self)}, skipped={self.skipped!r})"
+        return f"QueryResults({list.__repr__(self)}, skipped={self.skipped!r}, search={self.search!r})"
 
 
 @dataclasses.dataclass(frozen=True)
