@@ -46,7 +46,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import shutil
 import statistics
@@ -131,23 +130,10 @@ def open_store(args, root: Path, log) -> tuple[hmem.Store, float | None, int]:
 
 def time_rounds(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
     """Seconds per call of each case: one warm-up call each, then `rounds`
-    rounds of one call of every case in turn (so that load from other work
-    on the machine falls on all cases alike); gc off."""
+    rounds of one call of every case in turn (benchlib.samples_in_turns)."""
     for fn in cases.values():
         fn()
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            for name, fn in cases.items():
-                t0 = time.perf_counter_ns()
-                fn()
-                times[name].append((time.perf_counter_ns() - t0) / 1e9)
-    finally:
-        if was_enabled:
-            gc.enable()
-    return times
+    return benchlib.samples_in_turns({name: (lambda i, fn=fn: fn()) for name, fn in cases.items()}, rounds)
 
 
 def summary(samples: list[float]) -> dict:
@@ -209,6 +195,7 @@ def run(store, args, log) -> dict:
     # searches exactly the bytes hmem searches.
     state = store._state
     layer = state.index.layers[LAYER]
+    layer.ready()  # a layer's matrix is made at its first query (LayerIndex.defer)
     sigs = layer.sigs[: layer.n]
     prepared = [state.projector.signature_and_mean(np.ascontiguousarray(q)) for q in pool]
     qsigs_all = np.stack([sig for sig, _ in prepared])
@@ -258,9 +245,11 @@ def run(store, args, log) -> dict:
         factor = SHORTLIST_FACTOR if rerank else 1
         def run() -> object:
             queries = store._queries
-            pooled, kvs = queries._read_ahead(ready[rerank], [mean for _, mean in prepared], TOP_K, rerank, None)
+            no_spans = [None] * len(prepared)  # mean keys only: a store without span signatures
+            pooled, kvs = queries._read_ahead(ready[rerank], [mean for _, mean in prepared], TOP_K, rerank, None,
+                                              no_spans)
             return [queries._answer(LAYER, sig, mean, sl, TOP_K, factor, rerank=rerank, framework="numpy",
-                                    skip=False, search=SEARCH, pooled=pooled, kvs=kvs)[0]
+                                    skip=False, search=SEARCH, pooled=pooled, kvs=kvs, q_tokens=None)[0]
                     for (sig, mean), sl in zip(prepared, ready[rerank])]
         return run
 

@@ -151,6 +151,7 @@ def run_dataset(root: Path, dataset: str, args, log) -> dict:
         }
         if faiss is not None:
             layer = store._state.index.layers[0]  # the signatures hmem scans, for faiss (read only)
+            layer.ready()  # made at the layer's first query (LayerIndex.defer)
             index = faiss.IndexBinaryFlat(HDC_DIM)
             index.add(layer.sigs[: layer.n])
             projector = store._state.projector

@@ -66,11 +66,12 @@ def time_calls(fn: Callable[[], object], *, min_runs: int = 20, min_seconds: flo
     return samples
 
 
-def medians_in_turns(cases: dict[str, Callable[[int], object]], rounds: int) -> dict[str, float]:
-    """Median seconds per call of each case over `rounds` rounds: in round
-    i every case is called once with i, the cases taking turns (so each
-    meets the caches the others leave, as queries of a serving process
-    do); garbage collection off."""
+def samples_in_turns(cases: dict[str, Callable[[int], object]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of every call of each case over `rounds` rounds: in round i
+    every case is called once with i, the cases taking turns (so each meets
+    the caches the others leave, as queries of a serving process do, and
+    load from other work on the machine falls on all alike); garbage
+    collection off."""
     times: dict[str, list[float]] = {name: [] for name in cases}
     gc_was = gc.isenabled()
     gc.disable()
@@ -83,7 +84,12 @@ def medians_in_turns(cases: dict[str, Callable[[int], object]], rounds: int) -> 
     finally:
         if gc_was:
             gc.enable()
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def medians_in_turns(cases: dict[str, Callable[[int], object]], rounds: int) -> dict[str, float]:
+    """The median of each case's samples_in_turns."""
+    return {name: statistics.median(t) for name, t in samples_in_turns(cases, rounds).items()}
 
 
 def log(msg: str) -> None:

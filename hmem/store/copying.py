@@ -23,7 +23,7 @@ from hmem.errors import StoreExistsError
 from hmem.formats import layout, manifest
 from hmem.formats.manifest import Manifest, Pending
 from hmem.object_store import is_url
-from hmem.store.remote import RemoteLink
+from hmem.store.remote import RemoteLink, committed_sizes
 from hmem.store.store import Store
 
 
@@ -80,21 +80,9 @@ def _refuse_existing(destination: Any, options: dict[str, Any] | None) -> None:
         raise StoreExistsError(f"{root} exists and is not an empty directory", hint="choose a new path for the copy")
 
 
-def _sizes(directory: Path, committed: Manifest) -> dict[str, int]:
-    from hmem.formats import pooled
-
-    pooled_bytes = committed.record_count * pooled.row_bytes(committed.config.pooled_width)
-    try:
-        pooled_bytes = min(pooled_bytes, (directory / layout.POOLED_FILE).stat().st_size)
-    except FileNotFoundError:
-        pooled_bytes = 0
-    return {layout.ENTRIES_FILE: committed.record_count * layout.record_bytes(committed.config),
-            layout.POOLED_FILE: pooled_bytes, layout.SOURCES_FILE: committed.sources.bytes}
-
-
 def _write(directory: Path, committed: Manifest, destination: Any, options: dict[str, Any] | None) -> CopyReport:
     shard_bytes = sum(info.bytes for info in committed.shards)
-    sizes = _sizes(directory, committed)
+    sizes = committed_sizes(directory, committed)
     total = shard_bytes + sum(sizes.values())
     report = CopyReport("", "", 0, committed.record_count, len(committed.shards), total)
     if is_url(str(destination)):

@@ -38,7 +38,7 @@ from hmem.errors import (
     StoreExistsError,
     StoreLockedError,
 )
-from hmem.formats import layout
+from hmem.formats import layout, pooled
 from hmem.formats import remote as fmt
 from hmem.formats.manifest import Manifest, Pending
 from hmem.object_store import ConditionFailed, ObjectClient, ObjectMissing
@@ -266,13 +266,7 @@ class RemoteLink:
         lease.check()
         old = self.manifest
         now = time.time()
-        mf_local = committed
-        sizes = {
-            layout.ENTRIES_FILE: mf_local.record_count * layout.record_bytes(mf_local.config),
-            layout.POOLED_FILE: min(_file_size(directory / layout.POOLED_FILE),
-                                    mf_local.record_count * _pooled_row(mf_local)),
-            layout.SOURCES_FILE: mf_local.sources.bytes,
-        }
+        sizes = committed_sizes(directory, committed)
         # shards: upload the new ones; retire the ones no longer named
         named: dict[str, dict[str, Any]] = {}
         for info in shards:
@@ -405,17 +399,17 @@ class RemoteLink:
         _io.remove_tree(self.workdir)
 
 
-def _pooled_row(mf: Manifest) -> int:
-    from hmem.formats import pooled
-
-    return pooled.row_bytes(mf.config.pooled_width)
-
-
-def _file_size(path: Path) -> int:
+def committed_sizes(directory: Path, committed: Manifest) -> dict[str, int]:
+    """The bytes of each small file (STATE_FILES) that the commit names: a
+    file may hold more past them (what a failed flush left); pooled.bin may
+    hold fewer rows (a store an older hmem wrote)."""
     try:
-        return path.stat().st_size
+        pooled_bytes = (directory / layout.POOLED_FILE).stat().st_size
     except FileNotFoundError:
-        return 0
+        pooled_bytes = 0
+    return {layout.ENTRIES_FILE: committed.record_count * layout.record_bytes(committed.config),
+            layout.POOLED_FILE: min(pooled_bytes, committed.record_count * pooled.row_bytes(committed.config.pooled_width)),
+            layout.SOURCES_FILE: committed.sources.bytes}
 
 
 def _read_range(path: Path, offset: int, size: int) -> np.ndarray:
