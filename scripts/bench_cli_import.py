@@ -45,7 +45,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 import hmem
-from benchlib import fmt_rate, fmt_seconds, print_machine_facts
+from benchlib import compile_like_an_install, fmt_rate, fmt_seconds, print_machine_facts
 
 GOAL_SHARE = 0.80
 
@@ -224,6 +224,7 @@ def main() -> None:
     args = parser.parse_args()
 
     print_machine_facts()
+    print(compile_like_an_install(), end="\n\n")
     root = Path(tempfile.mkdtemp(prefix="hmem-bench-cli-", dir=args.dir))
     report = {"goal_share": GOAL_SHARE, "sets": []}
     try:

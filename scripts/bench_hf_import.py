@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 import hmem
-from benchlib import fmt_rate, fmt_seconds, print_machine_facts
+from benchlib import compile_like_an_install, fmt_rate, fmt_seconds, print_machine_facts
 
 GOAL_SHARE = 0.80
 GOAL_DISK = 0.52
@@ -182,6 +182,7 @@ def main() -> None:
     args = parser.parse_args()
 
     print_machine_facts()
+    print(compile_like_an_install(), end="\n\n")
     embed_dim = args.kv_heads * args.head_dim
     values = args.layers * 2 * args.tokens * embed_dim
     root = Path(tempfile.mkdtemp(prefix="hmem-bench-hf-", dir=args.dir))

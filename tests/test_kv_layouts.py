@@ -439,6 +439,85 @@ def test_half_inputs_are_bit_exact_in_a_store_of_their_dtype(storage, rng):
 
 
 
+WIDE_H, WIDE_HD = 4, 64  # rows of 256 values: an entry of 64 tokens or more is put on its own (not joined)
+
+
+def _bf16_import_against_put_many(folder: Path, storage: str, files: dict[str, tuple[str, int]],
+                                  chunk: int | None, spans: bool, seed: int) -> None:
+    """Import BF16 files (name -> (layout, tokens)) in one import_files, and
+    put the float32 rows hmem.read_kv_file makes of them with put_many into
+    a second store: both hold the same K/V, bit for bit, and answer a query
+    alike."""
+    rng = np.random.default_rng(seed)
+    dim = WIDE_H * WIDE_HD
+    paths = []
+    for name, (layout, tokens) in files.items():
+        shape = (1, WIDE_H, tokens, WIDE_HD) if layout == "bhtd" else (tokens, WIDE_H, WIDE_HD)
+        paths.append(folder / name)
+        write_bf16(str(paths[-1]), {"keys": randn(rng, *shape) * 3, "values": randn(rng, *shape)})
+    settings = {"embed_dim": dim, "hdc_dim": HDC, "storage_dtype": storage}
+    if spans:
+        settings["signatures_per_entry"] = 3
+    with hmem.Store.create(folder / "imported", **settings) as s:
+        report = hmem.import_files(s, paths, chunk_tokens=chunk)
+        assert not report.skipped, report.skipped
+        got = stored(s)
+    with hmem.Store.create(folder / "reference", **settings) as ref:
+        for path, (layout, _) in zip(paths, files.values()):
+            entries, _ = hmem.read_kv_file(path, layout=layout, chunk_tokens=chunk, embed_dim=dim)
+            assert all(e.keys.dtype == F32 for e in entries)  # the library's float32 rows
+            ref.put_many(entries)
+        want = stored(ref)
+        query = randn(rng, 5, dim)
+        want_hits = [(r.entry_id, r.score) for r in ref.query(query, 0, top_k=5)]
+    assert_entries(got, want)
+    with hmem.Store.open(folder / "imported", read_only=True) as s:
+        assert [(r.entry_id, r.score) for r in s.query(query, 0, top_k=5)] == want_hits
+
+
+@pytest.mark.parametrize("storage", ["f32", "bf16", "f16", "int8"])
+@pytest.mark.parametrize("layout", ["bhtd", "thd"])
+def test_a_bf16_file_of_large_entries_stores_what_put_many_stores(tmp_path, storage, layout):
+    """A BF16 file's tensors go into the put as their words, widened entry
+    by entry (a bf16 store keeps the words, an f32 store widens them as
+    they are copied into the shard): large entries (put one by one) hold
+    exactly what put_many stores of the same rows as float32."""
+    _bf16_import_against_put_many(tmp_path, storage, {"big.safetensors": (layout, 300)}, 100, False, 7)
+
+
+@settings(max_examples=16, deadline=None)
+@given(storage=st.sampled_from(["f32", "bf16", "f16", "int8"]), big=st.integers(64, 200),
+       small=st.integers(1, 8).filter(lambda n: n != WIDE_H),  # as many tokens as heads: ambiguous, refused
+       chunk=st.one_of(st.none(), st.integers(32, 128)), spans=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_bf16_files_large_and_small_store_what_put_many_stores(tmp_path_factory, storage, big, small, chunk,
+                                                               spans, seed):
+    """Small and large BF16 entries in one import (joined or put one by
+    one, as the batch's sizes decide), with span signatures or without."""
+    folder = tmp_path_factory.mktemp("bf16")
+    files = {"a.safetensors": ("bhtd", big), "b.safetensors": ("thd", small), "c.safetensors": ("thd", big)}
+    _bf16_import_against_put_many(folder, storage, files, chunk, spans, seed)
+
+
+@pytest.mark.parametrize("storage", ["f32", "bf16"])
+@pytest.mark.parametrize("bad, kv", [(0x7FC0, "values"), (0xFF80, "keys")])  # NaN, -inf
+def test_a_nonfinite_bf16_word_in_a_large_entry_skips_its_file(tmp_path, storage, bad, kv):
+    rng = np.random.default_rng(3)
+    with hmem.Store.create(tmp_path / "s", embed_dim=WIDE_H * WIDE_HD, hdc_dim=HDC, storage_dtype=storage) as s:
+        s.put(randn(rng, 2, WIDE_H * WIDE_HD), randn(rng, 2, WIDE_H * WIDE_HD))
+        tensors = {name: randn(rng, 1, WIDE_H, 256, WIDE_HD) for name in ("keys", "values")}
+        words = write_bf16(str(tmp_path / "bad.safetensors"), tensors)
+        raw = bytearray((tmp_path / "bad.safetensors").read_bytes())
+        # the last entry's first word of `kv` (chunks of 64 tokens: entry 3 starts at token 192)
+        index = list(words).index(kv) * words["keys"].size + 192 * WIDE_HD
+        data_start = len(raw) - 2 * words["keys"].nbytes
+        raw[data_start + 2 * index : data_start + 2 * index + 2] = struct.pack("<H", bad)
+        (tmp_path / "bad.safetensors").write_bytes(bytes(raw))
+        (skip,) = hmem.import_files(s, [tmp_path / "bad.safetensors"], chunk_tokens=64).skipped
+        assert f"entry 3: {kv} holds NaN or infinite values" in skip.skipped
+        assert len(s.entry_ids()) == 1
+
+
 SOURCE_DTYPES = ("F32", "F16", "F64", "BF16")
 SHAPES_OF = {"td": lambda b, t: (t, E), "thd": lambda b, t: (t, H, HD), "htd": lambda b, t: (H, t, HD),
              "bhtd": lambda b, t: (b, H, t, HD), "bthd": lambda b, t: (b, t, H, HD)}

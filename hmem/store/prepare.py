@@ -99,7 +99,10 @@ def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: 
             if not (type(k) is np.ndarray and type(v) is np.ndarray and k.dtype is _F32 and v.dtype is _F32
                     and k.ndim == 2 and k.shape == v.shape and k.shape[1] == dim
                     and 0 < k.shape[0] <= validation.U32_MAX):
-                k, v = _checked_rows(k, v, dim)  # converts, or raises with the reason
+                if type(k) is storage_codec.Bf16Rows or type(v) is storage_codec.Bf16Rows:
+                    _check_bf16_rows(k, v, dim)  # kept as words until _converted
+                else:
+                    k, v = _checked_rows(k, v, dim)  # converts, or raises with the reason
             if type(layer) is not int or not 0 <= layer <= validation.U32_MAX:
                 layer = validation.layer_index(layer)
             if type(imp) is not float or not 0.0 <= imp <= validation.F32_MAX:
@@ -139,6 +142,8 @@ def _converted(state: StoreState, keys: list[np.ndarray], values: list[np.ndarra
     np.cumsum(n_tokens, out=starts[1:])
     if len(n_tokens) and int(starts[-1]) * dim * 4 >= LARGE_ENTRY_BYTES * len(n_tokens):
         return _one_by_one(state, keys, values, n_tokens, starts, layers, weights, metas, single)
+    keys = [k.widened() if type(k) is storage_codec.Bf16Rows else k for k in keys]
+    values = [v.widened() if type(v) is storage_codec.Bf16Rows else v for v in values]
     k_rows = _joined(keys, int(starts[-1]), dim, buffers)
     v_rows = _joined(values, int(starts[-1]), dim, buffers)
     rows = {}
@@ -183,17 +188,17 @@ def _one_by_one(state: StoreState, keys: list[np.ndarray], values: list[np.ndarr
     signatures, means = [], []
     spans: list[np.ndarray] = []
     pooled_keys: list[np.ndarray] = []
+    key_scratch, value_scratch = _Scratch(), _Scratch()
     for e, (k, v) in enumerate(zip(keys, values)):
-        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
-        for kind, array, what in (("k", k, "keys"), ("v", v, "values")):
-            if _first_nonfinite_row(array) is not None:
-                raise _naming_entry(InvalidTensorError(f"{what} holds NaN or infinite values"), e, single)
-            try:
-                encoded = storage_codec.encode(array, storage, what)
-            except InvalidTensorError as exc:
-                raise _naming_entry(exc, e, single) from None
-            for suffix, stored in encoded.items():
-                rows.setdefault(kind + suffix, []).append(stored)
+        if type(k) is storage_codec.Bf16Rows:
+            k = _stored_bf16(storage, k, "k", "keys", rows, e, single, key_scratch)
+            _stored_bf16(storage, v, "v", "values", rows, e, single, value_scratch)
+        else:
+            k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+            for kind, array, what in (("k", k, "keys"), ("v", v, "values")):
+                if _first_nonfinite_row(array) is not None:
+                    raise _naming_entry(InvalidTensorError(f"{what} holds NaN or infinite values"), e, single)
+                _store_encoded(storage, array, kind, what, rows, e, single)
         signature, mean = state.projector.signature_and_mean(k)
         signatures.append(signature)
         means.append(mean)
@@ -208,6 +213,61 @@ def _one_by_one(state: StoreState, keys: list[np.ndarray], values: list[np.ndarr
     return PreparedBatch(n_tokens, starts, np.array(layers, dtype=np.int64), np.array(weights, dtype=np.float64),
                          np.stack(signatures), np.concatenate(pooled_keys), rows, False, metas, [],
                          np.concatenate(spans))
+
+
+class _Scratch:
+    """One float32 buffer reused entry after entry for bfloat16 words
+    widened to be checked, signed or encoded (what a store keeps is made
+    from them): no fresh memory per entry."""
+
+    def __init__(self) -> None:
+        self.buffer = np.empty(0, dtype=np.float32)
+
+    def rows(self, count: int) -> np.ndarray:
+        if self.buffer.size < count:
+            self.buffer = np.empty(count, dtype=np.float32)
+        return self.buffer[:count]
+
+
+def _stored_bf16(storage: str, rows_in: storage_codec.Bf16Rows, kind: str, what: str,
+                 rows: dict[str, list[Any]], entry: int, single: bool, scratch: _Scratch) -> np.ndarray:
+    """Store bfloat16 words in `rows` as the storage dtype keeps them: the
+    words themselves in a bf16 store, widened as they are copied into the
+    shard in an f32 store, else widened (exactly) and encoded.  Returns the
+    float32 rows, which the scratch's next use overwrites."""
+    words = rows_in.words() if storage == "bf16" else rows_in.view
+    wide = storage_codec.widen(words, scratch.rows(rows_in.shape[0] * rows_in.shape[1]))
+    if _first_nonfinite_row(wide) is not None:  # a sum over the widened rows costs less than testing words
+        raise _naming_entry(InvalidTensorError(f"{what} holds NaN or infinite values"), entry, single)
+    if storage == "bf16":
+        rows.setdefault(kind, []).append(words)
+    elif storage == "f32":
+        rows.setdefault(kind, []).append(storage_codec.WideningRows(rows_in))  # widened again into the shard
+    else:
+        _store_encoded(storage, wide, kind, what, rows, entry, single)
+    return wide
+
+
+def _store_encoded(storage: str, array: np.ndarray, kind: str, what: str, rows: dict[str, list[np.ndarray]],
+                   entry: int, single: bool) -> None:
+    try:
+        encoded = storage_codec.encode(array, storage, what)
+    except InvalidTensorError as exc:
+        raise _naming_entry(exc, entry, single) from None
+    for suffix, stored in encoded.items():
+        rows.setdefault(kind + suffix, []).append(stored)
+
+
+def _check_bf16_rows(keys: Any, values: Any, dim: int) -> None:
+    """Keys and values given as bfloat16 words: both so, of one shape, rows of the store's width."""
+    if type(keys) is not type(values):
+        raise InvalidTensorError("keys and values must both be bfloat16 words or both be arrays")
+    if keys.shape != values.shape:
+        raise InvalidTensorError(f"keys {list(keys.shape)} and values {list(values.shape)} differ in shape")
+    if keys.shape[1] != dim:
+        raise InvalidTensorError(f"keys has rows of {keys.shape[1]} values; the store's embed_dim is {dim}")
+    if not 0 < keys.shape[0] <= validation.U32_MAX:
+        raise InvalidTensorError(f"an entry holds 1 to {validation.U32_MAX} tokens, got {keys.shape[0]}")
 
 
 def prepare(state: StoreState, keys: Any, values: Any, layer_idx: Any, importance: Any,

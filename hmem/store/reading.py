@@ -170,7 +170,8 @@ class EntryReader:
                 wrong_size.append(info.file)
                 problems.append(f"shard {info.file} is {size} bytes, the store expects {info.bytes} "
                                 f"({held})")
-        unreachable = int(np.count_nonzero(np.isin(shard_of, bad_shards)))  # evicted: shard_idx EVICTED
+        # evicted entries have shard_idx EVICTED; np.isin costs ~20 ms at its first call, so only when needed
+        unreachable = int(np.count_nonzero(np.isin(shard_of, bad_shards))) if bad_shards else 0
         need = state.committed_n * state.record_size
         size = self._file_size(layout.ENTRIES_FILE)
         entries_problem = ""

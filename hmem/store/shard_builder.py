@@ -89,7 +89,10 @@ class Arena:
         target = self._segments[seg].data[offset : offset + n]
         at = 0
         for array in arrays:
-            target[at : at + array.nbytes] = bytes_view(array)
+            if type(array) is np.ndarray:
+                target[at : at + array.nbytes] = bytes_view(array)
+            else:  # storage.WideningRows: bfloat16 words widened as they are copied
+                array.copy_into(target[at : at + array.nbytes])
             at += array.nbytes
         self._used[seg] += n
         return target
@@ -212,7 +215,7 @@ class ShardBuilder:
             row_shape = array.shape[1:]
             rows = count if per_entry else int(token_bounds[-1])
             if kind not in KINDS or array.dtype not in DTYPE_NAMES or sum(len(a) for a in arrays) != rows or any(
-                    a.dtype != array.dtype or a.shape[1:] != row_shape or not a.flags.c_contiguous for a in arrays):
+                    a.dtype != array.dtype or a.shape[1:] != row_shape or not _contiguous(a) for a in arrays):
                 raise AssertionError(f"bad shard tensor {kind} ({array.dtype}, {len(arrays)} pieces)")
             bounds = (entry_bounds if per_entry else token_bounds) * (array.itemsize * math.prod(row_shape))
             blocks[kind] = _Block(array.dtype, (row_shape, per_entry), bounds, [self._arena.append(arrays)], None)
@@ -355,3 +358,9 @@ class ShardBuilder:
         """Write the shard file durably; returns (file size, index CRC)."""
         buffers, index_crc = self.encode()
         return _io.write_file(path, buffers), index_crc
+
+
+def _contiguous(rows: Any) -> bool:
+    """Whether rows given to a shard can be copied in as they are: a
+    C-contiguous array, or storage.WideningRows (widened as they are copied)."""
+    return rows.flags.c_contiguous if type(rows) is np.ndarray else True

@@ -9,15 +9,17 @@ several at a time, with one put_many (what a put costs besides its data,
 paid once for many files); when such a batch is refused, its files are put
 one by one, so that only the bad ones are skipped.  A large file is put
 alone, its rows made as the put takes them.  Files are hashed on a second
-thread while they are read and put (hashlib lets go of the GIL).
+thread while they are read and put (hashlib lets go of the GIL), the next
+files while a batch is put.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ LARGE_FILE_BYTES = 4 << 20  # from this size on a file is put alone, its rows ma
 HASH_BESIDE_BYTES = 64 << 10  # from this size on a file is hashed on the second thread (below, handing it over costs more)
 BATCH_BYTES = 16 << 20  # small files put together, up to this many bytes of files
 BATCH_FILES = 512  # or this many files
+AHEAD_BYTES = 16 << 20  # files opened and hashed this many bytes ahead of the one being read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,23 +164,24 @@ def import_files(
         batch_bytes = 0
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hmem-hash") as hashing:
-        for i, path in enumerate(files):
+        for i, (path, f, digest) in enumerate(_opened(files, hashing)):
             if should_stop is not None and should_stop():
                 put_batch()
                 return ImportReport(tuple(results), options.dry_run, tuple(str(p) for p in files[i:]))
             try:
-                f = KvFile(path)
+                if isinstance(f, Exception):
+                    raise f
                 if f.size >= LARGE_FILE_BYTES:
                     put_batch()
-                    done(_import_large(store, f, path, hashing, known_sizes, options))
+                    done(_import_large(store, f, path, digest, known_sizes, options))
                     continue
-                digest = _hash(hashing, f)
                 before = store.find_source(digest.result(), f.size) if not again and f.size in known_sizes else None
                 if before is not None:
                     put_batch()
                     done(FileResult(str(path), (), 0, f.size, imported_before=before, sha256=before.sha256))
                     continue
-                batch.append(_Read(path, f.size, digest, list(entries_of(f, path.name, *_reading(options)))))
+                entries = list(entries_of(f, path.name, *_reading(options), words=True))
+                batch.append(_Read(path, f.size, digest, entries))
                 batch_bytes += f.size
             except (BadFileError, InvalidArgumentError) as exc:
                 put_batch()
@@ -187,6 +191,31 @@ def import_files(
                 put_batch()
         put_batch()
     return ImportReport(tuple(results), options.dry_run)
+
+
+def _opened(files: list[Path], hashing: concurrent.futures.Executor
+            ) -> Iterator[tuple[Path, KvFile | BadFileError, concurrent.futures.Future[str]]]:
+    """Each file opened (or why it cannot be) with its SHA-256 to come,
+    opened and handed to the hashing thread up to AHEAD_BYTES before the
+    caller takes it: the next batch is hashed while this one is put."""
+    ahead: collections.deque[tuple[Path, KvFile | BadFileError, concurrent.futures.Future[str]]] = collections.deque()
+    queued = 0
+    rest = iter(files)
+    while True:
+        while queued < AHEAD_BYTES and (path := next(rest, None)) is not None:
+            try:
+                f: KvFile | BadFileError = KvFile(path)
+                digest = _hash(hashing, f)
+                queued += f.size
+            except BadFileError as exc:
+                f, digest = exc, concurrent.futures.Future()
+            ahead.append((path, f, digest))
+        if not ahead:
+            return
+        item = ahead.popleft()
+        if isinstance(item[1], KvFile):
+            queued -= item[1].size
+        yield item
 
 
 def _reading(options: _Options) -> tuple[Any, ...]:
@@ -239,16 +268,15 @@ def _copy_of(store: Store, read: _Read, original: FileResult) -> FileResult:
     return dataclasses.replace(original, path=str(read.path))  # skipped, or a dry run
 
 
-def _import_large(store: Store, f: KvFile, path: Path, hashing: concurrent.futures.Executor,
+def _import_large(store: Store, f: KvFile, path: Path, digest: concurrent.futures.Future[str],
                   known_sizes: set[int], options: _Options) -> FileResult:
     """A large file alone: its rows made as the put takes them, hashed beside
     the put unless its size says it may be imported already."""
-    digest = _hash(hashing, f)
     if not options.again and f.size in known_sizes:
         before = store.find_source(digest.result(), f.size)
         if before is not None:
             return FileResult(str(path), (), 0, f.size, imported_before=before, sha256=before.sha256)
-    entries = entries_of(f, path.name, *_reading(options))
+    entries = entries_of(f, path.name, *_reading(options), words=True)
     try:
         if options.dry_run:
             planned = store.check_entries(entries)

@@ -36,6 +36,7 @@ import numpy as np
 from hmem.errors import BadFileError, InvalidArgumentError, InvalidTensorError
 from hmem.formats import safetensors
 from hmem.store import layouts
+from hmem.store.storage import Bf16Rows
 from hmem.store.store import Entry
 from hmem.transfer import kv_names
 
@@ -183,10 +184,13 @@ def read_entries(path: Path, *, layer: int | None = None, importance: float | No
 
 
 def entries_of(f: KvFile, source: str, layer: int | None, importance: float | None, layout: str | None,
-             chunk_tokens: int | None, embed_dim: int | None) -> Iterator[Entry]:
+             chunk_tokens: int | None, embed_dim: int | None, *, words: bool = False) -> Iterator[Entry]:
     """A file's entries one by one, each chunk's rows made when it is reached
     (transposed and widened in one pass): a put of a large file never holds
-    a converted copy of the whole file besides what the store keeps."""
+    a converted copy of the whole file besides what the store keeps.  With
+    `words`, BF16 tensors are given as their words (storage.Bf16Rows, for
+    Store.put_many only): the put widens them entry by entry, and a bf16
+    store keeps them as they are."""
     meta_layer = _metadata_number(f.metadata, "layer", int)
     meta_importance = _metadata_number(f.metadata, "importance", float)
     default_layer = layer if layer is not None else (meta_layer if meta_layer is not None else 0)
@@ -198,7 +202,7 @@ def entries_of(f: KvFile, source: str, layer: int | None, importance: float | No
             array, bf16 = f.raw(name)
             kv_names.layout_of(name, array.shape, convention, layout, embed_dim)
             for index, (k, v) in enumerate(layouts.split_l2thd(array, f"tensor {name!r}")):
-                yield from _cut(k, v, bf16, index, imp, source, chunk_tokens, 0, 1)
+                yield from _cut(k, v, bf16, index, imp, source, chunk_tokens, 0, 1, words)
             continue
         (k, k_bf16), (v, v_bf16) = f.raw(pair["k"]), f.raw(pair["v"])
         if k.shape != v.shape:
@@ -212,11 +216,12 @@ def entries_of(f: KvFile, source: str, layer: int | None, importance: float | No
         value_views = layouts.token_major(v, chosen, f"tensor {pair['v']!r}")
         entry_layer = number if convention in kv_names.CARRIES_LAYER else default_layer
         for batch, (key_view, value_view) in enumerate(zip(key_views, value_views)):
-            yield from _cut(key_view, value_view, k_bf16, entry_layer, imp, source, chunk_tokens, batch, len(key_views))
+            yield from _cut(key_view, value_view, k_bf16, entry_layer, imp, source, chunk_tokens, batch,
+                            len(key_views), words)
 
 
 def _cut(keys: np.ndarray, values: np.ndarray, bf16: bool, layer: int, importance: float, source: str,
-         chunk_tokens: int | None, batch: int, batches: int) -> Iterator[Entry]:
+         chunk_tokens: int | None, batch: int, batches: int, words: bool) -> Iterator[Entry]:
     """The entries of one sequence (token-major views): one, or one per chunk
     of `chunk_tokens`."""
     for ck, cv in zip(layouts.chunks(keys, chunk_tokens, batch), layouts.chunks(values, chunk_tokens, batch)):
@@ -225,5 +230,8 @@ def _cut(keys: np.ndarray, values: np.ndarray, bf16: bool, layer: int, importanc
             meta["chunk"] = ck.chunk
         if batches > 1:
             meta["batch"] = batch
-        yield Entry(layouts.matrix(ck.view, bf16_words=bf16), layouts.matrix(cv.view, bf16_words=bf16),
-                    layer, importance, meta)
+        if bf16 and words:
+            yield Entry(Bf16Rows(ck.view), Bf16Rows(cv.view), layer, importance, meta)
+        else:
+            yield Entry(layouts.matrix(ck.view, bf16_words=bf16), layouts.matrix(cv.view, bf16_words=bf16),
+                        layer, importance, meta)
