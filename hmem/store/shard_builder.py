@@ -17,7 +17,7 @@ import bisect
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -92,7 +92,7 @@ class Arena:
             if type(array) is np.ndarray:
                 target[at : at + array.nbytes] = bytes_view(array)
             else:  # storage.WideningRows: bfloat16 words widened as they are copied
-                array.copy_into(target[at : at + array.nbytes])
+                cast(Any, array).copy_into(target[at : at + array.nbytes])
             at += array.nbytes
         self._used[seg] += n
         return target

@@ -198,18 +198,19 @@ def _opened(files: list[Path], hashing: concurrent.futures.Executor
     """Each file opened (or why it cannot be) with its SHA-256 to come,
     opened and handed to the hashing thread up to AHEAD_BYTES before the
     caller takes it: the next batch is hashed while this one is put."""
-    ahead: collections.deque[tuple[Path, KvFile | BadFileError, concurrent.futures.Future[str]]] = collections.deque()
+    ahead: collections.deque[tuple[Path, KvFile | BadFileError, concurrent.futures.Future[str]]]
+    ahead = collections.deque()
     queued = 0
     rest = iter(files)
     while True:
         while queued < AHEAD_BYTES and (path := next(rest, None)) is not None:
             try:
-                f: KvFile | BadFileError = KvFile(path)
-                digest = _hash(hashing, f)
-                queued += f.size
+                opened = KvFile(path)
             except BadFileError as exc:
-                f, digest = exc, concurrent.futures.Future()
-            ahead.append((path, f, digest))
+                ahead.append((path, exc, concurrent.futures.Future()))
+                continue
+            ahead.append((path, opened, _hash(hashing, opened)))
+            queued += opened.size
         if not ahead:
             return
         item = ahead.popleft()
