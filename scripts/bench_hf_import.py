@@ -20,6 +20,9 @@ to a temporary directory; every run below starts from a fresh store.
   memory it fills (on this benchmark's virtual machine about 4 ms per MiB
   the first time, 0.2 ms after), and so does `hmem put`.  The same put_many
   in this (warm) process is shown too.
+- put_cache (with torch installed): `Store.put_cache` of the same K/V as a
+  cache of torch bfloat16 tensors in memory, `chunk_tokens` as above, then
+  `Store.flush`, in this process, beside put_many warm.
 
 Every side runs for storage_dtype f32 and bf16, `--repeat` times in
 rotating order, each after `os.sync()` (no run pays for the write-back of
@@ -149,6 +152,28 @@ def library_put(store: Path, entries: list[hmem.Entry], storage: str, embed_dim:
     return seconds, disk_bytes(store)
 
 
+def torch_cache(tensors: list[np.ndarray]) -> list[tuple] | None:
+    """The dump as the legacy cache Store.put_cache takes: per layer (keys,
+    values), torch bfloat16 [1, heads, tokens, dim]; None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    as_bf16 = [torch.from_numpy(np.array(t).view(np.int16)).view(torch.bfloat16) for t in tensors]
+    return list(zip(as_bf16[0::2], as_bf16[1::2]))
+
+
+def cache_put(store: Path, cache: list[tuple], storage: str, embed_dim: int, chunk: int) -> tuple[float, int]:
+    """(seconds of put_cache + flush of the bfloat16 cache, bytes on disk)."""
+    shutil.rmtree(store, ignore_errors=True)
+    with hmem.Store.create(store, embed_dim=embed_dim, storage_dtype=storage) as s:
+        t0 = time.perf_counter()
+        s.put_cache(cache, chunk_tokens=chunk)
+        s.flush()
+        seconds = time.perf_counter() - t0
+    return seconds, disk_bytes(store)
+
+
 def put_many_child(argv: list[str]) -> None:
     """The baseline as a program of its own: DUMP STORE STORAGE CHUNK; prints the seconds as JSON."""
     dump, store, storage, chunk = Path(argv[0]), Path(argv[1]), argv[2], int(argv[3])
@@ -191,6 +216,7 @@ def main() -> None:
         t0 = time.perf_counter()
         tensors = write_dump(dump, args.layers, args.kv_heads, args.tokens, args.head_dim, seed=0)
         entries = entries_of(tensors, args.chunk_tokens, dump.name)
+        cache = torch_cache(tensors)
         del tensors
         print(f"dump: {args.layers} layers x K,V x [1, {args.kv_heads}, {args.tokens}, {args.head_dim}] BF16, "
               f"{dump.stat().st_size / 2**20:,.0f} MiB ({time.perf_counter() - t0:.1f} s to make); "
@@ -199,10 +225,10 @@ def main() -> None:
 
         t: dict[str, list[float]] = {}
         disk: dict[str, int] = {}
-        sides = ["cli", "proc", "warm"]
+        sides = ["cli", "proc", "warm"] + (["cache"] if cache is not None else [])
         for storage in ("f32", "bf16"):
             for r in range(args.repeat):
-                for side in sides[r % 3:] + sides[: r % 3]:  # rotate: no side always runs first
+                for side in sides[r % len(sides):] + sides[: r % len(sides)]:  # rotate: no side always first
                     os.sync()  # no run pays for the write-back of the one before it
                     if side == "cli":
                         wall, own, size = cli_put(root / "cli", dump, storage, embed_dim, args.chunk_tokens)
@@ -211,9 +237,12 @@ def main() -> None:
                     elif side == "proc":
                         seconds, size = library_process(root / "proc", dump, storage, args.chunk_tokens)
                         t.setdefault(f"proc_{storage}", []).append(seconds)
-                    else:
+                    elif side == "warm":
                         seconds, size = library_put(root / "warm", entries, storage, embed_dim)
                         t.setdefault(f"warm_{storage}", []).append(seconds)
+                    else:
+                        seconds, size = cache_put(root / "cache", cache, storage, embed_dim, args.chunk_tokens)
+                        t.setdefault(f"cache_{storage}", []).append(seconds)
                     disk.setdefault(f"{side}_{storage}", size)
                 # the round's own share: runs next to each other see the same machine
                 t.setdefault(f"pair_{storage}", []).append(t[f"proc_{storage}"][-1] / t[f"cli_{storage}"][-1])
@@ -249,6 +278,9 @@ def main() -> None:
              f"{report[f'share_vs_warm_{storage}']:.0%} of warm)")
         line(f"{storage}: hmem put, as it reports itself", f"cli_self_{storage}",
              f"{m[f'proc_{storage}'] / m[f'cli_self_{storage}']:.0%}")
+        if f"cache_{storage}" in m:
+            line(f"{storage}: Store.put_cache (bfloat16 tensors), warm", f"cache_{storage}",
+                 f"{m[f'warm_{storage}'] / m[f'cache_{storage}']:.0%} of put_many warm")
     line("int8: hmem put, end to end (one run)", "cli_int8")
     report["paired_shares"] = pairs
     print("\nshare of each round (put_many in a fresh process / hmem put end to end, run side by side): "

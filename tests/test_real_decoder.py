@@ -344,3 +344,35 @@ def test_the_readmes_example_runs():
     block = re.search(r"```\n(import .*?)```", section, flags=re.S)
     assert block, "README.md's section \"Real models' K/V\" shows no example"
     exec(compile(block.group(1), "README.md", "exec"), {})
+
+
+@pytest.mark.parametrize("chunk", [None, 100, 10], ids=["whole", "large-chunks", "small-chunks"])
+@pytest.mark.parametrize("storage", ["f32", "bf16", "f16", "int8"])
+def test_a_bfloat16_cache_stores_what_its_float32_copy_stores(tmp_path, storage, chunk):
+    """put_cache hands bfloat16 tensors to the put as their 16-bit words
+    (no float32 copy of the whole cache; a bf16 store keeps the words): the
+    store holds, bit for bit, what the same cache widened to float32 gives,
+    whether its entries are put one by one (large) or joined (small), from
+    contiguous tensors or strided views, and answers a query alike."""
+    g = torch.Generator().manual_seed(11)
+    heads, dim, tokens = 2, 128, 300
+    layers = [(torch.randn(1, heads, tokens, dim, generator=g).to(torch.bfloat16),
+               torch.randn(1, heads, tokens, dim, generator=g).to(torch.bfloat16)),
+              # a [1, heads, tokens, dim] view of a [1, tokens, heads, dim] tensor (strided)
+              tuple(torch.randn(1, tokens, heads, dim, generator=g).to(torch.bfloat16).transpose(1, 2)
+                    for _ in range(2))]
+    widened = [(k.float(), v.float()) for k, v in layers]
+    stores = {}
+    for name, cache in (("words", layers), ("float32", widened)):
+        with hmem.Store.create(tmp_path / name, embed_dim=heads * dim, storage_dtype=storage) as s:
+            ids = s.put_cache(cache, chunk_tokens=chunk)
+            query = widened[1][0][0, :, 5:9].transpose(0, 1).reshape(4, heads * dim).numpy()
+            hits = [(r.entry_id, r.score) for r in s.query(query, 1, top_k=5)]
+            got = [(e.meta, e.keys.copy(), e.values.copy()) for e in (s.get(i) for i in s.entry_ids())]
+        stores[name] = (ids, hits, got)
+    (ids, hits, got), (want_ids, want_hits, want) = stores["words"], stores["float32"]
+    assert ids == want_ids and hits == want_hits
+    assert len(got) == len(want) == 2 * (1 if chunk is None else -(-tokens // chunk))
+    for (meta, k, v), (want_meta, want_k, want_v) in zip(got, want):
+        assert meta == want_meta
+        assert k.tobytes() == want_k.tobytes() and v.tobytes() == want_v.tobytes()

@@ -9,6 +9,9 @@ its own entry, all in one batch: every entry goes in, or none does.  Layers
 that hold no K/V (the mamba layers of a hybrid model) are left out.  An
 entry's meta "tokens" is its range in the sequence: a sliding-window layer
 holds only the last tokens, so its ranges end at the sequence's length.
+A bfloat16 cache goes into the put as its tensors' 16-bit words
+(storage.Bf16Rows): a bf16 store keeps them as they are, others widen them
+entry by entry, and no float32 copy of the whole cache is made.
 
 ``cache_tensors`` turns entries read back (chunks of one sequence, in
 order, per layer) into per-layer [1, kv_heads, tokens, head_dim] tensors
@@ -27,7 +30,8 @@ import numpy as np
 from hmem import validation
 from hmem.errors import InvalidArgumentError, InvalidTensorError
 from hmem.store import layouts
-from hmem.store.tensors import to_numpy
+from hmem.store.storage import Bf16Rows
+from hmem.store.tensors import bf16_words, to_numpy
 from hmem.store.prepare import Entry
 
 if TYPE_CHECKING:
@@ -51,7 +55,12 @@ def put_cache(store: Store, cache: Any, *, chunk_tokens: int | None = None, impo
     for layer in chosen:
         pair = pairs[layer]
         assert pair is not None  # checked above
-        keys, values = (to_numpy(t, f"layer {layer} {what}") for t, what in zip(pair[:2], ("keys", "values")))
+        key_words, value_words = bf16_words(pair[0]), bf16_words(pair[1])
+        words = key_words is not None and value_words is not None  # bfloat16 both: put as their words
+        if key_words is not None and value_words is not None:
+            keys, values = key_words, value_words
+        else:
+            keys, values = (to_numpy(t, f"layer {layer} {what}") for t, what in zip(pair[:2], ("keys", "values")))
         if keys.shape != values.shape:
             raise InvalidTensorError(f"layer {layer}: keys {list(keys.shape)} and values {list(values.shape)} differ")
         key_views = layouts.token_major(keys, "bhtd", f"layer {layer} keys")
@@ -61,7 +70,10 @@ def put_cache(store: Store, cache: Any, *, chunk_tokens: int | None = None, impo
                 continue  # an empty layer (no tokens cached) stores nothing
             for ck, cv in zip(layouts.chunks(k, chunk_tokens, batch), layouts.chunks(v, chunk_tokens, batch)):
                 meta = {"batch": batch, "chunk": ck.chunk, "tokens": [pair.start + ck.start, pair.start + ck.stop]}
-                entries.append(Entry(layouts.matrix(ck.view), layouts.matrix(cv.view), layer, importance, meta))
+                if words:
+                    entries.append(Entry(Bf16Rows(ck.view), Bf16Rows(cv.view), layer, importance, meta))
+                else:
+                    entries.append(Entry(layouts.matrix(ck.view), layouts.matrix(cv.view), layer, importance, meta))
                 owners.append(layer)
     ids = store.put_many(entries)
     out: dict[int, list[int]] = {layer: [] for layer in chosen}

@@ -34,6 +34,25 @@ def to_numpy(x: Any, what: str) -> np.ndarray:
     raise InvalidTensorError(f"{what} must be a numpy array or a torch tensor, got {type(x).__name__}")
 
 
+def bf16_words(x: Any) -> np.ndarray | None:
+    """The 16-bit words of a torch bfloat16 tensor as a uint16 numpy view
+    (on the CPU; a tensor elsewhere is copied there as bfloat16, half the
+    bytes of float32), or None for anything else.  put_cache hands them to
+    put_many as they are (storage.Bf16Rows) instead of widening the whole
+    cache to float32 first."""
+    if not is_torch(x):
+        return None
+    t = x.detach()
+    import torch  # only reached with a torch tensor in hand
+
+    if t.dtype != torch.bfloat16:
+        return None
+    try:
+        return t.cpu().view(torch.int16).numpy().view(np.uint16)
+    except (RuntimeError, TypeError):
+        return None  # a tensor numpy cannot view (to_numpy then says why)
+
+
 def _torch_float32(t: Any) -> Any:
     import torch  # only reached with a torch tensor in hand
 
