@@ -382,6 +382,29 @@ def test_a_refused_file_among_small_ones_put_together_is_skipped_alone(rng):
         assert [x.name for x in s.imported_sources()] == ["a.safetensors", "c.safetensors"]
 
 
+def test_files_opened_ahead_keep_their_order_and_their_reasons(rng):
+    """Files are opened and hashed ahead of the one being put: an
+    unreadable file, a large file put alone, a copy of an earlier file and
+    small ones still come out in the order given, each with its own
+    result."""
+    filled(rng, 0)
+    kv_file("a.safetensors", rng)
+    Path("b_garbage.safetensors").write_bytes(b"\x05" * 64)
+    tokens = (4 << 20) // (2 * D * 4) + 1  # past 4 MiB: put alone
+    save_file({"keys": rows(rng, tokens), "values": rows(rng, tokens)}, "c_big.safetensors")
+    Path("d_copy.safetensors").write_bytes(Path("a.safetensors").read_bytes())
+    kv_file("e.safetensors", rng)
+    names = ["a.safetensors", "b_garbage.safetensors", "c_big.safetensors", "d_copy.safetensors", "e.safetensors"]
+    with hmem.Store.open("s") as s:
+        report = hmem.import_files(s, names)
+        assert [Path(f.path).name for f in report.files] == names
+        assert [len(f.entries) for f in report.files] == [1, 0, 1, 0, 1]
+        assert report.files[1].skipped and "header" in report.files[1].skipped
+        assert report.files[3].imported_before.name == "a.safetensors"
+        assert [x.name for x in s.imported_sources()] == ["a.safetensors", "c_big.safetensors", "e.safetensors"]
+        assert s.entry_ids() == [f.entries[0] for f in report.files if f.entries]
+
+
 def test_a_copy_within_one_import_is_imported_once(rng):
     filled(rng, 0)
     kv_file("a.safetensors", rng)
