@@ -84,6 +84,7 @@ def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: 
     layers: list[int] = []
     weights: list[float] = []
     metas: dict[int, str] = {}
+    words = False  # some entries are bfloat16 words (storage.Bf16Rows)
     for i, item in enumerate(entries):
         if type(item) is tuple and len(item) == 4:  # the common form, unpacked without building an Entry
             k, v, layer, imp = item
@@ -101,6 +102,7 @@ def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: 
                     and 0 < k.shape[0] <= validation.U32_MAX):
                 if type(k) is storage_codec.Bf16Rows or type(v) is storage_codec.Bf16Rows:
                     _check_bf16_rows(k, v, dim)  # kept as words until _converted
+                    words = True
                 else:
                     k, v = _checked_rows(k, v, dim)  # converts, or raises with the reason
             if type(layer) is not int or not 0 <= layer <= validation.U32_MAX:
@@ -121,7 +123,7 @@ def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: 
     n_tokens = np.array(tokens, dtype=np.int64)
     buffers: list[np.ndarray] = []
     try:
-        return _converted(state, keys, values, n_tokens, layers, weights, metas, buffers, single)
+        return _converted(state, keys, values, n_tokens, layers, weights, metas, buffers, single, words)
     except BaseException:
         for buffer in buffers:
             memory.POOL.give(buffer)
@@ -130,7 +132,7 @@ def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: 
 
 def _converted(state: StoreState, keys: list[np.ndarray], values: list[np.ndarray], n_tokens: np.ndarray,
                layers: list[int], weights: list[float], metas: dict[int, str], buffers: list[np.ndarray],
-               single: bool) -> PreparedBatch:
+               single: bool, words: bool = False) -> PreparedBatch:
     """The batch of entries whose types and shapes are checked: rows
     checked and encoded, signatures and pooled keys computed.  Small
     entries are joined into pool buffers (listed in `buffers`) and
@@ -142,8 +144,9 @@ def _converted(state: StoreState, keys: list[np.ndarray], values: list[np.ndarra
     np.cumsum(n_tokens, out=starts[1:])
     if len(n_tokens) and int(starts[-1]) * dim * 4 >= LARGE_ENTRY_BYTES * len(n_tokens):
         return _one_by_one(state, keys, values, n_tokens, starts, layers, weights, metas, single)
-    keys = [k.widened() if type(k) is storage_codec.Bf16Rows else k for k in keys]
-    values = [v.widened() if type(v) is storage_codec.Bf16Rows else v for v in values]
+    if words:  # small entries given as bfloat16 words are joined as float32 rows
+        keys = [k.widened() if type(k) is storage_codec.Bf16Rows else k for k in keys]
+        values = [v.widened() if type(v) is storage_codec.Bf16Rows else v for v in values]
     k_rows = _joined(keys, int(starts[-1]), dim, buffers)
     v_rows = _joined(values, int(starts[-1]), dim, buffers)
     rows = {}
