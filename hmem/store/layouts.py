@@ -27,6 +27,7 @@ import numpy as np
 
 from hmem import validation
 from hmem.errors import InvalidTensorError
+from hmem.store.storage import widen
 
 LAYOUTS = ("td", "thd", "htd", "bhtd", "bthd", "l2thd")
 RANKS = {"td": 2, "thd": 3, "htd": 3, "bhtd": 4, "bthd": 4, "l2thd": 5}
@@ -76,12 +77,11 @@ def matrix(view: np.ndarray, *, bf16_words: bool = False) -> np.ndarray:
     if not bf16_words and (view.dtype == np.float32 or view.dtype.kind != "f"):
         # float32 already, or not floats (kept as they are, for the put to refuse by dtype)
         return np.ascontiguousarray(view).reshape(view.shape[0], width)
-    out = np.empty((view.shape[0], width), dtype=np.float32)
     if bf16_words:
-        np.left_shift(view, 16, out=out.view(np.uint32).reshape(view.shape), dtype=np.uint32)
-    else:
-        with np.errstate(over="ignore", invalid="ignore"):  # float64 overflow becomes inf, which a put refuses
-            np.copyto(out.reshape(view.shape), view, casting="unsafe")
+        return widen(view)
+    out = np.empty((view.shape[0], width), dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # float64 overflow becomes inf, which a put refuses
+        np.copyto(out.reshape(view.shape), view, casting="unsafe")
     return out
 
 
