@@ -555,3 +555,82 @@ def test_signature_sums_length_is_checked(module):
     signs = ref_projection.signs_table(0, 64, 3, 1)
     with pytest.raises(ValueError, match="sums"):
         module.signature(rows, signs, 64, 3, 64, np.zeros(8, np.uint8), np.zeros(9))
+
+
+# ---- signatures from token sums, and the token sums of bfloat16 words -------------
+
+
+@given(projection_cases())
+def test_signature_of_sum_gives_the_signature_of_the_rows_on_every_path(case):
+    rows, m, rounds, hdc_dim, seed = case
+    want = reference_signature(rows, m, rounds, hdc_dim, seed)
+    sums = np.zeros(rows.shape[1])
+    ref_projection.signature(rows, ref_projection.signs_table(seed, m, rounds, -(-hdc_dim // m)), m, rounds,
+                             hdc_dim, bytearray(hdc_dim // 8), sums)
+    signs = _projection.signs_table(seed, m, rounds, -(-hdc_dim // m))
+
+    def from_sum(module):
+        out = np.full(hdc_dim // 8, 0xAA, dtype=np.uint8)  # every byte must be written
+        module.signature_of_sum(sums, signs, m, rounds, hdc_dim, out)
+        return out
+
+    np.testing.assert_array_equal(from_sum(ref_projection), want)
+    for path, got in every_path(lambda: from_sum(_projection)).items():
+        np.testing.assert_array_equal(got, want, err_msg=f"path {path} ({_projection.variant()})")
+
+
+@pytest.mark.parametrize("module", [_projection, ref_projection], ids=["native", "reference"])
+def test_signature_of_sum_refuses_bad_arguments(module):
+    signs = ref_projection.signs_table(1, 128, 2, 1)
+    out = np.zeros(16, dtype=np.uint8)
+    module.signature_of_sum(np.ones(100), signs, 128, 2, 128, out)
+    for sums, m, hdc_dim, target in ((np.ones(129), 128, 128, out),  # more values than m
+                                     (np.ones(0), 128, 128, out),  # none
+                                     (np.ones(100), 96, 128, out),  # m not a power of two
+                                     (np.ones(100), 128, 124, out),  # hdc_dim not a multiple of 8
+                                     (np.ones(100), 128, 256, out)):  # out too small
+        with pytest.raises(ValueError):
+            module.signature_of_sum(sums, signs, m, 2, hdc_dim, target)
+
+
+@st.composite
+def bf16_word_cases(draw):
+    n, a, b = draw(st.integers(1, 9)), draw(st.integers(1, 4)), draw(st.integers(1, 40))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    style = draw(st.sampled_from(["normal", "wide", "cancel", "any"]))
+    if style == "any":  # every bit pattern, NaN and infinities included
+        words = rng.integers(0, 1 << 16, (n, a, b), dtype=np.uint16)
+    else:
+        rows = make_rows(rng, n, a * b, style)
+        words = (rows.view(np.uint32) >> 16).astype(np.uint16).reshape(n, a, b)
+    order = draw(st.sampled_from(["tah", "ath", "hta"]))  # where the words lie: the view's strides
+    lying = {"tah": words, "ath": np.ascontiguousarray(words.transpose(1, 0, 2)).transpose(1, 0, 2),
+             "hta": np.ascontiguousarray(words.transpose(2, 0, 1)).transpose(1, 2, 0)}[order]
+    return words, lying
+
+
+@given(bf16_word_cases())
+def test_bf16_token_sums_are_the_sums_of_the_widened_rows(case):
+    words, lying = case
+    n, a, b = words.shape
+    widened = np.ascontiguousarray((words.astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(n, a * b))
+    want = np.zeros(a * b)
+    with np.errstate(invalid="ignore"):
+        for t in range(n):  # what signature() sums: float64, token order, from +0.0
+            want += widened[t].astype(np.float64)
+    finite = np.isfinite(want)
+    for module in (_projection, ref_projection):
+        got = np.full(a * b, 7.0)
+        module.bf16_token_sums(lying, got)
+        assert got[finite].tobytes() == want[finite].tobytes(), module.__name__
+        # NaN where a NaN was summed (or infinities of both signs), the infinity otherwise
+        np.testing.assert_array_equal(got[~finite], want[~finite], err_msg=module.__name__)
+
+
+@pytest.mark.parametrize("module", [_projection, ref_projection], ids=["native", "reference"])
+def test_bf16_token_sums_refuses_bad_arguments(module):
+    words = np.zeros((2, 3, 4), np.uint16)
+    with pytest.raises(ValueError, match="sums"):
+        module.bf16_token_sums(words, np.zeros(11))
+    with pytest.raises((ValueError, TypeError)):
+        module.bf16_token_sums(words.astype(np.float32), np.zeros(12))

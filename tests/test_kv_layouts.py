@@ -470,9 +470,12 @@ def _bf16_import_against_put_many(folder: Path, storage: str, files: dict[str, t
         want = stored(ref)
         query = randn(rng, 5, dim)
         want_hits = [(r.entry_id, r.score) for r in ref.query(query, 0, top_k=5)]
+        # by signature alone, every entry: the signatures are the same bits
+        want_similarities = [(r.entry_id, r.similarity) for r in ref.query(query, 0, top_k=1000, rerank=False)]
     assert_entries(got, want)
     with hmem.Store.open(folder / "imported", read_only=True) as s:
         assert [(r.entry_id, r.score) for r in s.query(query, 0, top_k=5)] == want_hits
+        assert [(r.entry_id, r.similarity) for r in s.query(query, 0, top_k=1000, rerank=False)] == want_similarities
 
 
 @pytest.mark.parametrize("storage", ["f32", "bf16", "f16", "int8"])

@@ -192,7 +192,19 @@ def _one_by_one(state: StoreState, keys: list[np.ndarray], values: list[np.ndarr
     spans: list[np.ndarray] = []
     pooled_keys: list[np.ndarray] = []
     key_scratch, value_scratch = _Scratch(), _Scratch()
+    # bfloat16 words that the store keeps as words or widens into its shard
+    # need no float32 rows here: their token sums give the check and the signature
+    sums_only = storage in ("f32", "bf16") and state.span_projector is None
     for e, (k, v) in enumerate(zip(keys, values)):
+        if type(k) is storage_codec.Bf16Rows and sums_only:
+            key_sums = _finite_token_sums(k, "keys", e, single)
+            _finite_token_sums(v, "values", e, single)
+            for kind, rows_in in (("k", k), ("v", v)):
+                rows.setdefault(kind, []).append(
+                    rows_in.words() if storage == "bf16" else storage_codec.WideningRows(rows_in))
+            signatures.append(state.projector.signature_of_sum(key_sums))
+            means.append(key_sums / k.shape[0])
+            continue
         if type(k) is storage_codec.Bf16Rows:
             k = _stored_bf16(storage, k, "k", "keys", rows, e, single, key_scratch)
             _stored_bf16(storage, v, "v", "values", rows, e, single, value_scratch)
@@ -249,6 +261,17 @@ def _stored_bf16(storage: str, rows_in: storage_codec.Bf16Rows, kind: str, what:
     else:
         _store_encoded(storage, wide, kind, what, rows, entry, single)
     return wide
+
+
+def _finite_token_sums(rows_in: storage_codec.Bf16Rows, what: str, entry: int, single: bool) -> np.ndarray:
+    """The float64 token sums of the rows of bfloat16 words, or the error
+    naming NaN or infinite values.  A sum of finite bfloat16 values stays
+    finite in float64 (each is below 2**128, and an entry holds fewer than
+    2**32 tokens), so a nonfinite sum means a nonfinite value."""
+    sums = rows_in.token_sums()
+    if not np.isfinite(sums).all():
+        raise _naming_entry(InvalidTensorError(f"{what} holds NaN or infinite values"), entry, single)
+    return sums
 
 
 def _store_encoded(storage: str, array: np.ndarray, kind: str, what: str, rows: dict[str, list[np.ndarray]],

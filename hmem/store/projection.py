@@ -54,6 +54,13 @@ class Projector:
         projection_kernels.signature(rows, self.signs, self.m, ROUNDS, self.hdc_dim, out)
         return out
 
+    def signature_of_sum(self, sums: np.ndarray) -> np.ndarray:
+        """The signature of rows whose float64 token sum is `sums`: the
+        bytes signature() gives for those rows."""
+        out = np.zeros(self.hdc_dim // 8, dtype=np.uint8)
+        projection_kernels.signature_of_sum(sums, self.signs, self.m, ROUNDS, self.hdc_dim, out)
+        return out
+
     def signature_and_mean(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The signature and the float64 mean of the rows, from one pass."""
         out = np.zeros(self.hdc_dim // 8, dtype=np.uint8)

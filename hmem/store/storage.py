@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from hmem.errors import InvalidTensorError
+from hmem.kernels import projection as projection_kernels
 from hmem.store.quantize import dequantize_rows, quantize_rows
 
 
@@ -60,6 +61,19 @@ class Bf16Rows:
     def widened(self) -> np.ndarray:
         """The rows as a new C-contiguous float32 matrix (exact)."""
         return widen(self.words())
+
+    def token_sums(self) -> np.ndarray:
+        """The float64 token sums of the rows ([width]): what the projection
+        sums of the widened rows (hmem/store/projection.py), read from the
+        words where they lie."""
+        view = self.view
+        if view.ndim == 2:
+            view = view[:, None, :]
+        elif view.ndim > 3:
+            view = view.reshape(view.shape[0], -1, view.shape[-1])
+        sums = np.empty(self.shape[1], dtype=np.float64)
+        projection_kernels.bf16_token_sums(view, sums)
+        return sums
 
 
 class WideningRows:

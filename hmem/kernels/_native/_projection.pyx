@@ -12,14 +12,20 @@ Data layout (stated once):
   bit p = (b*rounds + r)*m + i negates element i in round r of block b;
 - signature(rows, signs, m, rounds, hdc_dim, out): rows float32 (n, d),
   1 <= d <= m, m a power of two >= 64; out receives hdc_dim bits packed
-  LSB-first (hdc_dim / 8 bytes), bit b*m + i = element i of block b > 0.
+  LSB-first (hdc_dim / 8 bytes), bit b*m + i = element i of block b > 0;
+- signature_of_sum(sums, ...): the same bits from the rows' float64 token
+  sum (d values) instead of the rows;
+- bf16_token_sums(words, sums): words uint16 (n, a, b), bfloat16 bit
+  patterns of n tokens' rows of a*b values (any strides);
+  sums receives their float64 token sums, as signature(sums=) gives them
+  for the same rows widened to float32.
 """
 
 import operator
 
 import numpy as np
 
-from libc.stdint cimport int64_t, uint8_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint64_t
 
 cdef extern from "projection.h" nogil:
     void hm_projection_init()
@@ -27,6 +33,10 @@ cdef extern from "projection.h" nogil:
     int hm_signature(const float *rows, size_t n, size_t d, const uint8_t *signs,
                      size_t m, size_t rounds, size_t hdc_dim, uint8_t *out, double *sum_out)
     void hm_splitmix64(uint64_t seed, size_t count, uint64_t *out)
+    int hm_signature_of_sum(const double *sum, size_t d, const uint8_t *signs, size_t m, size_t rounds,
+                            size_t hdc_dim, uint8_t *out)
+    void hm_bf16_token_sums(const uint16_t *w, size_t n, size_t a, size_t b, Py_ssize_t st, Py_ssize_t sa,
+                            Py_ssize_t sb, double *s)
     int hm_signature_many(const float *rows, const int64_t *starts, size_t count, size_t d,
                           const uint8_t *signs, size_t m, size_t rounds, size_t hdc_dim,
                           uint8_t *out, double *sum_out)
@@ -154,3 +164,43 @@ def signature_many(const float[:, ::1] rows, const int64_t[::1] starts, const un
                                &out[0, 0], sum_out)
     if rc != 0:
         raise MemoryError()
+
+
+def signature_of_sum(const double[::1] sums, const unsigned char[::1] signs, m, rounds, hdc_dim,
+                     unsigned char[::1] out):
+    """Write into `out` the signature of rows whose float64 token sum is
+    `sums` (d values): signature()'s bits for those rows."""
+    m = _check_m(m)
+    rounds = _index("rounds", rounds, 1)
+    hdc_dim = _index("hdc_dim", hdc_dim, 8)
+    cdef Py_ssize_t d = sums.shape[0]
+    if d < 1 or d > m:
+        raise ValueError(f"sums must hold 1 <= d <= m = {m} values, got {d}")
+    if hdc_dim % 8:
+        raise ValueError(f"hdc_dim must be a multiple of 8, got {hdc_dim}")
+    blocks = -(-hdc_dim // m)
+    if signs.shape[0] != blocks * rounds * m // 8:
+        raise ValueError(f"signs has {signs.shape[0]} bytes; m={m}, rounds={rounds}, "
+                         f"hdc_dim={hdc_dim} need {blocks * rounds * m // 8}")
+    if out.shape[0] != hdc_dim // 8:
+        raise ValueError(f"out has {out.shape[0]} bytes; hdc_dim={hdc_dim} needs {hdc_dim // 8}")
+    cdef size_t cm = m, crounds = rounds, cdim = hdc_dim
+    cdef int rc
+    with nogil:
+        rc = hm_signature_of_sum(&sums[0], <size_t>d, &signs[0], cm, crounds, cdim, &out[0])
+    if rc != 0:
+        raise MemoryError()
+
+
+def bf16_token_sums(const uint16_t[:, :, :] words, double[::1] sums):
+    """Write into `sums` (a*b values) the float64 token sums of the
+    float32 values of the bfloat16 words (n, a, b), in token order."""
+    cdef Py_ssize_t n = words.shape[0], a = words.shape[1], b = words.shape[2]
+    if sums.shape[0] != a * b:
+        raise ValueError(f"sums has {sums.shape[0]} values; the words' rows have {a * b}")
+    if n == 0 or a * b == 0:
+        sums[:] = 0.0
+        return
+    cdef Py_ssize_t st = words.strides[0] // 2, sa = words.strides[1] // 2, sb = words.strides[2] // 2
+    with nogil:
+        hm_bf16_token_sums(&words[0, 0, 0], <size_t>n, <size_t>a, <size_t>b, st, sa, sb, &sums[0])

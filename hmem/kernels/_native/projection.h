@@ -56,6 +56,38 @@ HM_PROJ_INLINE void hm_proj_sum(double *restrict s, const float *restrict rows, 
     }
 }
 
+HM_PROJ_INLINE double hm_bf16_value(uint16_t word)
+{
+    uint32_t bits = (uint32_t)word << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return (double)x;
+}
+
+/* s[i] = sum over tokens of the float32 value of the bfloat16 word at
+   w[t * st + (i / b) * sa + (i % b) * sb] (i < a * b; strides in words),
+   from +0.0 in token order: the sums hm_proj_sum makes of the same words
+   widened to float32 rows (a widening is exact), without the rows. */
+static void hm_bf16_token_sums(const uint16_t *restrict w, size_t n, size_t a, size_t b,
+                               ptrdiff_t st, ptrdiff_t sa, ptrdiff_t sb, double *restrict s)
+{
+    for (size_t i = 0; i < a * b; i++)
+        s[i] = 0.0;
+    for (size_t t = 0; t < n; t++) {
+        for (size_t h = 0; h < a; h++) {
+            const uint16_t *row = w + (ptrdiff_t)t * st + (ptrdiff_t)h * sa;
+            double *o = s + h * b;
+            if (sb == 1) { /* the usual layouts: a contiguous run, which vectorises */
+                for (size_t j = 0; j < b; j++)
+                    o[j] += hm_bf16_value(row[j]);
+            } else {
+                for (size_t j = 0; j < b; j++)
+                    o[j] += hm_bf16_value(row[(ptrdiff_t)j * sb]);
+            }
+        }
+    }
+}
+
 /* Stages h and 2h on each block of 4h values: with quarters a, b, c, d,
    stage h maps (a, b) and (c, d), stage 2h then (a, c) and (b, d). */
 HM_PROJ_INLINE void hm_fwht_radix4(double *v, size_t m, size_t h)
@@ -124,14 +156,16 @@ HM_PROJ_INLINE void hm_pack(uint8_t *out, const double *v, size_t nbits)
 typedef void (*hm_first_fn)(double *, const uint8_t *, size_t);
 typedef void (*hm_pack_fn)(uint8_t *, const double *, size_t);
 
-/* s and v are workspaces of m doubles each.  `first` and `pack` are
-   constants in each caller, so they are inlined. */
+/* s and v are workspaces of m doubles each; with rows NULL, s holds the
+   token sum already (zero from d to m).  `first` and `pack` are constants
+   in each caller, so they are inlined. */
 HM_PROJ_INLINE void hm_signature_body(const float *rows, size_t n, size_t d,
                                       const uint8_t *signs, size_t m, size_t rounds,
                                       size_t hdc_dim, uint8_t *out, double *s, double *v,
                                       hm_first_fn first, hm_pack_fn pack)
 {
-    hm_proj_sum(s, rows, n, d, m);
+    if (rows != NULL)
+        hm_proj_sum(s, rows, n, d, m);
     size_t blocks = (hdc_dim + m - 1) / m;
     for (size_t b = 0; b < blocks; b++) {
         memcpy(v, s, m * sizeof(double));
@@ -280,6 +314,34 @@ static int hm_signature(const float *rows, size_t n, size_t d, const uint8_t *si
         hm_signature_baseline(rows, n, d, signs, m, rounds, hdc_dim, out, s, v);
     if (sum_out != NULL) /* the token sum, which the store also needs (pooled key) */
         memcpy(sum_out, s, d * sizeof(double));
+    free(s);
+    return 0;
+}
+
+/*
+ * hm_signature of rows whose float64 token sum is given (d doubles): the
+ * same bits, for callers that summed the tokens themselves (bfloat16 words:
+ * hm_bf16_token_sums).  Returns 0, or -1 when the workspace cannot be
+ * allocated.
+ */
+static int hm_signature_of_sum(const double *sum, size_t d, const uint8_t *signs, size_t m,
+                               size_t rounds, size_t hdc_dim, uint8_t *out)
+{
+    double *s = (double *)aligned_alloc(64, 2 * m * sizeof(double));
+    if (s == NULL)
+        return -1;
+    double *v = s + m;
+    memcpy(s, sum, d * sizeof(double));
+    for (size_t i = d; i < m; i++)
+        s[i] = 0.0;
+#if HM_X86
+    if (hm_path == HM_PATH_AVX512)
+        hm_signature_avx512(NULL, 0, d, signs, m, rounds, hdc_dim, out, s, v);
+    else if (hm_path == HM_PATH_POPCNT && hm_proj_has_avx2)
+        hm_signature_avx2(NULL, 0, d, signs, m, rounds, hdc_dim, out, s, v);
+    else
+#endif
+        hm_signature_baseline(NULL, 0, d, signs, m, rounds, hdc_dim, out, s, v);
     free(s);
     return 0;
 }

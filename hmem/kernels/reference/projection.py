@@ -127,6 +127,12 @@ def signature(rows, signs, m, rounds, hdc_dim, out, sums=None) -> None:
         if len(sums) != d:
             raise ValueError(f"sums has {len(sums)} values; rows have {d} columns")
         sums[:] = s[:d]
+    target[:] = _signature_bits(s, sign_bytes, m, rounds, hdc_dim, blocks)
+
+
+def _signature_bits(s: np.ndarray, sign_bytes: np.ndarray, m: int, rounds: int, hdc_dim: int,
+                    blocks: int) -> np.ndarray:
+    """The packed signature of the zero-padded float64 token sum `s` (m values)."""
     negate = np.unpackbits(sign_bytes, bitorder="little").astype(bool)
     bits = np.zeros(blocks * m, dtype=bool)
     for b in range(blocks):
@@ -137,7 +143,7 @@ def signature(rows, signs, m, rounds, hdc_dim, out, sums=None) -> None:
             v[flip] = -v[flip]
             fwht(v)
         bits[b * m : (b + 1) * m] = v > 0.0
-    target[:] = np.packbits(bits[:hdc_dim], bitorder="little")
+    return np.packbits(bits[:hdc_dim], bitorder="little")
 
 
 def signature_many(rows, starts, signs, m, rounds, hdc_dim, out, sums=None) -> None:
@@ -163,3 +169,48 @@ def signature_many(rows, starts, signs, m, rounds, hdc_dim, out, sums=None) -> N
     for e in range(count):
         signature(x[bounds[e] : bounds[e + 1]], signs, m, rounds, hdc_dim, out[e],
                   None if sums is None else sums[e])
+
+
+def signature_of_sum(sums, signs, m, rounds, hdc_dim, out) -> None:
+    """Write into `out` the signature of rows whose float64 token sum is
+    `sums` (d values): signature()'s bits for those rows."""
+    m = _check_m(m)
+    rounds = _index("rounds", rounds, 1)
+    hdc_dim = _index("hdc_dim", hdc_dim, 8)
+    total = np.asarray(sums)
+    if total.dtype != np.float64 or total.ndim != 1:
+        raise ValueError(f"sums must be a 1-d float64 array, got {total.ndim}-d {total.dtype}")
+    if not 1 <= total.shape[0] <= m:
+        raise ValueError(f"sums must hold 1 <= d <= m = {m} values, got {total.shape[0]}")
+    if hdc_dim % 8:
+        raise ValueError(f"hdc_dim must be a multiple of 8, got {hdc_dim}")
+    blocks = -(-hdc_dim // m)
+    sign_bytes = np.frombuffer(signs, dtype=np.uint8)
+    if sign_bytes.shape[0] != blocks * rounds * m // 8:
+        raise ValueError(
+            f"signs has {sign_bytes.shape[0]} bytes; m={m}, rounds={rounds}, "
+            f"hdc_dim={hdc_dim} need {blocks * rounds * m // 8}"
+        )
+    target = np.frombuffer(out, dtype=np.uint8)
+    if target.shape[0] != hdc_dim // 8:
+        raise ValueError(f"out has {target.shape[0]} bytes; hdc_dim={hdc_dim} needs {hdc_dim // 8}")
+    s = np.zeros(m, dtype=np.float64)
+    s[: total.shape[0]] = total
+    target[:] = _signature_bits(s, sign_bytes, m, rounds, hdc_dim, blocks)
+
+
+def bf16_token_sums(words, sums) -> None:
+    """Write into `sums` (a*b values) the float64 token sums of the
+    float32 values of the bfloat16 words (n, a, b), in token order."""
+    w = np.asarray(words)
+    if w.dtype != np.uint16 or w.ndim != 3:
+        raise ValueError(f"words must be a 3-d uint16 array, got {w.ndim}-d {w.dtype}")
+    n, a, b = w.shape
+    if len(sums) != a * b:
+        raise ValueError(f"sums has {len(sums)} values; the words' rows have {a * b}")
+    total = np.zeros(a * b, dtype=np.float64)
+    with np.errstate(invalid="ignore"):  # NaN words give NaN sums, which the caller looks for
+        for t in range(n):  # token order, one float64 addition per value and token
+            widened = (w[t].reshape(-1).astype(np.uint32) << np.uint32(16)).view(np.float32)
+            total += widened.astype(np.float64)
+    sums[:] = total
