@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -135,6 +136,28 @@ def test_missing_kernels_is_a_clear_error():
     assert proc.stderr.startswith("error: hmem's compiled kernels cannot be loaded")
     assert "HMEM_KERNELS=reference" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_command_line_naming_a_command_runs_it_alone_and_others_see_every_command(tmp_path):
+    # The console script builds only the command that the command line names
+    # first (start-up: hmem/cli/app.py, _app_for); everything else goes
+    # through the whole application, unchanged.
+    only = app_module._app_for(["stats", "somewhere"])
+    assert [info.name for info in only.registered_commands] == ["stats"]
+    assert len(app.registered_commands) == 14  # the application itself keeps them all
+    for args in ([], ["--help"], ["--debug", "stats"], ["stat"], ["--version"]):
+        assert app_module._app_for(args) is app
+    store = tmp_path / "s"
+    assert run_python("-m", "hmem", "init", str(store), "-d", "8").returncode == 0
+    stats = run_python("-m", "hmem", "stats", str(store), "--json")
+    assert stats.returncode == 0 and json.loads(stats.stdout)["entries"] == 0
+    helped = run_python("-m", "hmem", "put", "--help")
+    assert helped.returncode == 0 and "Usage: hmem put [OPTIONS]" in helped.stdout
+    wrong = run_python("-m", "hmem", "stats", str(store), "--bogus", "--json")
+    assert wrong.returncode == 2 and "No such option: --bogus" in wrong.stderr
+    assert json.loads(wrong.stdout)["error"]["code"] == "usage"  # --json read before parsing, as before
+    misspelt = run_python("-m", "hmem", "stat", str(store))
+    assert misspelt.returncode == 2 and "No such command 'stat'" in misspelt.stderr
 
 
 def test_reference_kernels_are_explicit():
