@@ -54,6 +54,19 @@ def number(value: Any, name: str, *, low: float | None = None, high: float | Non
     return result
 
 
+def wait_seconds(value: Any, name: str) -> float:
+    """`value` as seconds to wait: >= 0, infinity meaning no limit."""
+    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+        raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{name} must be a number, got {value!r}") from None
+    if not result >= 0.0:  # NaN too
+        raise InvalidArgumentError(f"{name} must be >= 0 seconds, got {value!r}")
+    return result
+
+
 def choice(value: Any, name: str, choices: Iterable[str]) -> str:
     """`value`, which must be one of `choices`."""
     options = tuple(choices)

@@ -242,6 +242,19 @@ def test_open_refuses_what_is_not_a_store(tmp_path):
         Store.open(tmp_path / "afile")
 
 
+@pytest.mark.parametrize("read_only", [False, True])
+def test_open_refuses_a_lock_wait_that_is_not_a_duration(tmp_path, read_only):
+    with Store.create(tmp_path / "s", embed_dim=16) as s:
+        s.put(np.ones((2, 16), np.float32), np.ones((2, 16), np.float32))
+    before = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in (tmp_path / "s").iterdir())
+    for bad in (float("nan"), -1.0, "5", True, None):
+        with pytest.raises(hmem.InvalidArgumentError, match="lock_wait"):
+            Store.open(tmp_path / "s", read_only=read_only, lock_wait=bad)
+    assert sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in (tmp_path / "s").iterdir()) == before
+    with Store.open(tmp_path / "s", read_only=read_only, lock_wait=float("inf")) as s:  # no limit: free at once
+        assert len(s.entry_ids()) == 1
+
+
 @pytest.mark.parametrize("version", [2, 0, "1", None, 1.5])
 def test_open_refuses_an_unknown_format_version(tmp_path, rewrite_index, version):
     Store.create(tmp_path / "s", embed_dim=16, hdc_dim=256).close()

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from hmem import Store
+from hmem import InvalidArgumentError, Store
 from hmem.cli import signals
 from hmem.cli.compact_run import stoppable_compaction
 from hmem.cli.options import DryRunOption, JsonOption, LockWaitOption, QuietOption, StoreArgument
@@ -28,6 +28,8 @@ def compact(
     Entry ids and query results do not change; the store never grows.
     """
     out = Output(json_mode=json_output, quiet=quiet)
+    if not 0.0 <= threshold <= 100.0:  # the option's range lets NaN through
+        raise InvalidArgumentError(f"--threshold must be a percentage between 0 and 100, got {threshold}")
     opened = Store.open(store, read_only=dry_run, lock_wait=lock_wait)  # a signal stops the lock wait at once
     with signals.stoppable():  # a signal stops the rewrite between shards, before its commit
         with opened as s:

@@ -33,6 +33,8 @@ def evict(
     out = Output(json_mode=json_output, quiet=quiet)
     if (target is None) == (keep is None):
         raise InvalidArgumentError("give exactly one of --target N or --keep SHARE")
+    if keep is not None and not 0.0 <= keep <= 1.0:  # the option's range lets NaN through
+        raise InvalidArgumentError(f"--keep must be a share between 0 and 1, got {keep}")
     opened = Store.open(store, read_only=dry_run, lock_wait=lock_wait)  # a signal stops the lock wait at once
     with signals.stoppable():  # a signal lets the eviction finish, or stops before it (hmem/cli/signals.py)
         with opened as s:

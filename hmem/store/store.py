@@ -184,8 +184,10 @@ class Store:
         object storage"); `storage_options` give the endpoint, credentials,
         timeouts and the local cache; a reader sees new commits after
         ``refresh()``, or by itself when a read comes `refresh_seconds`
-        after its last look.
+        after its last look.  `lock_wait` may be infinite (wait as long as
+        it takes), never negative or NaN.
         """
+        lock_wait = validation.wait_seconds(lock_wait, "lock_wait")
         if is_url(path):
             return cls._open_remote(str(path), read_only=read_only, verify_reads=verify_reads,
                                     lock_wait=lock_wait, storage_options=storage_options,
