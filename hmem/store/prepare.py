@@ -161,8 +161,8 @@ def _converted(state: StoreState, keys: list[np.ndarray], values: list[np.ndarra
             raise _naming_entry(exc, _first_failing(joined, starts, state.config.storage_dtype, what), single) from None
         for suffix, array in encoded.items():
             rows[kind + suffix] = [array]
-    if len(n_tokens):
-        signatures, means = state.projector.signatures_and_means(k_rows, starts)
+    if len(n_tokens):  # the signatures are copied into the records when stored, the means into `pooled` below
+        signatures, means = state.projector.signatures_and_means(k_rows, starts, buffers)
     else:
         signatures = np.zeros((0, state.config.signature_bytes), dtype=np.uint8)
         means = np.zeros((0, dim))

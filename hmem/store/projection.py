@@ -69,19 +69,23 @@ class Projector:
         return out, sums / rows.shape[0]
 
 
-    def signatures_and_means(self, rows: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def signatures_and_means(self, rows: np.ndarray, starts: np.ndarray,
+                             buffers: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """signature_and_mean of many entries at once: entry e is rows
         starts[e] .. starts[e + 1] - 1 of the float32 matrix `rows`.  Returns
         the signatures [n, hdc_dim / 8] and the float64 means [n, embed_dim];
-        the same bytes as one call per entry, on every core."""
+        the same bytes as one call per entry, on every core.  With
+        `buffers`, both live in memory.POOL buffers appended to it, for the
+        caller to give back once it has copied them: a bulk put's batches
+        then reuse memory instead of faulting fresh pages in every time."""
         count = len(starts) - 1
         if count <= FEW:  # the batch kernel's set-up costs more than it saves here
             pairs = [self.signature_and_mean(rows[starts[e] : starts[e + 1]]) for e in range(count)]
             if not pairs:
                 return np.zeros((0, self.hdc_dim // 8), dtype=np.uint8), np.zeros((0, rows.shape[1]))
             return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
-        out = memory.filled_soon((count, self.hdc_dim // 8), np.uint8)
-        sums = memory.filled_soon((count, rows.shape[1]), np.float64)
+        out = _array((count, self.hdc_dim // 8), np.uint8, buffers)
+        sums = _array((count, rows.shape[1]), np.float64, buffers)
 
         def run(lo: int, hi: int) -> None:
             first, last = int(starts[lo]), int(starts[hi])
@@ -92,7 +96,19 @@ class Projector:
             run(0, count)  # one thread's share: no pool
         else:
             threads.run_ranges(run, threads.split(count, MANY_PER_THREAD))
-        return out, sums / (starts[1:] - starts[:-1])[:, None]
+        np.divide(sums, (starts[1:] - starts[:-1])[:, None], out=sums)  # the means, where the sums were
+        return out, sums
+
+
+def _array(shape: tuple[int, int], dtype: type, buffers: list[np.ndarray] | None) -> np.ndarray:
+    """An uninitialised array to be filled whole: from memory.POOL (the
+    buffer appended to `buffers`) or fresh."""
+    if buffers is None:
+        return memory.filled_soon(shape, dtype)
+    nbytes = shape[0] * shape[1] * np.dtype(dtype).itemsize
+    buffer = memory.POOL.take(nbytes)
+    buffers.append(buffer)
+    return buffer[:nbytes].view(dtype).reshape(shape)
 
 
 # An entry's first row is a "sink" when its norm passes SINK_FACTOR x the
