@@ -233,7 +233,7 @@ def main() -> None:
 def _app_for(args: Sequence[str]) -> typer.Typer:
     """`app`, or a copy of it holding only the command that the command line
     names first.  Typer builds the options of every command it holds before
-    running one (about 60 ms of every hmem command's start-up for all
+    running one (20-35 ms of every hmem command's start-up for all
     fourteen); a command line such as `hmem put ...` needs only its own.
     Anything else (`hmem`, `hmem --help`, `hmem --debug put`, a misspelt
     command) gets the whole application."""
