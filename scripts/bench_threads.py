@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -129,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {key:10} {value}")
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
-    path = open_store(root, log)
+    built = open_store(root, log)
+    # the writer adds entries and a shard per round: it writes into a copy,
+    # so that every run starts from the same 200,000 entries in one layer
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=root))
+    path = work / built.name
+    shutil.copytree(built, path)
     queries = np.random.default_rng(5).standard_normal((QUERIES, 4, EMBED_DIM), dtype=np.float32)
     shared = hmem.Store.open(path)
     own = [hmem.Store.open(path, read_only=True) for _ in range(2)]
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         shared.close()
         for s in own:
             s.close()
+        shutil.rmtree(work, ignore_errors=True)
     med = {name: statistics.median(t) for name, t in times.items()}
     base = med["1 thread"]
     print(f"\n{QUERIES} queries, top-{TOP_K}, re-rank, search={args.search}, one layer of {ENTRIES:,} entries; "
