@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
 import hmem
@@ -239,3 +241,30 @@ def test_directory_bytes_leaves_out_the_lock_owner_record_and_links(tmp_path):
     _directory(root)
     regular = [p for p in root.iterdir() if p.is_file() and not p.is_symlink() and p.name != "lock"]
     assert layout.directory_bytes(root) == 5 * len(regular) == 5 * 8
+
+
+# ---- index.json ------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(shards=st.lists(st.tuples(st.text(max_size=12), st.integers(0, 2**62), st.text(max_size=6),
+                                 st.integers(0, 2**40), st.integers(0, 2**32 - 1), st.integers(0, 9),
+                                 st.integers(0, 2**40)), max_size=6),
+       sources=st.booleans())
+def test_index_json_is_the_indented_json_of_its_document(shards, sources):
+    # manifest.to_bytes writes the shard list itself (json's indenting
+    # encoder is slow for thousands of shards): the text must be exactly
+    # json.dumps(document, indent=1), whatever the names hold
+    from hmem.config import StoreConfig
+    from hmem.formats import manifest
+    from hmem.formats.sources import SourcesInfo
+
+    mf = manifest.Manifest(config=StoreConfig(embed_dim=8), projection={"family": "srht", "blocks": [1, 2]},
+                           shards=[ShardInfo(*fields) for fields in shards],
+                           pending=Pending(renames=[("a\n\"b", "c")], deletes=["x"]),
+                           sources=SourcesInfo(bytes=10, crc32c=3) if sources else SourcesInfo())
+    data = mf.to_bytes()
+    document = json.loads(data)
+    assert data == (json.dumps(document, indent=1) + "\n").encode()
+    assert [ShardInfo(**s) for s in document["shards"]] == mf.shards
+

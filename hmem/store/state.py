@@ -103,7 +103,7 @@ class StoreState:
         # batches they were put: the next flush writes them to pooled.bin
         self.fresh_pooled: list[np.ndarray] = []
         self.pooled.drop()
-        self.shards = [dataclasses.replace(info) for info in committed.shards]  # committed, then sealed since
+        self.shards = [info.copy() for info in committed.shards]  # committed, then sealed since
         self.shards_committed = len(self.shards)
         self.index = SearchIndex(self.config.signature_bytes, self.config.spans, self.config.span_signature_bytes)
         # each layer's signatures are copied into its matrix at its first query (LayerIndex.defer)

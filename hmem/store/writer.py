@@ -242,7 +242,7 @@ class Writer:
             state.committed,
             generation=state.committed.generation + 1,
             record_count=end,
-            shards=[dataclasses.replace(info) for info in state.shards],
+            shards=[info.copy() for info in state.shards],
             next_entry_id=next_id,
             pending=Pending(record_updates=updates),
             sources=sources_info,
