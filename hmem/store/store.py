@@ -257,7 +257,7 @@ class Store:
             if read_only:
                 store = cls._open_reader(link.materialize(), verify_reads)
             else:
-                link.take_lease(validation.number(lock_wait, "lock_wait", low=0.0))
+                link.take_lease(lock_wait)  # checked by open: >= 0, infinity waiting as long as it takes
                 link.fence()
                 store = cls.open(link.materialize(), verify_reads=verify_reads)
                 link.published_generation = store._state.committed.generation
