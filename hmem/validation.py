@@ -40,14 +40,19 @@ def integer(value: Any, name: str, *, low: int | None = None, high: int | None =
     return number
 
 
-def number(value: Any, name: str, *, low: float | None = None, high: float | None = None) -> float:
-    """`value` as a finite float within [low, high]."""
+def _float(value: Any, name: str) -> float:
+    """`value` as a float (NaN and infinities included), refusing bools and text."""
     if isinstance(value, bool) or isinstance(value, (str, bytes)):
         raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
     try:
-        result = float(value)
+        return float(value)
     except (TypeError, ValueError):
         raise InvalidArgumentError(f"{name} must be a number, got {value!r}") from None
+
+
+def number(value: Any, name: str, *, low: float | None = None, high: float | None = None) -> float:
+    """`value` as a finite float within [low, high]."""
+    result = _float(value, name)
     if not math.isfinite(result):
         raise InvalidArgumentError(f"{name} must be finite, got {value!r}")
     _check_range(result, name, low, high)
@@ -56,12 +61,7 @@ def number(value: Any, name: str, *, low: float | None = None, high: float | Non
 
 def wait_seconds(value: Any, name: str) -> float:
     """`value` as seconds to wait: >= 0, infinity meaning no limit."""
-    if isinstance(value, bool) or isinstance(value, (str, bytes)):
-        raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
-    try:
-        result = float(value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{name} must be a number, got {value!r}") from None
+    result = _float(value, name)
     if not result >= 0.0:  # NaN too
         raise InvalidArgumentError(f"{name} must be >= 0 seconds, got {value!r}")
     return result

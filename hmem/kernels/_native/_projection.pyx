@@ -69,6 +69,20 @@ def _check_m(m):
     return m
 
 
+def _checked_args(m, rounds, hdc_dim, sign_bytes):
+    """(m, rounds, hdc_dim) as ints, checked, and the sign table's length against them."""
+    m = _check_m(m)
+    rounds = _index("rounds", rounds, 1)
+    hdc_dim = _index("hdc_dim", hdc_dim, 8)
+    if hdc_dim % 8:
+        raise ValueError(f"hdc_dim must be a multiple of 8, got {hdc_dim}")
+    blocks = -(-hdc_dim // m)
+    if sign_bytes != blocks * rounds * m // 8:
+        raise ValueError(f"signs has {sign_bytes} bytes; m={m}, rounds={rounds}, "
+                         f"hdc_dim={hdc_dim} need {blocks * rounds * m // 8}")
+    return m, rounds, hdc_dim
+
+
 def splitmix64(seed, count):
     """Outputs 0 .. count-1 of SplitMix64 seeded with `seed` (0 <= seed < 2**64)."""
     seed = _index("seed", seed, 0)
@@ -94,18 +108,10 @@ def signature(const float[:, ::1] rows, const unsigned char[::1] signs, m, round
               unsigned char[::1] out, double[::1] sums=None):
     """Write the hdc_dim-bit signature of the token sum of `rows` into `out`,
     and the float64 token sum itself into `sums` (d values) when given."""
-    m = _check_m(m)
-    rounds = _index("rounds", rounds, 1)
-    hdc_dim = _index("hdc_dim", hdc_dim, 8)
+    m, rounds, hdc_dim = _checked_args(m, rounds, hdc_dim, signs.shape[0])
     cdef Py_ssize_t n = rows.shape[0], d = rows.shape[1]
     if n < 1 or d < 1 or d > m:
         raise ValueError(f"rows must be (n_tokens >= 1, d) with 1 <= d <= m = {m}, got ({n}, {d})")
-    if hdc_dim % 8:
-        raise ValueError(f"hdc_dim must be a multiple of 8, got {hdc_dim}")
-    blocks = -(-hdc_dim // m)
-    if signs.shape[0] != blocks * rounds * m // 8:
-        raise ValueError(f"signs has {signs.shape[0]} bytes; m={m}, rounds={rounds}, "
-                         f"hdc_dim={hdc_dim} need {blocks * rounds * m // 8}")
     if out.shape[0] != hdc_dim // 8:
         raise ValueError(f"out has {out.shape[0]} bytes; hdc_dim={hdc_dim} needs {hdc_dim // 8}")
     cdef size_t cm = m, crounds = rounds, cdim = hdc_dim
@@ -127,20 +133,12 @@ def signature_many(const float[:, ::1] rows, const int64_t[::1] starts, const un
     starts[e] .. starts[e + 1] - 1 (at least one row; starts[0] = 0 and
     starts[-1] = the row count); its signature goes to out[e] and, when
     `sums` is given, its float64 token sum to sums[e]."""
-    m = _check_m(m)
-    rounds = _index("rounds", rounds, 1)
-    hdc_dim = _index("hdc_dim", hdc_dim, 8)
+    m, rounds, hdc_dim = _checked_args(m, rounds, hdc_dim, signs.shape[0])
     cdef Py_ssize_t n = rows.shape[0], d = rows.shape[1], count = starts.shape[0] - 1
     if count < 0:
         raise ValueError("starts must hold at least one offset")
     if d < 1 or d > m:
         raise ValueError(f"rows must have 1 <= d <= m = {m} columns, got {d}")
-    if hdc_dim % 8:
-        raise ValueError(f"hdc_dim must be a multiple of 8, got {hdc_dim}")
-    blocks = -(-hdc_dim // m)
-    if signs.shape[0] != blocks * rounds * m // 8:
-        raise ValueError(f"signs has {signs.shape[0]} bytes; m={m}, rounds={rounds}, "
-                         f"hdc_dim={hdc_dim} need {blocks * rounds * m // 8}")
     if out.shape[0] != count or out.shape[1] != hdc_dim // 8:
         raise ValueError(f"out must be ({count}, {hdc_dim // 8}), got ({out.shape[0]}, {out.shape[1]})")
     cdef Py_ssize_t e
@@ -170,18 +168,10 @@ def signature_of_sum(const double[::1] sums, const unsigned char[::1] signs, m, 
                      unsigned char[::1] out):
     """Write into `out` the signature of rows whose float64 token sum is
     `sums` (d values): signature()'s bits for those rows."""
-    m = _check_m(m)
-    rounds = _index("rounds", rounds, 1)
-    hdc_dim = _index("hdc_dim", hdc_dim, 8)
+    m, rounds, hdc_dim = _checked_args(m, rounds, hdc_dim, signs.shape[0])
     cdef Py_ssize_t d = sums.shape[0]
     if d < 1 or d > m:
         raise ValueError(f"sums must hold 1 <= d <= m = {m} values, got {d}")
-    if hdc_dim % 8:
-        raise ValueError(f"hdc_dim must be a multiple of 8, got {hdc_dim}")
-    blocks = -(-hdc_dim // m)
-    if signs.shape[0] != blocks * rounds * m // 8:
-        raise ValueError(f"signs has {signs.shape[0]} bytes; m={m}, rounds={rounds}, "
-                         f"hdc_dim={hdc_dim} need {blocks * rounds * m // 8}")
     if out.shape[0] != hdc_dim // 8:
         raise ValueError(f"out has {out.shape[0]} bytes; hdc_dim={hdc_dim} needs {hdc_dim // 8}")
     cdef size_t cm = m, crounds = rounds, cdim = hdc_dim

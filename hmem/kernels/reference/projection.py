@@ -95,18 +95,11 @@ def fwht(v: np.ndarray) -> None:
         h *= 2
 
 
-def signature(rows, signs, m, rounds, hdc_dim, out, sums=None) -> None:
-    """Write the hdc_dim-bit signature of the token sum of `rows` into `out`,
-    and the float64 token sum itself into `sums` (d values) when given."""
+def _checked_args(m, rounds, hdc_dim, signs) -> tuple[int, int, int, np.ndarray]:
+    """(m, rounds, hdc_dim) as ints, checked, and the sign table's bytes, checked against them."""
     m = _check_m(m)
     rounds = _index("rounds", rounds, 1)
     hdc_dim = _index("hdc_dim", hdc_dim, 8)
-    x = np.asarray(rows)
-    if x.dtype != np.float32 or x.ndim != 2:
-        raise ValueError(f"rows must be a 2-d float32 array, got {x.ndim}-d {x.dtype}")
-    n, d = x.shape
-    if n < 1 or d < 1 or d > m:
-        raise ValueError(f"rows must be (n_tokens >= 1, d) with 1 <= d <= m = {m}, got ({n}, {d})")
     if hdc_dim % 8:
         raise ValueError(f"hdc_dim must be a multiple of 8, got {hdc_dim}")
     blocks = -(-hdc_dim // m)
@@ -116,9 +109,27 @@ def signature(rows, signs, m, rounds, hdc_dim, out, sums=None) -> None:
             f"signs has {sign_bytes.shape[0]} bytes; m={m}, rounds={rounds}, "
             f"hdc_dim={hdc_dim} need {blocks * rounds * m // 8}"
         )
+    return m, rounds, hdc_dim, sign_bytes
+
+
+def _output(out, hdc_dim: int) -> np.ndarray:
     target = np.frombuffer(out, dtype=np.uint8)
     if target.shape[0] != hdc_dim // 8:
         raise ValueError(f"out has {target.shape[0]} bytes; hdc_dim={hdc_dim} needs {hdc_dim // 8}")
+    return target
+
+
+def signature(rows, signs, m, rounds, hdc_dim, out, sums=None) -> None:
+    """Write the hdc_dim-bit signature of the token sum of `rows` into `out`,
+    and the float64 token sum itself into `sums` (d values) when given."""
+    m, rounds, hdc_dim, sign_bytes = _checked_args(m, rounds, hdc_dim, signs)
+    x = np.asarray(rows)
+    if x.dtype != np.float32 or x.ndim != 2:
+        raise ValueError(f"rows must be a 2-d float32 array, got {x.ndim}-d {x.dtype}")
+    n, d = x.shape
+    if n < 1 or d < 1 or d > m:
+        raise ValueError(f"rows must be (n_tokens >= 1, d) with 1 <= d <= m = {m}, got ({n}, {d})")
+    target = _output(out, hdc_dim)
 
     s = np.zeros(m, dtype=np.float64)
     for t in range(n):  # token order, one float64 addition per element and token
@@ -127,12 +138,12 @@ def signature(rows, signs, m, rounds, hdc_dim, out, sums=None) -> None:
         if len(sums) != d:
             raise ValueError(f"sums has {len(sums)} values; rows have {d} columns")
         sums[:] = s[:d]
-    target[:] = _signature_bits(s, sign_bytes, m, rounds, hdc_dim, blocks)
+    target[:] = _signature_bits(s, sign_bytes, m, rounds, hdc_dim)
 
 
-def _signature_bits(s: np.ndarray, sign_bytes: np.ndarray, m: int, rounds: int, hdc_dim: int,
-                    blocks: int) -> np.ndarray:
+def _signature_bits(s: np.ndarray, sign_bytes: np.ndarray, m: int, rounds: int, hdc_dim: int) -> np.ndarray:
     """The packed signature of the zero-padded float64 token sum `s` (m values)."""
+    blocks = -(-hdc_dim // m)
     negate = np.unpackbits(sign_bytes, bitorder="little").astype(bool)
     bits = np.zeros(blocks * m, dtype=bool)
     for b in range(blocks):
@@ -174,29 +185,16 @@ def signature_many(rows, starts, signs, m, rounds, hdc_dim, out, sums=None) -> N
 def signature_of_sum(sums, signs, m, rounds, hdc_dim, out) -> None:
     """Write into `out` the signature of rows whose float64 token sum is
     `sums` (d values): signature()'s bits for those rows."""
-    m = _check_m(m)
-    rounds = _index("rounds", rounds, 1)
-    hdc_dim = _index("hdc_dim", hdc_dim, 8)
+    m, rounds, hdc_dim, sign_bytes = _checked_args(m, rounds, hdc_dim, signs)
     total = np.asarray(sums)
     if total.dtype != np.float64 or total.ndim != 1:
         raise ValueError(f"sums must be a 1-d float64 array, got {total.ndim}-d {total.dtype}")
     if not 1 <= total.shape[0] <= m:
         raise ValueError(f"sums must hold 1 <= d <= m = {m} values, got {total.shape[0]}")
-    if hdc_dim % 8:
-        raise ValueError(f"hdc_dim must be a multiple of 8, got {hdc_dim}")
-    blocks = -(-hdc_dim // m)
-    sign_bytes = np.frombuffer(signs, dtype=np.uint8)
-    if sign_bytes.shape[0] != blocks * rounds * m // 8:
-        raise ValueError(
-            f"signs has {sign_bytes.shape[0]} bytes; m={m}, rounds={rounds}, "
-            f"hdc_dim={hdc_dim} need {blocks * rounds * m // 8}"
-        )
-    target = np.frombuffer(out, dtype=np.uint8)
-    if target.shape[0] != hdc_dim // 8:
-        raise ValueError(f"out has {target.shape[0]} bytes; hdc_dim={hdc_dim} needs {hdc_dim // 8}")
+    target = _output(out, hdc_dim)
     s = np.zeros(m, dtype=np.float64)
     s[: total.shape[0]] = total
-    target[:] = _signature_bits(s, sign_bytes, m, rounds, hdc_dim, blocks)
+    target[:] = _signature_bits(s, sign_bytes, m, rounds, hdc_dim)
 
 
 def bf16_token_sums(words, sums) -> None:
