@@ -158,6 +158,12 @@ def test_a_command_line_naming_a_command_runs_it_alone_and_others_see_every_comm
     assert json.loads(wrong.stdout)["error"]["code"] == "usage"  # --json read before parsing, as before
     misspelt = run_python("-m", "hmem", "stat", str(store))
     assert misspelt.returncode == 2 and "No such command 'stat'" in misspelt.stderr
+    # ... and imports only that command's module; `import hmem` leaves the
+    # prefix-hit operators, verify/repair and export until they are used
+    probe = run_python("-c", "import sys; from hmem.cli.app import _app_for; _app_for(['stats']); "
+                             "print(sorted(m for m in sys.modules if m.startswith(('hmem.cli.cmd_', "
+                             "'hmem.recovery', 'hmem.prefix_hit.explain', 'hmem.transfer.kv_export'))))")
+    assert probe.stdout.split() == ["['hmem.cli.cmd_stats']"]
 
 
 def test_reference_kernels_are_explicit():
@@ -167,3 +173,22 @@ def test_reference_kernels_are_explicit():
     proc = run_python("-m", "hmem", "--version", env={**os.environ, "HMEM_KERNELS": "bogus"})
     assert proc.returncode == 1
     assert "unknown HMEM_KERNELS" in proc.stderr
+
+
+def test_every_public_name_of_hmem_resolves_also_those_imported_at_first_use():
+    # hmem/__init__.py imports some names only when first asked for (start-up);
+    # each must still be what its module defines, and dir() must list it.
+    import importlib
+
+    for name in hmem.__all__:
+        assert getattr(hmem, name) is not None
+        assert name in dir(hmem)
+    for name, (module, attribute) in hmem._LAZY.items():
+        assert name in hmem.__all__
+        assert getattr(hmem, name) is getattr(importlib.import_module(module), attribute)
+    try:
+        hmem.no_such_name  # noqa: B018
+    except AttributeError as exc:
+        assert "no_such_name" in str(exc)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")

@@ -3,7 +3,7 @@ registration of one module per command."""
 
 from __future__ import annotations
 
-import copy
+import importlib
 import json
 import os
 import sys
@@ -15,23 +15,7 @@ import typer
 from typer.core import TyperGroup
 
 from hmem import FORMAT_VERSION, OBJECT_FORMAT_VERSION, HmemError, __version__, kernel_info
-from hmem.cli import (
-    cmd_compact,
-    cmd_copy,
-    cmd_demo,
-    cmd_evict,
-    cmd_export,
-    cmd_init,
-    cmd_ls,
-    cmd_prefix_hit,
-    cmd_put,
-    cmd_query,
-    cmd_rm,
-    cmd_show,
-    cmd_stats,
-    cmd_verify,
-    signals,
-)
+from hmem.cli import signals
 from hmem.cli.exit_codes import (ABORTED, INTERNAL_ERROR, STOPPED, USAGE_ERROR, ExitCode, cli_hint, error_name,
                                   exit_code_for)
 from hmem.cli.options import plain_flags
@@ -171,15 +155,43 @@ class HmemGroup(TyperGroup):
         return ExitCode.FAILURE
 
 
-app = typer.Typer(
-    cls=HmemGroup,
-    name="hmem",
-    help="hmem: persistent, exact K/V memory on disk for LLM inference.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=True,
-    context_settings={"help_option_names": ["-h", "--help"]},
+# The commands in the order `hmem --help` lists them: name, module of
+# hmem/cli, function.  A module is imported only when its command is built
+# (`_app_for`).
+COMMANDS = (
+    ("init", "cmd_init", "init"),
+    ("put", "cmd_put", "put"),
+    ("query", "cmd_query", "query"),
+    ("stats", "cmd_stats", "stats"),
+    ("ls", "cmd_ls", "ls"),
+    ("show", "cmd_show", "show"),
+    ("export", "cmd_export", "export"),
+    ("evict", "cmd_evict", "evict"),
+    ("rm", "cmd_rm", "rm"),
+    ("compact", "cmd_compact", "compact"),
+    ("verify", "cmd_verify", "verify_command"),
+    ("copy", "cmd_copy", "copy"),
+    ("prefix-hit", "cmd_prefix_hit", "prefix_hit"),
+    ("demo", "cmd_demo", "demo"),
 )
+
+
+def _new_app(names: Sequence[str]) -> typer.Typer:
+    """The application with the commands `names` (in COMMANDS order)."""
+    built = typer.Typer(
+        cls=HmemGroup,
+        name="hmem",
+        help="hmem: persistent, exact K/V memory on disk for LLM inference.",
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        add_completion=True,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    built.callback()(_global_options)
+    for name, module, function in COMMANDS:
+        if name in names:
+            built.command(name)(getattr(importlib.import_module(f"hmem.cli.{module}"), function))
+    return built
 
 
 def version_text() -> str:
@@ -194,7 +206,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _global_options(
     version: Annotated[
         bool,
@@ -209,37 +220,34 @@ def _global_options(
         _Session.debug = True
 
 
-app.command("init")(cmd_init.init)
-app.command("put")(cmd_put.put)
-app.command("query")(cmd_query.query)
-app.command("stats")(cmd_stats.stats)
-app.command("ls")(cmd_ls.ls)
-app.command("show")(cmd_show.show)
-app.command("export")(cmd_export.export)
-app.command("evict")(cmd_evict.evict)
-app.command("rm")(cmd_rm.rm)
-app.command("compact")(cmd_compact.compact)
-app.command("verify")(cmd_verify.verify_command)
-app.command("copy")(cmd_copy.copy)
-app.command("prefix-hit")(cmd_prefix_hit.prefix_hit)
-app.command("demo")(cmd_demo.demo)
-
-
 def main() -> None:
     signals.own_process()  # a late signal must not change the exit code decided
     _app_for(sys.argv[1:])()
 
 
 def _app_for(args: Sequence[str]) -> typer.Typer:
-    """`app`, or a copy of it holding only the command that the command line
-    names first.  Typer builds the options of every command it holds before
-    running one (20-35 ms of every hmem command's start-up for all
-    fourteen); a command line such as `hmem put ...` needs only its own.
-    Anything else (`hmem`, `hmem --help`, `hmem --debug put`, a misspelt
-    command) gets the whole application."""
-    chosen = [info for info in app.registered_commands if args and info.name == args[0]]
-    if not chosen:
-        return app
-    only = copy.copy(app)
-    only.registered_commands = chosen
-    return only
+    """The application holding only the command that the command line names
+    first, or every command.  Typer builds the options of every command it
+    holds before running one (20-35 ms of every hmem command's start-up for
+    all fourteen), and each command's module imports what it needs; a
+    command line such as `hmem put ...` needs only its own.  Anything else
+    (`hmem`, `hmem --help`, `hmem --debug put`, a misspelt command) gets the
+    whole application."""
+    if args and any(args[0] == name for name, _, _ in COMMANDS):
+        return _new_app([args[0]])
+    return _whole_app()
+
+
+def _whole_app() -> typer.Typer:
+    built = globals().get("app")
+    if built is None:
+        built = globals()["app"] = _new_app([command for command, _, _ in COMMANDS])
+    return built
+
+
+def __getattr__(name: str) -> typer.Typer:
+    """`app`, the whole application (built at its first use: the console
+    script builds only the command it runs)."""
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _whole_app()
