@@ -192,3 +192,21 @@ def test_every_public_name_of_hmem_resolves_also_those_imported_at_first_use():
         assert "no_such_name" in str(exc)
     else:
         raise AssertionError("an unknown name must raise AttributeError")
+
+
+def test_a_command_ends_without_teardown_but_with_all_its_output(tmp_path):
+    # The console script ends with os._exit once the command returns
+    # (hmem/cli/app.py, _end_process): every buffered line must still reach
+    # stdout and stderr, and the exit code must be the command's.
+    import numpy as np
+
+    store = tmp_path / "s"
+    with hmem.Store.create(store, embed_dim=8) as s:
+        s.put_many((np.full((2, 8), i, np.float32), np.ones((2, 8), np.float32)) for i in range(3000))
+    listed = run_python("-m", "hmem", "ls", str(store), "--jsonl")
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert len(lines) == 3000 and json.loads(lines[-1])["entry_id"] == 3000
+    missing = run_python("-m", "hmem", "stats", str(tmp_path / "nowhere"), "--json")
+    assert missing.returncode == ExitCode.NOT_A_STORE
+    assert missing.stderr.startswith("error: ") and json.loads(missing.stdout)["error"]["code"]
