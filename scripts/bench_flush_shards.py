@@ -42,8 +42,7 @@ from hmem.formats import manifest
 
 def plain_bytes(mf: manifest.Manifest) -> bytes:
     """index.json's bytes the plain way (what hmem did before writing the shard list itself)."""
-    body = mf._body()
-    body["shards"] = [dataclasses.asdict(s) for s in mf.shards]
+    body = mf._body([dataclasses.asdict(s) for s in mf.shards])
     document = {**body, "checksum": f"crc32c:{manifest._checksum(body):08x}"}
     return (json.dumps(document, indent=1) + "\n").encode()
 

@@ -91,10 +91,18 @@ class Writer:
         self.store, self.pause = store, pause
         self.stop = threading.Event()
         self.rounds = 0
+        self.cpu = self.wall = 0.0
         self.thread = threading.Thread(target=self._run)
         self.rng = np.random.default_rng(9)
 
     def _run(self) -> None:
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        try:
+            self._rounds()
+        finally:  # the CPU the writer took from the readers' two cores
+            self.cpu, self.wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+
+    def _rounds(self) -> None:
         while not self.stop.is_set():
             keys = self.rng.standard_normal((100, 1, EMBED_DIM), dtype=np.float32)
             self.store.put_many(hmem.Entry(k, k, 1) for k in keys)
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     queries = np.random.default_rng(5).standard_normal((QUERIES, 4, EMBED_DIM), dtype=np.float32)
     shared = hmem.Store.open(path)
     own = [hmem.Store.open(path, read_only=True) for _ in range(2)]
-    writes = 0
+    writes, writer_cpu, writer_wall = 0, 0.0, 0.0
     try:
         for s in (shared, *own):
             run_threads([s], queries[:10], args.search)  # warm: maps, prefix matrices
@@ -153,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             with Writer(shared, args.writer_pause) as writer:
                 times["2 threads, one Store, writer"].append(run_threads([shared, shared], queries, args.search))
             writes += writer.rounds
+            writer_cpu, writer_wall = writer_cpu + writer.cpu, writer_wall + writer.wall
     finally:
         shared.close()
         for s in own:
@@ -167,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, t in med.items():
         print(f"| {name} | {t * 1e3:,.0f} ms | {QUERIES / t:,.0f} | {base / t:.2f}x |")
     print(f"\nthe writer put and flushed {writes} rounds of 100 entries during the last case "
-          f"(pause {args.writer_pause} s)")
+          f"(pause {args.writer_pause} s), {writes / writer_wall:,.0f} a second, its thread busy on a core "
+          f"{writer_cpu / writer_wall:.0%} of the time")
     shared_gain = base / med["2 threads, one Store"]
     with_writer = med["2 threads, one Store"] / med["2 threads, one Store, writer"]
     goals = [("2 threads sharing one Store >= 1.6x 1 thread", shared_gain >= 1.6, f"{shared_gain:.2f}x"),
@@ -177,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'holds' if ok else 'MISSED'}: {text} ({detail})")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": facts, "seconds": med, "writer_rounds": writes,
+                                               "writer_cpu_share": writer_cpu / writer_wall,
                                                "search": args.search}, indent=2))
     return 0 if all(ok for _, ok, _ in goals) else 1
 

@@ -267,4 +267,15 @@ def test_index_json_is_the_indented_json_of_its_document(shards, sources):
     document = json.loads(data)
     assert data == (json.dumps(document, indent=1) + "\n").encode()
     assert [ShardInfo(**s) for s in document["shards"]] == mf.shards
+    body = {key: value for key, value in document.items() if key != "checksum"}
+    assert document["checksum"] == f"crc32c:{manifest._checksum(body):08x}"
+    # each shard's text is kept between commits: a field changed in place
+    # (an eviction counts dead entries) must change it, a copy keeps it
+    if mf.shards:
+        mf.shards[-1].dead_entries += 1
+        mf.shards = [shard.copy() for shard in mf.shards]
+        again = json.loads(mf.to_bytes())
+        assert again["shards"][-1]["dead_entries"] == document["shards"][-1]["dead_entries"] + 1
+        assert again["shards"][:-1] == document["shards"][:-1]
+        assert again["checksum"] == f"crc32c:{manifest._checksum({k: v for k, v in again.items() if k != 'checksum'}):08x}"
 

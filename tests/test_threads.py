@@ -4,7 +4,9 @@ flushes, evicts, deletes and compacts.  Every result's K/V must be its
 entry's own, no error but the documented one (EntryNotFoundError for an id
 deleted meanwhile), and the access counts exact at the end.
 
-Entries describe themselves: importance = seed, layer = seed % 3, and the
+Puts and flushes run beside queries (intent); the small shard_max_bytes
+makes puts seal shards and open new ones, whose memory is the sealed
+shards' once no query reads them.  Entries describe themselves: importance = seed, layer = seed % 3, and the
 K/V come from the seed, so a reader checks any result by itself.  The
 scenario is one script, run in this process with the native kernels and in
 a subprocess with the pure-Python reference kernels."""
@@ -83,7 +85,11 @@ def writer():
     seed = 60
     try:
         while not stop.is_set():
-            store.put_many(hmem.Entry(*kv(s), s % 3, float(s)) for s in range(seed, seed + 10))
+            if rng.random() < 0.3:  # one entry at a time: each put may seal the shard it fills
+                for s in range(seed, seed + 10):
+                    store.put(*kv(s), s % 3, float(s))
+            else:
+                store.put_many(hmem.Entry(*kv(s), s % 3, float(s)) for s in range(seed, seed + 10))
             seed += 10
             highest[0] = seed
             step = int(rng.integers(0, 10))
@@ -387,3 +393,87 @@ def test_first_queries_of_many_threads_on_a_fresh_open_agree(tmp_path, signature
         writer.delete(evicted)
         assert writer.query(queries[0], 2, top_k=1)[0].entry_id == extra
         assert not set(r.entry_id for r in writer.query(queries[1], 3, top_k=100)) & set(evicted)
+
+
+def test_a_put_runs_beside_a_query_under_way_and_an_eviction_waits_for_it(tmp_path):
+    """A query under way is held inside the store's shared lock (private
+    state: the only way to freeze a query at a known point); a put and a
+    flush complete meanwhile, and the query, which took its layer's view
+    before them, still sees only the entries of its moment; an eviction
+    (exclusive) waits until the query ends."""
+    import numpy as np
+
+    import hmem
+
+    rng = np.random.default_rng(3)
+    rows = [rng.standard_normal((2, 8)).astype(np.float32) for _ in range(40)]
+    with hmem.Store.create(tmp_path / "s", embed_dim=8, hdc_dim=512) as store:
+        store.put_many((r, r + 1) for r in rows[:20])
+        layer = store._state.index.layers[0]  # the view a query takes first (hmem/store/search.py)
+        in_query, done = threading.Event(), threading.Event()
+
+        def query_under_way():
+            with store._state.lock.shared():
+                view = layer.view
+                in_query.set()
+                done.wait(10)
+                assert view.n == 20  # a put publishes a new view; this one stays as taken
+
+        reader = threading.Thread(target=query_under_way)
+        reader.start()
+        assert in_query.wait(5)
+        put_done = threading.Event()
+
+        def write():
+            store.put_many((r, r + 1) for r in rows[20:])
+            store.flush()
+            put_done.set()
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        writer.join(10)
+        assert put_done.is_set()  # did not wait for the query
+        evicting = threading.Thread(target=lambda: store.evict(10))
+        evicting.start()
+        evicting.join(0.3)
+        assert evicting.is_alive()  # an eviction waits for the query
+        done.set()
+        reader.join(5)
+        evicting.join(10)
+        assert not evicting.is_alive() and len(store.entry_ids()) == 10
+        for r in store.query(rows[35], 0, top_k=3):
+            assert r.keys.tobytes() == rows[r.entry_id - 1].tobytes()
+
+
+def test_a_sealed_shard_s_memory_is_reused_only_once_nothing_reads_it():
+    """The open shard's memory goes back to the spares when its builder is
+    freed, not when it is sealed: a query that took the builder before the
+    seal copies its entries out intact, whatever the next shard writes."""
+    import gc
+
+    import numpy as np
+
+    from hmem.store.shard_builder import Arena, ShardBuilder, SpareSegments
+
+    spares = SpareSegments()
+
+    def builder(index, fill):
+        b = ShardBuilder(index, f"{index:032x}", "", Arena(spares))
+        b.add_entries(np.array([1]), np.array([4]), {"k": [np.full((4, 8), fill, np.float32)]})
+        return b
+
+    held = builder(0, 1.0)  # a query holds it, as hmem/store/reading.py does while copying
+    first = held.get(1, "k")
+    following = builder(1, 2.0)  # the next shard: it must not get `held`'s memory
+    assert np.all(first == 1.0) and np.all(following.get(1, "k") == 2.0)
+    address = first.__array_interface__["data"][0]
+    del first
+    gc.collect()
+    another = builder(3, 4.0)
+    assert another.get(1, "k").__array_interface__["data"][0] != address  # still held
+    del held  # the query is done: its memory goes to the spares, and the next shard takes it
+    reused = builder(2, 3.0)
+    assert reused.get(1, "k").__array_interface__["data"][0] == address
+    assert np.all(reused.get(1, "k") == 3.0) and np.all(following.get(1, "k") == 2.0)
+    assert np.all(another.get(1, "k") == 4.0)
+    spares.release()

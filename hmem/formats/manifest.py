@@ -70,8 +70,34 @@ class ShardInfo:
                 "index_crc": self.index_crc, "dead_entries": self.dead_entries, "dead_bytes": self.dead_bytes}
 
     def copy(self) -> ShardInfo:
-        return ShardInfo(self.file, self.bytes, self.uid, self.entries, self.index_crc, self.dead_entries,
+        twin = ShardInfo(self.file, self.bytes, self.uid, self.entries, self.index_crc, self.dead_entries,
                          self.dead_bytes)
+        twin.__dict__["_texts"] = self._kept()  # one place for both: texts() made by either serve the other
+        return twin
+
+    def _kept(self) -> list[Any]:
+        """[key, written, canonical] of texts(), shared with this shard's copies."""
+        kept = self.__dict__.get("_texts")
+        if kept is None:
+            kept = self.__dict__["_texts"] = [None, "", ""]
+        return kept
+
+    def texts(self) -> tuple[str, str]:
+        """This shard's item of index.json's shard list, as written (indent
+        1, inside the list) and as checksummed (sorted keys, no spaces).
+        Kept beside the fields they were made of (not a field itself): every
+        commit lists every shard, and most are unchanged since the last."""
+        key = (self.file, self.bytes, self.uid, self.entries, self.index_crc, self.dead_entries, self.dead_bytes)
+        kept = self._kept()
+        if kept[0] != key:
+            quoted = encode_basestring_ascii  # what json.dumps writes for a str (ensure_ascii)
+            written = (f'  {{\n   "file": {quoted(self.file)},\n   "bytes": {int(self.bytes)},\n   "uid": '
+                       f'{quoted(self.uid)},\n   "entries": {int(self.entries)},\n   "index_crc": '
+                       f'{int(self.index_crc)},\n   "dead_entries": {int(self.dead_entries)},\n   "dead_bytes": '
+                       f'{int(self.dead_bytes)}\n  }}')
+            canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+            kept[:] = [key, written, canonical]  # one step: another thread sees the old three or the new
+        return kept[1], kept[2]
 
 
 @dataclasses.dataclass
@@ -116,7 +142,8 @@ class Manifest:
     written_by: str = f"hmem {__version__}"
     sources: SourcesInfo = SourcesInfo()  # the committed part of sources.jsonl (hmem/formats/sources.py)
 
-    def _body(self) -> dict[str, Any]:
+    def _body(self, shards: Any) -> dict[str, Any]:
+        """The document without its checksum, "shards" holding `shards`."""
         body = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -129,7 +156,7 @@ class Manifest:
             "record_size": record_bytes(self.config),
             "record_count": self.record_count,
             "next_entry_id": self.next_entry_id,
-            "shards": [s.to_json() for s in self.shards],
+            "shards": shards,
             "pending": self.pending.to_json(),
         }
         if self.sources.bytes:  # absent while empty: a store that never imported a file reads as before
@@ -137,34 +164,33 @@ class Manifest:
         return body
 
     def to_bytes(self) -> bytes:
-        body = self._body()
-        document = {**body, "checksum": f"crc32c:{_checksum(body):08x}"}
-        return (_indented(document) + "\n").encode()
+        """index.json: json.dumps(document, indent=1), its checksum over the
+        canonical JSON of the rest (sorted keys, no spaces).  The shard list
+        is spliced into both texts from each shard's kept item texts
+        (ShardInfo.texts): json's indenting encoder is pure Python, and a
+        store that flushes often has thousands of shards, each listed in
+        every commit."""
+        texts = [shard.texts() for shard in self.shards]
+        body = self._body(_SHARDS_MARK)
+        canonical = _spliced(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True),
+                             '"shards":', "[" + ",".join(text for _, text in texts) + "]")
+        document = {**body, "checksum": f"crc32c:{checksum_kernels.crc32c(canonical.encode()):08x}"}
+        items = "[\n" + ",\n".join(text for text, _ in texts) + "\n ]" if texts else "[]"
+        return (_spliced(json.dumps(document, indent=1), '"shards": ', items) + "\n").encode()
 
 
-def _indented(document: dict[str, Any]) -> str:
-    """json.dumps(document, indent=1), the same text, with the shard list
-    written here: json's indenting encoder is pure Python, and a store that
-    flushes often has thousands of shards, each listed in every commit."""
-    shards = document["shards"]
-    if not shards:
-        return json.dumps(document, indent=1)
-    head = json.dumps({key: value for key, value in document.items() if key != "shards"}, indent=1)
-    # the same document without "shards": its text up to where the list goes, then the rest
-    keys = list(document)
-    after = keys[keys.index("shards") + 1:]
-    if after:  # the line before the next key already ends with a comma
-        cut = head.index("\n " + json.dumps(after[0]) + ": ")  # a top-level key: one space in
-        before, rest = head[:cut], head[cut:]
-    else:
-        before, rest = head[:-2] + ",", "\n}"
-    quoted = encode_basestring_ascii  # what json.dumps writes for a str (ensure_ascii)
-    items = ",\n".join(
-        f'  {{\n   "file": {quoted(s["file"])},\n   "bytes": {int(s["bytes"])},\n   "uid": {quoted(s["uid"])},'
-        f'\n   "entries": {int(s["entries"])},\n   "index_crc": {int(s["index_crc"])},'
-        f'\n   "dead_entries": {int(s["dead_entries"])},\n   "dead_bytes": {int(s["dead_bytes"])}\n  }}'
-        for s in shards)
-    return f'{before}\n "shards": [\n{items}\n ]{"," if after else ""}{rest}'
+# What "shards" holds while the rest of index.json is encoded: an int, which
+# both encodings write as its digits, replaced by the list's text after.
+_SHARDS_MARK = 7305_1794_6130_2655
+
+
+def _spliced(text: str, key: str, value: str) -> str:
+    """`text` with the value of `key` (the mark) replaced by `value`."""
+    mark = f"{key}{_SHARDS_MARK}"
+    at = text.find(mark)
+    if at < 0 or text.find(mark, at + 1) >= 0:
+        raise AssertionError("index.json's shard list has no single place in its text")
+    return text[:at] + key + value + text[at + len(mark):]
 
 
 def _checksum(body: dict[str, Any]) -> int:

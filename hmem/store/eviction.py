@@ -108,14 +108,24 @@ class Eviction:
 
     # ---- limits --------------------------------------------------------------------
 
-    def make_room(self, batch: PreparedBatch) -> None:
-        """Evict (and compact, for the disk limit) so that `batch` fits the
-        limits; refuse a batch that can never fit.  Nothing is changed when
-        it is refused."""
+    def needs_room(self, batch: PreparedBatch) -> bool:
+        """Whether `batch` fits the limits only once make_room evicts; a
+        batch that can never fit is refused here too.  Changes nothing:
+        a put checks this beside queries, and takes the store's lock
+        exclusively only to make room (Store.put)."""
         state = self.state
         cfg = state.config
         if not (cfg.max_entries or cfg.max_disk_bytes) or not len(batch):
-            return
+            return False
+        total = self._refuse_never_fitting(batch)
+        if cfg.max_entries and len(state.live_positions()) + len(batch) > cfg.max_entries:
+            return True
+        return bool(cfg.max_disk_bytes) and self._usage_bytes() + total > cfg.max_disk_bytes
+
+    def _refuse_never_fitting(self, batch: PreparedBatch) -> int:
+        """The bytes `batch` adds to the store; raises when it can never fit."""
+        state = self.state
+        cfg = state.config
         # the shard the batch may open counts too, in index.json
         total = int(np.sum(state.entry_file_bytes(batch.n_tokens))) + len(batch) * state.entry_overhead \
             + INDEX_BYTES_PER_SHARD
@@ -126,6 +136,17 @@ class Eviction:
                 f"{'this entry' if len(batch) == 1 else 'this batch'} needs {FIXED_OVERHEAD_BYTES + total} "
                 f"bytes on disk with the store's fixed files; max_disk_bytes is {cfg.max_disk_bytes}",
                 hint="raise max_disk_bytes or store smaller entries")
+        return total
+
+    def make_room(self, batch: PreparedBatch) -> None:
+        """Evict (and compact, for the disk limit) so that `batch` fits the
+        limits; refuse a batch that can never fit.  Nothing is changed when
+        it is refused."""
+        state = self.state
+        cfg = state.config
+        if not (cfg.max_entries or cfg.max_disk_bytes) or not len(batch):
+            return
+        total = self._refuse_never_fitting(batch)
         live = state.live_positions()
         if cfg.max_entries and len(live) + len(batch) > cfg.max_entries:
             over = len(live) + len(batch) - cfg.max_entries

@@ -1,12 +1,14 @@
 """A readers-writer lock for one Store's state, shared by its threads.
 
-Reads (queries, get, entries, stats) hold it shared and run side by side;
-writes (put, evict, delete, compact, close) hold it exclusively, so a
-reader sees the state after some whole number of writes, never half of
-one.  A waiting writer goes first: readers that arrive after it wait, so a
-stream of queries cannot starve a put.  ``intent`` is for a write whose
-changes to memory are each safe for readers to meet (a flush, which writes
-its files while readers go on): it excludes every other write, no read.
+Reads (queries, get, entries) hold it shared and run side by side;
+writes that change what reads have already met (evict, delete, compact,
+close, a put that must evict) hold it exclusively, so a reader sees the
+state after some whole number of writes, never half of one.  A waiting
+exclusive writer goes first: readers that arrive after it wait, so a
+stream of queries cannot starve it.  ``intent`` is for a write whose
+changes to memory are each safe for readers to meet (put and flush: docs/
+architecture.md, "Threads"), and for reads that must see no write under
+way (stats, the plans): it excludes every other write, no read.
 
 Built only from re-entrant locks taken in ``with`` statements and
 non-blocking tries, never from counters kept in Python: a KeyboardInterrupt

@@ -33,6 +33,7 @@ docs/benchmarks.md, "Span retrieval").
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -72,217 +73,270 @@ def _best(rows: np.ndarray, dists: np.ndarray, k: int) -> tuple[np.ndarray, np.n
     return rows[order], dists[order]
 
 
-class LayerIndex:
-    """Signatures of the live entries of one layer."""
+class LayerView(NamedTuple):
+    """One moment of a layer: rows 0..n-1 of its arrays.  A put appends past
+    n in place (or into new arrays) and then publishes a new view, so a
+    query holding a view reads the same rows whatever puts run meanwhile;
+    rows below n change in place only under the store's exclusive lock
+    (eviction marks them dead, packing moves them)."""
 
-    def __init__(self, signature_bytes: int, spans: int = 0, span_bytes: int = 0) -> None:
-        self.sigs = np.zeros((_MIN_CAPACITY, signature_bytes), dtype=np.uint8)
-        # spans + 1 rows of span_bytes per entry (hmem/store/search.py, above); None without spans
-        self.per_entry = spans + 1
-        self.span_rows = np.zeros((_MIN_CAPACITY * self.per_entry, span_bytes), dtype=np.uint8) if spans else None
-        self.positions = np.zeros(_MIN_CAPACITY, dtype=np.int64)
-        self.alive = np.ones(_MIN_CAPACITY, dtype=np.uint8)
-        # the first PREFIX_BYTES of each row, contiguous; None until a
-        # two-stage search first needs it
-        self.prefixes: np.ndarray | None = None
-        self._making = threading.RLock()
-        # (signatures, positions, spans) whose gather waits for the layer's
-        # first use (defer); None once the matrix holds them
-        self._deferred: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
-        self.n = 0
-        self.dead = 0
+    n: int
+    dead: int
+    sigs: np.ndarray
+    positions: np.ndarray
+    alive: np.ndarray
+    # the first PREFIX_BYTES of each row, contiguous; None until a two-stage search first needs it
+    prefixes: np.ndarray | None
+    # spans + 1 rows of span_bytes per entry (the module docstring); None without spans
+    span_rows: np.ndarray | None
 
     @property
     def live(self) -> int:
         return self.n - self.dead
 
-    def _reserve(self, extra: int) -> None:
-        need = self.n + extra
-        if need <= len(self.positions):
-            return
-        cap = max(need, 2 * len(self.positions))
-        sigs = memory.zeros((cap, self.sigs.shape[1]), np.uint8)  # mapped at once: a bulk put grows it by MBs
-        sigs[: self.n] = self.sigs[: self.n]
-        positions = np.zeros(cap, dtype=np.int64)
-        positions[: self.n] = self.positions[: self.n]
-        alive = np.ones(cap, dtype=np.uint8)
-        alive[: self.n] = self.alive[: self.n]
-        self.sigs, self.positions, self.alive = sigs, positions, alive
-        if self.prefixes is not None:
-            prefixes = memory.zeros((cap, self.prefixes.shape[1]), np.uint8)
-            prefixes[: self.n] = self.prefixes[: self.n]
-            self.prefixes = prefixes
-        if self.span_rows is not None:
-            span_rows = memory.zeros((cap * self.per_entry, self.span_rows.shape[1]), np.uint8)
-            span_rows[: self.n * self.per_entry] = self.span_rows[: self.n * self.per_entry]
-            self.span_rows = span_rows
 
-    def _set_span_rows(self, first: int, signatures: np.ndarray, spans: np.ndarray) -> None:
+class LayerIndex:
+    """Signatures of the live entries of one layer.
+
+    Queries read ``view`` once and use only it; every change publishes a
+    new view in one assignment (LayerView).  Changes, and the matrices a
+    query makes on first use (``ready``, the prefix matrix), are made under
+    ``_making``, so two of them never interleave."""
+
+    def __init__(self, signature_bytes: int, spans: int = 0, span_bytes: int = 0) -> None:
+        self.per_entry = spans + 1
+        self.view = LayerView(
+            n=0, dead=0,
+            sigs=np.zeros((_MIN_CAPACITY, signature_bytes), dtype=np.uint8),
+            positions=np.zeros(_MIN_CAPACITY, dtype=np.int64),
+            alive=np.ones(_MIN_CAPACITY, dtype=np.uint8),
+            prefixes=None,
+            span_rows=np.zeros((_MIN_CAPACITY * self.per_entry, span_bytes), dtype=np.uint8) if spans else None)
+        self._making = threading.RLock()
+        # (signatures, positions, spans) whose gather waits for the layer's
+        # first use (defer); None once the matrix holds them
+        self._deferred: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
+
+    @property
+    def n(self) -> int:
+        return self.view.n
+
+    @property
+    def live(self) -> int:
+        return self.view.live
+
+    def _reserved(self, view: LayerView, extra: int) -> LayerView:
+        """`view`, its arrays with room for `extra` more rows (new arrays
+        holding rows 0..n-1 when they must grow; the view itself unpublished)."""
+        n = view.n
+        need = n + extra
+        if need <= len(view.positions):
+            return view
+        cap = max(need, 2 * len(view.positions))
+        sigs = memory.zeros((cap, view.sigs.shape[1]), np.uint8)  # mapped at once: a bulk put grows it by MBs
+        sigs[:n] = view.sigs[:n]
+        positions = np.zeros(cap, dtype=np.int64)
+        positions[:n] = view.positions[:n]
+        alive = np.ones(cap, dtype=np.uint8)
+        alive[:n] = view.alive[:n]
+        prefixes = old_prefixes = view.prefixes
+        if old_prefixes is not None:
+            prefixes = memory.zeros((cap, old_prefixes.shape[1]), np.uint8)
+            prefixes[:n] = old_prefixes[:n]
+        span_rows = old_span_rows = view.span_rows
+        if old_span_rows is not None:
+            span_rows = memory.zeros((cap * self.per_entry, old_span_rows.shape[1]), np.uint8)
+            span_rows[: n * self.per_entry] = old_span_rows[: n * self.per_entry]
+        return view._replace(sigs=sigs, positions=positions, alive=alive, prefixes=prefixes, span_rows=span_rows)
+
+    def _set_span_rows(self, span_rows: np.ndarray, first: int, signatures: np.ndarray, spans: np.ndarray) -> None:
         """The span-matrix rows of entries first, first + 1, ...: each one's
         signature prefix, then its span signatures."""
-        assert self.span_rows is not None
-        width = self.span_rows.shape[1]
-        rows = self.span_rows[first * self.per_entry : (first + len(spans)) * self.per_entry]
+        width = span_rows.shape[1]
+        rows = span_rows[first * self.per_entry : (first + len(spans)) * self.per_entry]
         rows = rows.reshape(len(spans), self.per_entry, width)
         rows[:, 0] = signatures[:, :width]
         rows[:, 1:] = spans
 
-    def fill(self, signatures: np.ndarray, positions: np.ndarray, spans: np.ndarray | None = None) -> np.ndarray:
+    def fill(self, signatures: np.ndarray, positions: np.ndarray, spans: np.ndarray | None = None) -> None:
         """Make an empty layer hold signatures[positions] (a row per
-        record); returns their row numbers.  At open, when a large store's
-        layers are built, each signature is copied once, by a kernel, into
-        memory mapped at once (hmem/memory.py)."""
-        assert self.n == 0
-        k = len(positions)
-        self.sigs = memory.filled_soon((max(k, _MIN_CAPACITY), self.sigs.shape[1]), np.uint8)
-        hamming_kernels.gather_rows(signatures, positions, self.sigs[:k])
-        self.positions = np.zeros(len(self.sigs), dtype=np.int64)
-        self.positions[:k] = positions
-        self.alive = np.ones(len(self.sigs), dtype=np.uint8)
-        self.prefixes = None
-        if self.span_rows is not None:
-            self.span_rows = memory.filled_soon((len(self.sigs) * self.per_entry, self.span_rows.shape[1]), np.uint8)
-            assert spans is not None
-            self._set_span_rows(0, self.sigs[:k], spans[positions])
-        self.n = k
-        return np.arange(k, dtype=np.int64)
+        record, rows 0..k-1).  At open, when a large store's layers are
+        built, each signature is copied once, by a kernel, into memory
+        mapped at once (hmem/memory.py)."""
+        with self._making:
+            view = self.view
+            assert view.n == 0
+            k = len(positions)
+            sigs = memory.filled_soon((max(k, _MIN_CAPACITY), view.sigs.shape[1]), np.uint8)
+            hamming_kernels.gather_rows(signatures, positions, sigs[:k])
+            kept = np.zeros(len(sigs), dtype=np.int64)
+            kept[:k] = positions
+            span_rows = None
+            if view.span_rows is not None:
+                span_rows = memory.filled_soon((len(sigs) * self.per_entry, view.span_rows.shape[1]), np.uint8)
+                assert spans is not None
+                self._set_span_rows(span_rows, 0, sigs[:k], spans[positions])
+            self.view = LayerView(k, 0, sigs, kept, np.ones(len(sigs), dtype=np.uint8), None, span_rows)
 
-    def defer(self, signatures: np.ndarray, positions: np.ndarray, spans: np.ndarray | None = None) -> np.ndarray:
+    def defer(self, signatures: np.ndarray, positions: np.ndarray, spans: np.ndarray | None = None) -> None:
         """fill(), the gather left for the layer's first use (ready): an
         open then reads and checks the records and copies no signature; a
         query pays the copy of its own layer's, once.  `signatures` (and
         `spans`) must not change meanwhile: a store's committed signatures
         never do, and a grown records array is a new one."""
-        assert self.n == 0
-        k = len(positions)
-        # `positions` is taken as it is (no copy): rows past it are added
-        # into a new array (_reserve), and pack() moves rows only once the
-        # deferred gather has read them (ready)
-        self.positions = positions
-        self.alive = np.ones(k, dtype=np.uint8)
-        self.prefixes = None
-        self._deferred = (signatures, positions, spans)
-        self.n = k
-        return np.arange(k, dtype=np.int64)
+        with self._making:
+            view = self.view
+            assert view.n == 0
+            k = len(positions)
+            # `positions` is taken as it is (no copy): rows past it are added
+            # into new arrays (_reserved), and pack() moves rows only once the
+            # deferred gather has read them (ready)
+            self._deferred = (signatures, positions, spans)
+            self.view = view._replace(n=k, dead=0, positions=positions, alive=np.ones(k, dtype=np.uint8),
+                                      prefixes=None)
 
-    def ready(self) -> None:
-        """Make the matrix that defer() left for later: once, whichever
-        thread first needs it (the others wait for it)."""
+    def ready(self) -> LayerView:
+        """The view, its matrix made first when defer() left it for later:
+        once, whichever thread first needs it (the others wait for it)."""
         if self._deferred is None:
-            return
+            return self.view
         with self._making:
             if self._deferred is None:
-                return
+                return self.view
             signatures, positions, spans = self._deferred
+            view = self.view
             k = len(positions)
-            sigs = memory.filled_soon((max(k, _MIN_CAPACITY), self.sigs.shape[1]), np.uint8)
+            sigs = memory.filled_soon((max(k, _MIN_CAPACITY), view.sigs.shape[1]), np.uint8)
             hamming_kernels.gather_rows(signatures, positions, sigs[:k])
-            if self.span_rows is not None:
+            span_rows = view.span_rows
+            if span_rows is not None:
                 assert spans is not None
-                self.span_rows = memory.filled_soon((len(sigs) * self.per_entry, self.span_rows.shape[1]), np.uint8)
-                self.sigs = sigs
-                self._set_span_rows(0, sigs[:k], spans[positions])
-            self.sigs = sigs
+                span_rows = memory.filled_soon((len(sigs) * self.per_entry, span_rows.shape[1]), np.uint8)
+                self._set_span_rows(span_rows, 0, sigs[:k], spans[positions])
+            self.view = view._replace(sigs=sigs, span_rows=span_rows)
             self._deferred = None
+            return self.view
 
-    def append(self, sigs: np.ndarray, positions: np.ndarray, spans: np.ndarray | None = None) -> np.ndarray:
+    def append(self, sigs: np.ndarray, positions: np.ndarray, spans: np.ndarray | None = None) -> None:
         """Add rows (`spans`: their span signatures, in a store that keeps
-        them); returns their row numbers."""
-        self.ready()
-        k = len(positions)
-        self._reserve(k)
-        rows = np.arange(self.n, self.n + k, dtype=np.int64)
-        self.sigs[self.n : self.n + k] = sigs
-        self.positions[self.n : self.n + k] = positions
-        self.alive[self.n : self.n + k] = 1
-        if self.prefixes is not None:
-            self.prefixes[self.n : self.n + k] = sigs[:, : self.prefixes.shape[1]]
-        if self.span_rows is not None:
-            assert spans is not None
-            self._set_span_rows(self.n, sigs, spans)
-        self.n += k
-        return rows
+        them) as rows n..n+k-1, published at the end."""
+        with self._making:
+            self.ready()
+            k = len(positions)
+            view = self._reserved(self.view, k)
+            n = view.n
+            view.sigs[n : n + k] = sigs
+            view.positions[n : n + k] = positions
+            view.alive[n : n + k] = 1
+            if view.prefixes is not None:
+                view.prefixes[n : n + k] = sigs[:, : view.prefixes.shape[1]]
+            if view.span_rows is not None:
+                assert spans is not None
+                self._set_span_rows(view.span_rows, n, sigs, spans)
+            self.view = view._replace(n=n + k)
+
+    def truncate(self, n: int) -> None:
+        """Forget the rows from n on (a failed put's; appends only add rows past n)."""
+        with self._making:
+            self.view = self.view._replace(n=n)
 
     def kill(self, rows: np.ndarray) -> None:
-        rows = rows[self.alive[rows] == 1]
-        self.alive[rows] = 0
-        self.dead += len(rows)
+        """Mark rows dead (the store's lock held exclusively: in place)."""
+        with self._making:
+            view = self.view
+            rows = rows[view.alive[rows] == 1]
+            view.alive[rows] = 0
+            self.view = view._replace(dead=view.dead + len(rows))
 
     def pack(self) -> np.ndarray | None:
         """Drop dead rows when they pass a quarter of the matrix; returns the
-        positions of the surviving rows (now rows 0..n-1), or None."""
-        if self.dead * 4 <= self.n:
-            return None
-        self.ready()
-        keep = np.flatnonzero(self.alive[: self.n])
-        self.sigs[: len(keep)] = self.sigs[keep]
-        self.positions[: len(keep)] = self.positions[keep]
-        if self.prefixes is not None:
-            self.prefixes[: len(keep)] = self.prefixes[keep]
-        if self.span_rows is not None:
-            per_entry = self.span_rows.reshape(-1, self.per_entry, self.span_rows.shape[1])
-            per_entry[: len(keep)] = per_entry[keep]
-        self.alive[:] = 1
-        self.n, self.dead = len(keep), 0
-        return self.positions[: self.n]
+        positions of the surviving rows (now rows 0..n-1), or None.  In
+        place: the store's lock is held exclusively."""
+        with self._making:
+            view = self.view
+            if view.dead * 4 <= view.n:
+                return None
+            view = self.ready()
+            keep = np.flatnonzero(view.alive[: view.n])
+            view.sigs[: len(keep)] = view.sigs[keep]
+            view.positions[: len(keep)] = view.positions[keep]
+            if view.prefixes is not None:
+                view.prefixes[: len(keep)] = view.prefixes[keep]
+            if view.span_rows is not None:
+                per_entry = view.span_rows.reshape(-1, self.per_entry, view.span_rows.shape[1])
+                per_entry[: len(keep)] = per_entry[keep]
+            view.alive[:] = 1
+            self.view = view._replace(n=len(keep), dead=0)
+            return view.positions[: len(keep)]
 
-    def two_stage(self, search: str, k: int) -> bool:
+    def two_stage(self, search: str, k: int, view: LayerView | None = None) -> bool:
         """Whether a search of mode `search` for k rows takes two stages."""
-        if search == "full" or self.sigs.shape[1] < 4 * PREFIX_BYTES:
+        view = self.view if view is None else view
+        if search == "full" or view.sigs.shape[1] < 4 * PREFIX_BYTES:
             return False  # a prefix of a short signature saves little
         if search == "two-stage":
             return True
-        return self.live >= TWO_STAGE_MIN_ROWS and SURVIVORS_PER_PLACE * k * 4 <= self.live
+        return view.live >= TWO_STAGE_MIN_ROWS and SURVIVORS_PER_PLACE * k * 4 <= view.live
 
-    def _prefix_matrix(self) -> np.ndarray:
-        self.ready()
+    def _prefix_matrix(self, view: LayerView) -> np.ndarray:
+        """Rows 0..n-1 of the view's prefix matrix, made at its first use."""
+        if view.prefixes is not None:
+            return view.prefixes[: view.n]
         with self._making:  # the first two-stage queries of several threads make it once
-            if self.prefixes is None:
-                prefixes = memory.filled_soon((len(self.sigs), PREFIX_BYTES), np.uint8)
-                prefixes[: self.n] = self.sigs[: self.n, :PREFIX_BYTES]
-                prefixes[self.n :] = 0
-                self.prefixes = prefixes
-            return self.prefixes[: self.n]
+            current = self.ready()
+            if current.prefixes is None:
+                prefixes = memory.filled_soon((len(current.sigs), PREFIX_BYTES), np.uint8)
+                prefixes[: current.n] = current.sigs[: current.n, :PREFIX_BYTES]
+                prefixes[current.n :] = 0
+                current = current._replace(prefixes=prefixes)
+                self.view = current
+            # the same rows as `view`'s: rows below n are the same in every later view
+            # (changed in place only under the store's exclusive lock, when no query runs)
+            assert current.prefixes is not None
+            return current.prefixes[: view.n]
 
-    def _scan(self, query: np.ndarray, sigs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def _scan(self, view: LayerView, query: np.ndarray, sigs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows and distances of the k best rows of `sigs`, every core scanning."""
-        alive = self.alive[: self.n] if self.dead else None
+        alive = view.alive[: view.n] if view.dead else None
         parts = threads.run_ranges(lambda lo, hi: hamming_kernels.topk(query, sigs, alive, k, lo, hi),
-                                   threads.split(self.n, _ROWS_PER_THREAD))
+                                   threads.split(view.n, _ROWS_PER_THREAD))
         if len(parts) == 1:
             return parts[0]
         return _best(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), k)
 
-    def _second_stage(self, query: np.ndarray, survivors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    @staticmethod
+    def _second_stage(view: LayerView, query: np.ndarray, survivors: np.ndarray, k: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
         """The k best survivors of stage one by their full signatures."""
         survivors = np.sort(survivors)
-        full = np.empty((len(survivors), self.sigs.shape[1]), dtype=np.uint8)
-        hamming_kernels.gather_rows(self.sigs, survivors, full)
+        full = np.empty((len(survivors), view.sigs.shape[1]), dtype=np.uint8)
+        hamming_kernels.gather_rows(view.sigs, survivors, full)
         return _best(survivors, hamming_kernels.distances(query, full), k)
 
     def topk(self, query: np.ndarray, k: int, search: str = "full") -> tuple[np.ndarray, np.ndarray]:
         """(record positions, Hamming distances) of the k nearest live rows."""
-        if self.live == 0:
+        if self.view.live == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
-        self.ready()
-        if self.two_stage(search, k):
-            survivors, _ = self._scan(query[:PREFIX_BYTES], self._prefix_matrix(), SURVIVORS_PER_PLACE * k)
-            rows, dists = self._second_stage(query, survivors, k)
+        view = self.ready()
+        if self.two_stage(search, k, view):
+            survivors, _ = self._scan(view, query[:PREFIX_BYTES], self._prefix_matrix(view),
+                                      SURVIVORS_PER_PLACE * k)
+            rows, dists = self._second_stage(view, query, survivors, k)
         else:
-            rows, dists = self._scan(query, self.sigs[: self.n], k)
-        return self.positions[rows], dists
+            rows, dists = self._scan(view, query, view.sigs[: view.n], k)
+        return view.positions[rows], dists
 
     def topk_spans(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(record positions, Hamming distances over span-signature bits) of
         the k live entries whose best span-matrix row is nearest `query`
         (its first span-signature bytes), ties to the lower entry."""
-        if self.live == 0:
+        if self.view.live == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
-        self.ready()
-        assert self.span_rows is not None
+        view = self.ready()
+        assert view.span_rows is not None
         per = self.per_entry
-        alive = np.repeat(self.alive[: self.n], per) if self.dead else None
-        rows = self.span_rows[: self.n * per]
+        alive = np.repeat(view.alive[: view.n], per) if view.dead else None
+        rows = view.span_rows[: view.n * per]
         width = rows.shape[1]
         # Rows come in (distance, row) order, so an entry's first row is its
         # best and the entries met first in the best m rows are the best
@@ -290,7 +344,7 @@ class LayerIndex:
         for m in (min(2 * k + 64, k * per), k * per):
             parts = threads.run_ranges(
                 lambda lo, hi: hamming_kernels.topk(query[:width], rows, alive, m, lo * per, hi * per),
-                threads.split(self.n, max(1, _ROWS_PER_THREAD // per)))
+                threads.split(view.n, max(1, _ROWS_PER_THREAD // per)))
             found, dists = parts[0] if len(parts) == 1 else _best(np.concatenate([p[0] for p in parts]),
                                                                   np.concatenate([p[1] for p in parts]), m)
             entries = found // per
@@ -298,41 +352,45 @@ class LayerIndex:
             if len(first) >= k or len(found) < m:  # k entries, or every live row seen
                 break
         first = np.sort(first)[:k]
-        return self.positions[entries[first]], dists[first]
+        return view.positions[entries[first]], dists[first]
 
     def span_distances(self, query: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The distance of each of these entry rows' nearest span-matrix row to `query`."""
-        self.ready()
-        assert self.span_rows is not None
-        per, width = self.per_entry, self.span_rows.shape[1]
+        view = self.ready()
+        assert view.span_rows is not None
+        per, width = self.per_entry, view.span_rows.shape[1]
         picked = (rows[:, None] * per + np.arange(per)).ravel()
         matrix = np.empty((len(picked), width), dtype=np.uint8)
-        hamming_kernels.gather_rows(self.span_rows, picked, matrix)
+        hamming_kernels.gather_rows(view.span_rows, picked, matrix)
         return hamming_kernels.distances(query[:width], matrix).reshape(len(rows), per).min(axis=1)
 
     def topk_many(self, queries: np.ndarray, k: int, search: str = "full") -> list[tuple[np.ndarray, np.ndarray]]:
         """topk of each row of `queries`, the matrix read once for all."""
-        if self.live == 0:
+        if self.view.live == 0:
             return [(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)) for _ in queries]
-        self.ready()
-        alive = self.alive[: self.n] if self.dead else None
-        two_stage = self.two_stage(search, k)
+        view = self.ready()
+        alive = view.alive[: view.n] if view.dead else None
+        two_stage = self.two_stage(search, k, view)
         if two_stage:
-            sigs, scanned, keep = self._prefix_matrix(), np.ascontiguousarray(queries[:, :PREFIX_BYTES]), \
+            sigs, scanned, keep = self._prefix_matrix(view), np.ascontiguousarray(queries[:, :PREFIX_BYTES]), \
                 SURVIVORS_PER_PLACE * k
         else:
-            sigs, scanned, keep = self.sigs[: self.n], queries, k
+            sigs, scanned, keep = view.sigs[: view.n], queries, k
         parts = threads.run_ranges(lambda lo, hi: hamming_kernels.topk_many(scanned, sigs, alive, keep, lo, hi),
-                                   threads.split(self.n, _ROWS_PER_THREAD))
+                                   threads.split(view.n, _ROWS_PER_THREAD))
         rows, dists, counts = _merge(parts, keep)
         found = [(rows[j, : counts[j]], dists[j, : counts[j]]) for j in range(len(queries))]
         if two_stage:
-            found = [self._second_stage(query, survivors, k) for query, (survivors, _) in zip(queries, found)]
-        return [(self.positions[r], d) for r, d in found]
+            found = [self._second_stage(view, query, survivors, k) for query, (survivors, _) in zip(queries, found)]
+        return [(view.positions[r], d) for r, d in found]
 
 
 class SearchIndex:
-    """Per-layer LayerIndex plus the row of every record position."""
+    """Per-layer LayerIndex plus the row of every record position.
+
+    Puts add rows while queries run (hmem/store/rwlock.py): a new layer
+    goes into a new dict (queries look layers up without a lock), and a
+    record's row is tracked before its layer publishes it."""
 
     def __init__(self, signature_bytes: int, spans: int = 0, span_bytes: int = 0) -> None:
         self.signature_bytes = signature_bytes
@@ -351,7 +409,8 @@ class SearchIndex:
     def _layer(self, layer_idx: int) -> LayerIndex:
         layer = self.layers.get(layer_idx)
         if layer is None:
-            layer = self.layers[layer_idx] = LayerIndex(self.signature_bytes, self.spans, self.span_bytes)
+            layer = LayerIndex(self.signature_bytes, self.spans, self.span_bytes)
+            self.layers = {**self.layers, layer_idx: layer}
         return layer
 
     def load(self, records: np.ndarray) -> None:
@@ -404,20 +463,24 @@ class SearchIndex:
         targets = [self._layer(int(records["layer_idx"][g[0]])) for g in groups]
         signatures = records["signature"]
         spans = records["spans"] if self.spans else None
+        # Each group's rows: past its layer's (only this writer adds rows),
+        # tracked before the layer publishes them.
+        for group, layer in zip(groups, targets):
+            self._track(group, np.arange(layer.n, layer.n + len(group), dtype=np.int64))
         # Empty layers (all of them, at open) are filled on every core: the
         # mapping of their memory (mmap) and the gather both run without the GIL.
         empty = [i for i, layer in enumerate(targets) if layer.n == 0]
 
-        def fill(lo: int, hi: int) -> list[np.ndarray]:
-            return [targets[i].fill(signatures, groups[i], spans) for i in empty[lo:hi]]
+        def fill(lo: int, hi: int) -> None:
+            for i in empty[lo:hi]:
+                targets[i].fill(signatures, groups[i], spans)
 
-        filled = [rows for part in threads.run_ranges(fill, threads.split(len(empty), 1)) for rows in part] \
-            if empty else []
-        rows_of = dict(zip(empty, filled))
+        if empty:
+            threads.run_ranges(fill, threads.split(len(empty), 1))
+        filled = set(empty)
         for i, (group, layer) in enumerate(zip(groups, targets)):
-            rows = rows_of[i] if i in rows_of else \
+            if i not in filled:
                 layer.append(signatures[group], group, None if spans is None else spans[group])
-            self._track(group, rows)
 
     def remove(self, records: np.ndarray, positions: np.ndarray) -> None:
         """Take records out of the search (eviction)."""

@@ -8,7 +8,8 @@ until the shard is written.  Everything per entry (index rows, tensor
 offsets, checksums, the JSON header) is computed part by part with array
 operations and the kernels, never in a Python loop per tensor: a bulk put
 of 100,000 small entries writes 300,000 tensors.  Put tensors are copied
-into an arena whose memory is reused shard after shard (memory.POOL).
+into an arena whose memory is reused shard after shard, once nothing reads
+the shard it held (SpareSegments).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import threading
+import weakref
 from pathlib import Path
 from typing import Any, cast
 
@@ -46,22 +49,55 @@ from hmem.kernels import header_text
 PER_ENTRY_KINDS = ("p",)  # one tensor row per entry; the other kinds hold one row per token
 
 
+class SpareSegments:
+    """Arena segments that no open shard uses, kept for the next one.
+
+    A sealed shard's segments come here only once nothing can read them any
+    more: a query that took the open shard before it was sealed may still be
+    copying an entry out of it while puts go on (Store.put holds the store's
+    lock in intent mode, hmem/store/rwlock.py), so the segments are given
+    back when the builder itself is freed (``ShardBuilder``'s finalizer),
+    which that query's reference delays.  What the next open shard needs is
+    taken from here first, else from memory.POOL, so steady-state puts copy
+    into memory that is already mapped."""
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A segment of at least `nbytes` (its contents undefined)."""
+        with self._lock:
+            for i, segment in enumerate(self._free):
+                if len(segment) >= nbytes:
+                    return self._free.pop(i)
+        return memory.POOL.take(nbytes)
+
+    def give(self, segments: list[np.ndarray]) -> None:
+        with self._lock:
+            self._free.extend(segments)
+
+    def release(self) -> None:
+        """Give every spare segment to memory.POOL (the store is closing)."""
+        with self._lock:
+            free, self._free = self._free, []
+        for segment in free:
+            memory.POOL.give(segment)
+
+
 class Arena:
-    """Byte segments that the open shard's tensors are copied into, back
-    to back.  One arena serves shard after shard of a store (``reset``
-    keeps its segments) and its segments come from and go back to
-    memory.POOL, so steady-state puts copy into memory that is already
-    mapped.  Segments are never reallocated, so nothing is copied twice."""
+    """Byte segments that one open shard's tensors are copied into, back to
+    back.  Segments come from and go back to a SpareSegments (``retire``,
+    once nothing reads the shard) and are never reallocated, so nothing is
+    copied twice."""
 
     SEGMENT_BYTES = 16 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, spares: SpareSegments) -> None:
+        self._spares = spares
         self._segments: list[np.ndarray] = []
         self._used: list[int] = []
         self._current = 0
-
-    def reset(self) -> None:
-        self._current, self._used = 0, [0] * len(self._segments)
 
     def mark(self) -> tuple:
         return (self._current, list(self._used))
@@ -77,13 +113,9 @@ class Arena:
         returns where they now are."""
         n = sum(array.nbytes for array in arrays)
         while self._current < len(self._segments) and self._used[self._current] + n > len(self._segments[self._current]):
-            if self._used[self._current] == 0:  # too small for this block: replace it
-                memory.POOL.give(self._segments[self._current])
-                self._segments[self._current] = memory.POOL.take(max(n, self.SEGMENT_BYTES))
-                break
             self._current += 1
         if self._current == len(self._segments):
-            segment = memory.POOL.take(max(n, self.SEGMENT_BYTES))
+            segment = self._spares.take(max(n, self.SEGMENT_BYTES))
             self._segments, self._used = [*self._segments, segment], [*self._used, 0]  # both or neither
         seg, offset = self._current, self._used[self._current]
         target = self._segments[seg].data[offset : offset + n]
@@ -97,11 +129,10 @@ class Arena:
         self._used[seg] += n
         return target
 
-    def release(self) -> None:
-        """Give every segment back to the pool (the store is closing: nothing reads them any more)."""
+    def retire(self) -> None:
+        """Give every segment to the spares: nothing reads them any more."""
         segments, self._segments, self._used, self._current = self._segments, [], [], 0
-        for segment in segments:
-            memory.POOL.give(segment)
+        self._spares.give(segments)
 
 
 @dataclasses.dataclass
@@ -163,8 +194,8 @@ class ShardBuilder:
     """The entries of one shard until it is sealed into its file.  Parts
     added by puts are copied into the store's arena; lent entries keep
     where their tensors lie and their checked CRCs, so nothing is copied or
-    checksummed twice.  Views handed out are valid until the arena is reset
-    for the next shard."""
+    checksummed twice.  Views handed out are valid while the builder lives:
+    its arena's segments go back to the spares when it is freed."""
 
     def __init__(self, index: int, uid: str, store_config: str = "", arena: Arena | None = None) -> None:
         """`store_config`, the store's config as JSON, goes into the shard's
@@ -172,7 +203,8 @@ class ShardBuilder:
         put tensors are copied (builders of lent entries need none)."""
         self._arena = arena
         if arena is not None:
-            arena.reset()
+            # not at seal: a reader holding this builder may still copy out of it
+            weakref.finalize(self, arena.retire).atexit = False
         self.index = index
         self.uid = uid
         self.store_config = store_config

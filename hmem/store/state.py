@@ -40,7 +40,7 @@ from hmem.store.rwlock import ReadWriteLock
 from hmem.store.projection import Projector, SpanProjector
 from hmem.store.results import LimitActivity
 from hmem.store.search import SearchIndex
-from hmem.store.shard_builder import Arena, ShardBuilder
+from hmem.store.shard_builder import ShardBuilder, SpareSegments
 from hmem.store.shard_reader import ShardCache
 
 
@@ -78,7 +78,7 @@ class StoreState:
         # what an entry takes on disk outside its shard: its record and its row of pooled.bin
         self.entry_overhead = self.record_size + pooled.row_bytes(cfg.pooled_width)
         self.config_json = json.dumps(cfg.to_dict(), sort_keys=True)
-        self.arena = Arena()  # the open shard's memory, reused shard after shard
+        self.spares = SpareSegments()  # the open shard's memory, reused shard after shard
         self.cache = ShardCache(cfg.max_open_shards)
         self.pooled = PooledKeys(path, cfg.pooled_width)  # pooled.bin, for re-rank
         self.next_id = committed.next_entry_id
@@ -139,13 +139,18 @@ class StoreState:
                 + len(shard_file.kinds(storage)) * shard_file.HEADER_BYTES_PER_TENSOR + shard_file.INDEX_ROW_BYTES)
 
     def grow(self, extra: int) -> None:
-        """Room for `extra` more records."""
+        """Room for `extra` more records.  A put grows the records while
+        queries run (hmem/store/rwlock.py): a query that took the old array
+        reads the same rows there, and access counts, which queries change
+        in place under counts_lock, are copied and swapped under it, so none
+        lands in the old array."""
         need = self.n + extra
         if need <= len(self.records):
             return
         grown = memory.zeros((max(need, 2 * len(self.records), 64),), records.record_dtype(self.config))
-        grown[: self.n] = self.records[: self.n]
-        self.records = grown
+        with self.counts_lock:
+            grown[: self.n] = self.records[: self.n]
+            self.records = grown
 
     def shard_info(self, shard_idx: int) -> ShardInfo:
         if shard_idx < len(self.shards):
@@ -177,8 +182,8 @@ class StoreState:
         self.closed = True
         self.cache.drop()
         self.pooled.drop()
-        self.builder = None  # its tensors live in the arena, given back now
-        self.arena.release()
+        self.builder = None  # its arena's segments go to the spares when it is freed (now, as nothing reads)
+        self.spares.release()
         if self.writer is not None:
             self.writer.release()
 

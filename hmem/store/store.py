@@ -367,12 +367,7 @@ class Store:
         # checked and projected before the lock: queries go on meanwhile
         batch = prepare.prepare(self._state, keys, values, layer_idx, importance)
         try:
-            with self._state.lock.exclusive():
-                self._state.check_writable()
-                self._eviction.make_room(batch)
-                entry_id = self._writer.insert(batch)[0]
-                self._publish(data_only=True)  # the limits may have evicted and committed
-                return entry_id
+            return self._insert(batch)[0]
         finally:
             batch.release()  # copied into the open shard, or not stored
 
@@ -382,14 +377,28 @@ class Store:
         self._state.check_writable()
         batch = prepare.prepare_all(self._state, entries)  # before the lock, as in put
         try:
-            with self._state.lock.exclusive():
-                self._state.check_writable()
-                self._eviction.make_room(batch)
+            return self._insert(batch)
+        finally:
+            batch.release()
+
+    def _insert(self, batch: prepare.PreparedBatch) -> list[int]:
+        """Store a checked batch.  Queries of other threads go on meanwhile
+        (the store's lock in intent mode): each change insert makes is one
+        a query may meet at any point, and the batch becomes visible to
+        them at its end (hmem/store/writer.py, hmem/store/search.py).  Only
+        a put that the limits make evict holds the lock exclusively."""
+        state = self._state
+        with state.lock.intent():
+            state.check_writable()
+            if not self._eviction.needs_room(batch):
                 ids = self._writer.insert(batch)
                 self._publish(data_only=True)
                 return ids
-        finally:
-            batch.release()
+            with state.lock.exclusive():
+                self._eviction.make_room(batch)
+                ids = self._writer.insert(batch)
+                self._publish(data_only=True)  # the limits may have evicted and committed
+                return ids
 
     def check_entries(self, entries: Iterable[Entry | tuple]) -> int:
         """Check entries as put_many would, storing nothing (also on a
@@ -565,7 +574,7 @@ class Store:
 
     def plan_eviction(self, target_entries: int) -> EvictionPlan:
         """What evict(target_entries) would remove, without changing anything."""
-        with self._state.lock.shared():
+        with self._state.lock.intent():  # many parts of the state, read with no write under way
             self._state.check_open()
             return self._eviction.plan(validation.count(target_entries, "target_entries"))
 
@@ -583,7 +592,7 @@ class Store:
         """Which of `entry_ids` delete() would remove and which name no live
         entry, without changing anything."""
         ids = _entry_id_array(entry_ids)
-        with self._state.lock.shared():
+        with self._state.lock.intent():  # many parts of the state, read with no write under way
             self._state.check_open()
             return self._eviction.plan_delete(ids)[0]
 
@@ -602,7 +611,7 @@ class Store:
 
     def plan_compaction(self) -> CompactionPlan:
         """What compact() would do and gain, without changing anything."""
-        with self._state.lock.shared():
+        with self._state.lock.intent():  # many parts of the state, read with no write under way
             self._state.check_open()
             plan = self._compaction.plan()
         if self._remote is None:
@@ -665,7 +674,9 @@ class Store:
 
     def stats(self) -> StoreStats:
         state = self._state
-        with state.lock.shared():
+        # intent, not shared: stats reads many parts of the state, which a
+        # put or flush beside it would change between them (hmem/store/rwlock.py)
+        with state.lock.intent():
             state.check_open()
             live = state.live_positions()
             rows = state.records[: state.n]

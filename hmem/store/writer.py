@@ -36,7 +36,7 @@ from hmem.formats import sources as source_registry
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.formats.sources import SourcesInfo
 from hmem.store.search import SearchIndex
-from hmem.store.shard_builder import ShardBuilder
+from hmem.store.shard_builder import Arena, ShardBuilder
 from hmem.store.prepare import PreparedBatch
 from hmem.store.state import DeadBytes, StoreState
 
@@ -101,7 +101,10 @@ class Writer:
             if state.n == start:
                 if state.fresh_pooled and state.fresh_pooled[-1] is batch.pooled:
                     state.fresh_pooled.pop()
-                self._undo_insert(*undo)
+                # Queries may have met the batch's rows in the search index
+                # (a put runs beside them): they finish before it goes back.
+                with state.lock.exclusive():
+                    self._undo_insert(*undo)
             raise
         return ids.tolist()
 
@@ -163,7 +166,7 @@ class Writer:
         state = self.state
         if state.builder is None:
             state.builder = ShardBuilder(len(state.shards), uuid.uuid4().hex, state.config_json,
-                                                        state.arena)
+                                         Arena(state.spares))
         return state.builder
 
     def seal_open_shard(self) -> None:
@@ -315,4 +318,4 @@ def _index_mark(index: SearchIndex) -> dict[int, int]:
 def _index_rollback(index: SearchIndex, mark: dict[int, int]) -> None:
     """Forget the rows appended since `mark` (appends only add rows past n)."""
     for layer_idx, layer in index.layers.items():
-        layer.n = mark.get(layer_idx, 0)
+        layer.truncate(mark.get(layer_idx, 0))
