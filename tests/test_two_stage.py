@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hmem
 from hmem.kernels import hamming as hamming_kernels
@@ -210,3 +212,21 @@ def test_topk_row_range_errors():
             kernels.topk(np.zeros(16, np.uint8), sigs, None, 3, 4, 11)
         with pytest.raises(ValueError, match="outside"):
             kernels.topk(np.zeros(16, np.uint8), sigs, None, 3, 5, 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_best_rows_are_the_lexsort_order_whatever_the_ties(data):
+    # search._best orders (distance, row) pairs with one sort of combined
+    # keys: it must pick and order exactly as np.lexsort does, ties included
+    from hmem.store.search import _best
+
+    n = data.draw(st.integers(0, 300))
+    rows = np.array(data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n, unique=True)),
+                    dtype=np.int64)
+    dists = np.array(data.draw(st.lists(st.integers(0, 40), min_size=n, max_size=n)), dtype=np.int32)
+    k = data.draw(st.integers(1, 320))
+    got_rows, got_dists = _best(rows, dists, k)
+    order = np.lexsort((rows, dists))[:k]
+    assert got_rows.tolist() == rows[order].tolist() and got_dists.tolist() == dists[order].tolist()
+    assert got_dists.dtype == dists.dtype

@@ -121,6 +121,9 @@ class EntryReader:
         from a damaged file."""
         state = self.state
         info = state.shard_info(shard_idx)
+        mapped = state.cache.mapped(shard_idx, info.uid)
+        if mapped is not None:  # most reads: no path to make
+            return mapped
         path = layout.resolve(state.path, info.file, state.committed.pending)
         try:
             try:

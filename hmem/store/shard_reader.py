@@ -196,6 +196,15 @@ class ShardCache:
         # it stays mapped while a thread still reads through it
         self._lock = threading.RLock()
 
+    def mapped(self, index: int, uid: str) -> ShardReader | None:
+        """The reader of shard `index` if it is mapped (and still file `uid`)."""
+        with self._lock:
+            reader = self._open.get(index)
+            if reader is None or reader.uid != uid:
+                return None
+            self._open.move_to_end(index)
+            return reader
+
     def get(self, index: int, path: Path, info: Any) -> ShardReader:
         """The reader of shard `index` (file at `path`, described by the
         ShardInfo `info`)."""
