@@ -69,34 +69,22 @@ class ShardInfo:
         return {"file": self.file, "bytes": self.bytes, "uid": self.uid, "entries": self.entries,
                 "index_crc": self.index_crc, "dead_entries": self.dead_entries, "dead_bytes": self.dead_bytes}
 
-    def copy(self) -> ShardInfo:
-        twin = ShardInfo(self.file, self.bytes, self.uid, self.entries, self.index_crc, self.dead_entries,
-                         self.dead_bytes)
-        twin.__dict__["_texts"] = self._kept()  # one place for both: texts() made by either serve the other
-        return twin
-
-    def _kept(self) -> list[Any]:
-        """[key, written, canonical] of texts(), shared with this shard's copies."""
-        kept = self.__dict__.get("_texts")
-        if kept is None:
-            kept = self.__dict__["_texts"] = [None, "", ""]
-        return kept
-
     def texts(self) -> tuple[str, str]:
         """This shard's item of index.json's shard list, as written (indent
         1, inside the list) and as checksummed (sorted keys, no spaces).
         Kept beside the fields they were made of (not a field itself): every
-        commit lists every shard, and most are unchanged since the last."""
+        commit lists every shard, most of them the same objects as in the
+        last (a store's ShardInfos are replaced, never changed in place)."""
         key = (self.file, self.bytes, self.uid, self.entries, self.index_crc, self.dead_entries, self.dead_bytes)
-        kept = self._kept()
-        if kept[0] != key:
+        kept = self.__dict__.get("_texts")
+        if kept is None or kept[0] != key:
             quoted = encode_basestring_ascii  # what json.dumps writes for a str (ensure_ascii)
             written = (f'  {{\n   "file": {quoted(self.file)},\n   "bytes": {int(self.bytes)},\n   "uid": '
                        f'{quoted(self.uid)},\n   "entries": {int(self.entries)},\n   "index_crc": '
                        f'{int(self.index_crc)},\n   "dead_entries": {int(self.dead_entries)},\n   "dead_bytes": '
                        f'{int(self.dead_bytes)}\n  }}')
             canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-            kept[:] = [key, written, canonical]  # one step: another thread sees the old three or the new
+            kept = self.__dict__["_texts"] = (key, written, canonical)
         return kept[1], kept[2]
 
 

@@ -95,14 +95,21 @@ class Eviction:
         rows = state.records[victims]
         sizes = state.entry_file_bytes(rows["n_tokens"].astype(np.int64))
         open_index = state.builder.index if state.builder is not None else -1
-        for shard_idx, nbytes in zip(rows["shard_idx"].tolist(), np.asarray(sizes).tolist()):
+        shard_of = rows["shard_idx"].astype(np.int64)
+        touched, first = np.unique(shard_of, return_inverse=True)
+        dead_entries = np.bincount(first, minlength=len(touched)).tolist()
+        dead_bytes = np.bincount(first, weights=np.asarray(sizes, dtype=np.float64), minlength=len(touched))
+        shards = list(state.shards)
+        for shard_idx, entries, nbytes in zip(touched.tolist(), dead_entries, dead_bytes.astype(np.int64).tolist()):
             if shard_idx == open_index:
-                state.builder_dead.entries += 1
+                state.builder_dead.entries += entries
                 state.builder_dead.bytes += nbytes
             else:
-                info = state.shards[shard_idx]
-                info.dead_entries += 1
-                info.dead_bytes += nbytes
+                # a new ShardInfo, not the listed one changed: commits share the listed ones (writer.py)
+                info = shards[shard_idx]
+                shards[shard_idx] = dataclasses.replace(info, dead_entries=info.dead_entries + entries,
+                                                        dead_bytes=info.dead_bytes + nbytes)
+        state.shards = shards
         state.records["shard_idx"][victims] = EVICTED
         state.dirty.update(int(p) for p in victims if p < state.committed_n)
 

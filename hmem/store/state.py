@@ -103,7 +103,8 @@ class StoreState:
         # batches they were put: the next flush writes them to pooled.bin
         self.fresh_pooled: list[np.ndarray] = []
         self.pooled.drop()
-        self.shards = [info.copy() for info in committed.shards]  # committed, then sealed since
+        # committed, then sealed since; never changed in place (eviction replaces one), so shared with commits
+        self.shards = list(committed.shards)
         self.shards_committed = len(self.shards)
         self.index = SearchIndex(self.config.signature_bytes, self.config.spans, self.config.span_signature_bytes)
         # each layer's signatures are copied into its matrix at its first query (LayerIndex.defer)

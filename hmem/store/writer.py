@@ -245,7 +245,7 @@ class Writer:
             state.committed,
             generation=state.committed.generation + 1,
             record_count=end,
-            shards=[info.copy() for info in state.shards],
+            shards=list(state.shards),  # ShardInfos are never changed in place (eviction replaces them)
             next_entry_id=next_id,
             pending=Pending(record_updates=updates),
             sources=sources_info,
