@@ -17,7 +17,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-import threading
 import weakref
 from pathlib import Path
 from typing import Any, cast
@@ -62,25 +61,26 @@ class SpareSegments:
     into memory that is already mapped."""
 
     def __init__(self) -> None:
+        # No lock: a segment is given back by a finalizer, which runs in any
+        # thread at any moment (inside take() too, when a collection frees a
+        # builder there), so giving is one list append under the GIL; only
+        # the store's writer takes and releases (puts are serialised).
         self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
         """A segment of at least `nbytes` (its contents undefined)."""
-        with self._lock:
-            for i, segment in enumerate(self._free):
-                if len(segment) >= nbytes:
-                    return self._free.pop(i)
+        for i, segment in enumerate(self._free):  # gives only append: indices stay put
+            if len(segment) >= nbytes:
+                del self._free[i]
+                return segment
         return memory.POOL.take(nbytes)
 
     def give(self, segments: list[np.ndarray]) -> None:
-        with self._lock:
-            self._free.extend(segments)
+        self._free.extend(segments)
 
     def release(self) -> None:
         """Give every spare segment to memory.POOL (the store is closing)."""
-        with self._lock:
-            free, self._free = self._free, []
+        free, self._free = self._free, []
         for segment in free:
             memory.POOL.give(segment)
 
