@@ -228,7 +228,12 @@ def main() -> None:
         code = stop.code
     else:
         code = ExitCode.OK
-    _end_process(code if isinstance(code, int) else ExitCode.FAILURE)
+    if code is None:  # what sys.exit() means, as the interpreter reads it
+        code = ExitCode.OK
+    elif not isinstance(code, int):
+        sys.stderr.write(f"{code}\n")
+        code = ExitCode.FAILURE
+    _end_process(int(code))
 
 
 def _end_process(code: int) -> None:
