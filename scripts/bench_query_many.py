@@ -195,8 +195,8 @@ def run(store, args, log) -> dict:
     # searches exactly the bytes hmem searches.
     state = store._state
     layer = state.index.layers[LAYER]
-    layer.ready()  # a layer's matrix is made at its first query (LayerIndex.defer)
-    sigs = layer.sigs[: layer.n]
+    view = layer.ready()  # a layer's matrix is made at its first query (LayerIndex.defer)
+    sigs = view.sigs[: view.n]
     prepared = [state.projector.signature_and_mean(np.ascontiguousarray(q)) for q in pool]
     qsigs_all = np.stack([sig for sig, _ in prepared])
     qsigs = qsigs_all[: args.queries]
@@ -275,7 +275,8 @@ def run(store, args, log) -> dict:
 def _one_thread(layer, qsigs: np.ndarray, k: int) -> object:
     """The batch kernel over the whole layer on one thread: what the
     second core adds."""
-    return hamming_kernels.topk_many(qsigs, layer.sigs[: layer.n], None, k)
+    view = layer.view
+    return hamming_kernels.topk_many(qsigs, view.sigs[: view.n], None, k)
 
 
 # ---- goals and output ----------------------------------------------------------------

@@ -293,8 +293,8 @@ def bench_open_query(root: Path, args, report: dict) -> None:
         without = time_calls(lambda: one(False), min_runs=200)
         # the baseline scans the very signature matrix hmem searches (internal state, read only)
         index = store._state.index.layers[layer]
-        index.ready()  # made at the layer's first query (LayerIndex.defer); the queries above made it
-        sigs = index.sigs[: index.n]
+        view = index.ready()  # made at the layer's first query (LayerIndex.defer); the queries above made it
+        sigs = view.sigs[: view.n]
         qsig = store._state.projector.signature(queries[:1])
 
         def numpy_scan() -> None:

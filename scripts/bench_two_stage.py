@@ -118,7 +118,8 @@ def set_two_stage(store, prefix: int, survivors: int) -> None:
     # at the new width (private state, read and reset by this script only).
     search_module.PREFIX_BYTES = prefix
     search_module.SURVIVORS_PER_PLACE = survivors
-    store._state.index.layers[0].prefixes = None
+    layer = store._state.index.layers[0]
+    layer.view = layer.view._replace(prefixes=None)
 
 
 def run_dataset(root: Path, dataset: str, args, log) -> dict:
@@ -151,9 +152,9 @@ def run_dataset(root: Path, dataset: str, args, log) -> dict:
         }
         if faiss is not None:
             layer = store._state.index.layers[0]  # the signatures hmem scans, for faiss (read only)
-            layer.ready()  # made at the layer's first query (LayerIndex.defer)
+            view = layer.ready()  # made at the layer's first query (LayerIndex.defer)
             index = faiss.IndexBinaryFlat(HDC_DIM)
-            index.add(layer.sigs[: layer.n])
+            index.add(view.sigs[: view.n])
             projector = store._state.projector
             qsigs = np.stack([projector.signature(np.ascontiguousarray(q)) for q in queries])
             cases["faiss"] = lambda i: index.search(qsigs[i: i + 1], SHORTLIST)
