@@ -1,7 +1,8 @@
 """Store: the persistent tier-3 K/V memory, hmem's main object.
 
 A facade: it checks arguments, takes the store's lock (shared to read,
-exclusive to write: hmem/store/rwlock.py) and hands the work
+intent to put or flush beside reads, exclusive for evict, delete, compact
+and close: hmem/store/rwlock.py) and hands the work
 to the components that share one StoreState (docs/architecture.md):
 
 - Writer (hmem/store/writer.py): put, flush and the commit protocol;
