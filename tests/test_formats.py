@@ -5,6 +5,7 @@ store directory's files are sorted into committed, orphan and foreign."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -269,12 +270,22 @@ def test_index_json_is_the_indented_json_of_its_document(shards, sources):
     assert [ShardInfo(**s) for s in document["shards"]] == mf.shards
     body = {key: value for key, value in document.items() if key != "checksum"}
     assert document["checksum"] == f"crc32c:{manifest._checksum(body):08x}"
-    # each shard's text is kept between commits: a field changed since
-    # (an eviction counts dead entries) must change it
+    # the texts of the last commit's shards are kept for the next: a shard
+    # replaced since (an eviction counts dead entries), one added and one
+    # left out must each show in the next commit's text
     if mf.shards:
-        mf.shards[-1].dead_entries += 1
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            mf.shards[-1].dead_entries += 1  # type: ignore[misc]
+        last = mf.shards[-1]
+        mf.shards[-1] = dataclasses.replace(last, dead_entries=last.dead_entries + 1)
         again = json.loads(mf.to_bytes())
         assert again["shards"][-1]["dead_entries"] == document["shards"][-1]["dead_entries"] + 1
         assert again["shards"][:-1] == document["shards"][:-1]
         assert again["checksum"] == f"crc32c:{manifest._checksum({k: v for k, v in again.items() if k != 'checksum'}):08x}"
+        mf.shards.append(ShardInfo("added", 1, "u", 2, 3))
+        assert [ShardInfo(**s) for s in json.loads(mf.to_bytes())["shards"]] == mf.shards
+        del mf.shards[0]
+        data = mf.to_bytes()
+        assert [ShardInfo(**s) for s in json.loads(data)["shards"]] == mf.shards
+        assert data == (json.dumps(json.loads(data), indent=1) + "\n").encode()
 

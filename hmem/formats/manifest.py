@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import operator
 import time
 from json.encoder import encode_basestring_ascii
 from pathlib import Path
@@ -51,9 +52,11 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ShardInfo:
-    """One committed shard file."""
+    """One committed shard file.  Frozen: a change is a new ShardInfo
+    (dataclasses.replace), which is what lets a commit reuse the texts of
+    the shards the last commit listed (_ListedShards)."""
 
     file: str
     bytes: int  # size of the file
@@ -71,21 +74,18 @@ class ShardInfo:
 
     def texts(self) -> tuple[str, str]:
         """This shard's item of index.json's shard list, as written (indent
-        1, inside the list) and as checksummed (sorted keys, no spaces).
-        Kept beside the fields they were made of (not a field itself): every
-        commit lists every shard, most of them the same objects as in the
-        last (a store's ShardInfos are replaced, never changed in place)."""
-        key = (self.file, self.bytes, self.uid, self.entries, self.index_crc, self.dead_entries, self.dead_bytes)
+        1, inside the list) and as checksummed (sorted keys, no spaces),
+        made once (the fields never change)."""
         kept = self.__dict__.get("_texts")
-        if kept is None or kept[0] != key:
+        if kept is None:
             quoted = encode_basestring_ascii  # what json.dumps writes for a str (ensure_ascii)
             written = (f'  {{\n   "file": {quoted(self.file)},\n   "bytes": {int(self.bytes)},\n   "uid": '
                        f'{quoted(self.uid)},\n   "entries": {int(self.entries)},\n   "index_crc": '
                        f'{int(self.index_crc)},\n   "dead_entries": {int(self.dead_entries)},\n   "dead_bytes": '
                        f'{int(self.dead_bytes)}\n  }}')
             canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-            kept = self.__dict__["_texts"] = (key, written, canonical)
-        return kept[1], kept[2]
+            kept = self.__dict__["_texts"] = (written, canonical)
+        return kept
 
 
 @dataclasses.dataclass
@@ -158,13 +158,42 @@ class Manifest:
         (ShardInfo.texts): json's indenting encoder is pure Python, and a
         store that flushes often has thousands of shards, each listed in
         every commit."""
-        texts = [shard.texts() for shard in self.shards]
+        written, canonical = _LISTED.texts(self.shards)
         body = self._body(_SHARDS_MARK)
         canonical = _spliced(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True),
-                             '"shards":', "[" + ",".join(text for _, text in texts) + "]")
+                             '"shards":', "[" + ",".join(canonical) + "]")
         document = {**body, "checksum": f"crc32c:{checksum_kernels.crc32c(canonical.encode()):08x}"}
-        items = "[\n" + ",\n".join(text for text, _ in texts) + "\n ]" if texts else "[]"
+        items = "[\n" + ",\n".join(written) + "\n ]" if written else "[]"
         return (_spliced(json.dumps(document, indent=1), '"shards": ', items) + "\n").encode()
+
+
+class _ListedShards:
+    """The shard list of the last commit and its items' texts.  A flush
+    lists the same ShardInfo objects as the commit before it plus the shards
+    it sealed, so only those are looked at: asking each of thousands of
+    shards for its kept texts costs more than the rest of a small flush.
+    One per process; stores committing by turns, or at once from threads,
+    only make it start over (an update replaces one tuple, never changes it)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[list[ShardInfo], list[str], list[str]] = ([], [], [])
+
+    def texts(self, shards: list[ShardInfo]) -> tuple[list[str], list[str]]:
+        """The written and the canonical item text of every shard, in order."""
+        infos, written, canonical = self._last
+        kept = len(infos)
+        if len(shards) < kept or not all(map(operator.is_, shards[:kept], infos)):
+            kept, written, canonical = 0, [], []
+        written, canonical = written[:], canonical[:]
+        for shard in shards[kept:]:
+            text, sorted_text = shard.texts()
+            written.append(text)
+            canonical.append(sorted_text)
+        self._last = (list(shards), written, canonical)
+        return written, canonical
+
+
+_LISTED = _ListedShards()
 
 
 # What "shards" holds while the rest of index.json is encoded: an int, which
