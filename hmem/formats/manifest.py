@@ -155,13 +155,13 @@ class Manifest:
         """index.json: json.dumps(document, indent=1), its checksum over the
         canonical JSON of the rest (sorted keys, no spaces).  The shard list
         is spliced into both texts from each shard's kept item texts
-        (ShardInfo.texts): json's indenting encoder is pure Python, and a
-        store that flushes often has thousands of shards, each listed in
-        every commit."""
-        written, canonical = _LISTED.texts(self.shards)
+        (ShardInfo.texts, _ListedShards): json's indenting encoder is pure
+        Python, and a store that flushes often has thousands of shards,
+        each listed in every commit."""
+        written, sorted_items = _LISTED.texts(self.shards)
         body = self._body(_SHARDS_MARK)
         canonical = _spliced(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True),
-                             '"shards":', "[" + ",".join(canonical) + "]")
+                             '"shards":', "[" + ",".join(sorted_items) + "]")
         document = {**body, "checksum": f"crc32c:{checksum_kernels.crc32c(canonical.encode()):08x}"}
         items = "[\n" + ",\n".join(written) + "\n ]" if written else "[]"
         return (_spliced(json.dumps(document, indent=1), '"shards": ', items) + "\n").encode()
