@@ -109,13 +109,19 @@ def interrupt(n: int, work: Callable[[], object]) -> InterruptAt:
     """Run `work` with a KeyboardInterrupt at hmem event `n`."""
     hook = InterruptAt(n)
     sys.settrace(hook)
+    arrived = False
     try:
         work()
     except KeyboardInterrupt:
         if not hook.fired:
             raise
+        arrived = True
     finally:
         sys.settrace(None)
+    # a Ctrl-C is never lost: raised anywhere inside hmem (a finalizer or
+    # callback included, where Python would print and drop it), it reaches
+    # the caller
+    assert arrived or not hook.fired, f"the KeyboardInterrupt at hmem event {n} did not reach the caller"
     return hook
 
 

@@ -55,32 +55,54 @@ class SpareSegments:
     more: a query that took the open shard before it was sealed may still be
     copying an entry out of it while puts go on (Store.put holds the store's
     lock in intent mode, hmem/store/rwlock.py), so the segments are given
-    back when the builder itself is freed (``ShardBuilder``'s finalizer),
-    which that query's reference delays.  What the next open shard needs is
-    taken from here first, else from memory.POOL, so steady-state puts copy
-    into memory that is already mapped."""
+    back when the builder itself is freed, which that query's reference
+    delays.  What the next open shard needs is taken from here first, else
+    from memory.POOL, so steady-state puts copy into memory that is already
+    mapped.
+
+    A freed builder is noticed through a weak reference, looked at when the
+    writer next takes a segment (puts are serialised; only the writer
+    touches these lists).  No callback or finalizer runs when a builder is
+    freed (at any moment, in any thread): nothing there can wait on a lock,
+    and a Ctrl-C cannot land in one, where Python would print and drop it."""
 
     def __init__(self) -> None:
-        # No lock: a segment is given back by a finalizer, which runs in any
-        # thread at any moment (inside take() too, when a collection frees a
-        # builder there), so giving is one list append under the GIL; only
-        # the store's writer takes and releases (puts are serialised).
         self._free: list[np.ndarray] = []
+        self._watched: list[tuple[weakref.ref, Arena]] = []  # arenas whose builders were alive at the last take
+
+    def watch(self, builder: object, arena: Arena) -> None:
+        """Take `arena`'s segments back once `builder` is freed."""
+        self._watched.append((weakref.ref(builder), arena))
+
+    def _collect(self) -> None:
+        """Move the segments of freed builders' arenas to the spares.  An
+        interrupt here at worst lets some go with their arena, unused."""
+        alive: list[tuple[weakref.ref, Arena]] = []
+        freed: list[Arena] = []
+        for ref, arena in self._watched:
+            if ref() is None:
+                freed.append(arena)
+            else:
+                alive.append((ref, arena))
+        if freed:
+            self._watched = alive
+            for arena in freed:
+                self._free.extend(arena.retire())
 
     def take(self, nbytes: int) -> np.ndarray:
         """A segment of at least `nbytes` (its contents undefined)."""
-        for i, segment in enumerate(self._free):  # gives only append: indices stay put
+        self._collect()
+        for i, segment in enumerate(self._free):
             if len(segment) >= nbytes:
                 del self._free[i]
                 return segment
         return memory.POOL.take(nbytes)
 
-    def give(self, segments: list[np.ndarray]) -> None:
-        self._free.extend(segments)
-
     def release(self) -> None:
-        """Give every spare segment to memory.POOL (the store is closing)."""
-        free, self._free = self._free, []
+        """Give every spare segment to memory.POOL (the store is closing);
+        segments of builders still alive are freed with them."""
+        self._collect()
+        free, self._free, self._watched = self._free, [], []
         for segment in free:
             memory.POOL.give(segment)
 
@@ -94,7 +116,7 @@ class Arena:
     SEGMENT_BYTES = 16 << 20
 
     def __init__(self, spares: SpareSegments) -> None:
-        self._spares = spares
+        self.spares = spares
         self._segments: list[np.ndarray] = []
         self._used: list[int] = []
         self._current = 0
@@ -115,7 +137,7 @@ class Arena:
         while self._current < len(self._segments) and self._used[self._current] + n > len(self._segments[self._current]):
             self._current += 1
         if self._current == len(self._segments):
-            segment = self._spares.take(max(n, self.SEGMENT_BYTES))
+            segment = self.spares.take(max(n, self.SEGMENT_BYTES))
             self._segments, self._used = [*self._segments, segment], [*self._used, 0]  # both or neither
         seg, offset = self._current, self._used[self._current]
         target = self._segments[seg].data[offset : offset + n]
@@ -129,10 +151,10 @@ class Arena:
         self._used[seg] += n
         return target
 
-    def retire(self) -> None:
-        """Give every segment to the spares: nothing reads them any more."""
+    def retire(self) -> list[np.ndarray]:
+        """Its segments, given up: nothing reads them any more."""
         segments, self._segments, self._used, self._current = self._segments, [], [], 0
-        self._spares.give(segments)
+        return segments
 
 
 @dataclasses.dataclass
@@ -204,7 +226,7 @@ class ShardBuilder:
         self._arena = arena
         if arena is not None:
             # not at seal: a reader holding this builder may still copy out of it
-            weakref.finalize(self, arena.retire).atexit = False
+            arena.spares.watch(self, arena)
         self.index = index
         self.uid = uid
         self.store_config = store_config
