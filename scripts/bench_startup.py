@@ -9,13 +9,15 @@ taking turns:
 - floors: `python -c pass`, `python -c "import numpy"`, `python -c "import
   hmem"` (the library alone, as a program using it pays);
 - commands: `hmem --version`, `hmem stats STORE` (a small store: the open
-  included), `hmem put STORE EMPTY_DIR` (every option parsed, then "no
-  .safetensors files found", exit 2).
+  included; a table printed through Rich), `hmem stats STORE --json` (the
+  same, as a script runs it: no Rich), `hmem put STORE EMPTY_DIR` (every
+  option parsed, then "no .safetensors files found", exit 2).
 
 With `--compare-path DIR`, every command also runs with DIR first on
 PYTHONPATH (for example a folder holding another Typer release, installed
 with `pip install --target DIR --no-deps typer==X`), taking turns with the
-installed one: the difference is what that folder's packages cost.
+installed one: the difference is what that folder's packages cost (or, a
+folder holding another hmem tree, what its code costs).
 
 Usage::
 
@@ -101,6 +103,7 @@ def main() -> None:
             tag = "" if env_name == "installed" else " [compare]"
             cases[f"hmem --version{tag}"] = ([exe, "--version"], env_name, {0})
             cases[f"hmem stats STORE{tag}"] = ([exe, "stats", str(store)], env_name, {0})
+            cases[f"hmem stats STORE --json{tag}"] = ([exe, "stats", str(store), "--json"], env_name, {0})
             cases[f"hmem put STORE EMPTY_DIR{tag}"] = ([exe, "put", str(store), str(empty)], env_name, {2})
 
         for argv, env_name, expect in cases.values():  # warm the page cache
@@ -116,7 +119,7 @@ def main() -> None:
             print(f"  {name:<52}{medians[name] * 1e3:>8.0f} ms{min(t) * 1e3:>7.0f} ms")
         if args.compare_path is not None:
             print()
-            for cmd in ("hmem --version", "hmem stats STORE", "hmem put STORE EMPTY_DIR"):
+            for cmd in ("hmem --version", "hmem stats STORE", "hmem stats STORE --json", "hmem put STORE EMPTY_DIR"):
                 saved = medians[f"{cmd} [compare]"] - medians[cmd]
                 print(f"  {cmd}: {saved * 1e3:+.0f} ms with the compared path")
         if args.json:

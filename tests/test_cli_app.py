@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 import sys
 
+import numpy as np
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -164,6 +165,29 @@ def test_a_command_line_naming_a_command_runs_it_alone_and_others_see_every_comm
                              "print(sorted(m for m in sys.modules if m.startswith(('hmem.cli.cmd_', "
                              "'hmem.recovery', 'hmem.prefix_hit.explain', 'hmem.transfer.kv_export'))))")
     assert probe.stdout.split() == ["['hmem.cli.cmd_stats']"]
+
+
+def test_a_command_under_json_does_not_import_rich(tmp_path):
+    # Rich is imported at the first thing printed through it (start-up:
+    # hmem/cli/output.py); scripts and cron jobs run commands under --json
+    from safetensors.numpy import save_file
+
+    store, files, empty = tmp_path / "s", tmp_path / "files", tmp_path / "empty"
+    files.mkdir()
+    empty.mkdir()
+    rows = np.arange(32, dtype=np.float32).reshape(4, 8)
+    save_file({"keys": rows, "values": rows}, str(files / "one.safetensors"))
+    assert run_python("-m", "hmem", "init", str(store), "-d", "8").returncode == 0
+    for args, code in ((["put", str(store), str(files)], 0), (["stats", str(store)], 0), (["ls", str(store)], 0),
+                       (["verify", str(store)], 0), (["put", str(store), str(empty)], 2)):
+        proc = run_python("-X", "importtime", "-m", "hmem", *args, "--json")
+        assert proc.returncode == code, proc.stderr[-500:]
+        json.loads(proc.stdout)  # a result, or an error as one JSON document
+        imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line]
+        assert "typer" in imported  # the probe sees the imports
+        assert not [m for m in imported if m.split(".")[0] == "rich"], args
+    human = run_python("-m", "hmem", "ls", str(store))  # ... and human output still has it
+    assert human.returncode == 0 and "┃ id ┃" in human.stdout and "1 entries, by id" in human.stdout
 
 
 def test_reference_kernels_are_explicit():

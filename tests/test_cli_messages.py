@@ -257,7 +257,7 @@ def test_output_never_reads_markup_or_emoji_codes(capsys):
 
 
 def test_styled_text_is_still_styled():
-    console = output._Console(file=io.StringIO(), force_terminal=True, color_system="standard")
+    console = output._console(file=io.StringIO(), force_terminal=True, color_system="standard")
     console.print(output.styled("hit: 3", "bold"), "and [bold]x")
     text = console.file.getvalue()
     assert "\x1b[1mhit: 3" in text and "and [bold]x" in text
@@ -422,20 +422,22 @@ def test_help_shows_no_bool_after_flags():
                                           (None, "?")])
 def test_progress_speed_is_in_binary_units(speed, shown):
     task = types.SimpleNamespace(finished_speed=None, speed=speed)
-    assert output.BinaryTransferSpeedColumn().render(task).plain == shown  # type: ignore[arg-type]
+    assert output.binary_speed_column().render(task).plain == shown
 
 
 def test_byte_progress_bars_use_the_binary_column(monkeypatch):
     seen: list[list] = []
 
-    class Recording(output.Progress):
+    import rich.progress
+
+    class Recording(rich.progress.Progress):
         def __init__(self, *columns, **kwargs):
             seen.append(list(columns))
             super().__init__(*columns, **kwargs)
 
-    monkeypatch.setattr(output, "Progress", Recording)
+    monkeypatch.setattr(rich.progress, "Progress", Recording)  # output.py imports Rich where it prints
     out = output.Output()
-    out.err = output._Console(file=io.StringIO(), force_terminal=True)
+    out._err = output._console(file=io.StringIO(), force_terminal=True)  # a terminal for stderr (Output makes its own)
     with out.progress("importing", 10 * 2**20, bytes_mode=True) as bar:
         bar.advance(2**20)
     with out.progress("files", 3) as bar:

@@ -6,13 +6,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.text import Text
 
 from hmem import EntryNotFoundError, Store, check_export_path, export_entries
 from hmem.cli.entry_view import not_found
 from hmem.cli.entry_args import EntryIdsArgument, store_and_ids
 from hmem.cli.options import JsonOption, QuietOption
-from hmem.cli.output import Output, human_bytes
+from hmem.cli.output import Output, human_bytes, literal
 
 DTYPE_NAMES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "int8": "I8"}
 
@@ -48,7 +47,7 @@ def export(
     if json_output:
         out.emit_json(document)
         return
-    out.print(Text(f"exported the K/V of {len(ids)} {'entry' if len(ids) == 1 else 'entries'} to {output} "
+    out.print(literal(f"exported the K/V of {len(ids)} {'entry' if len(ids) == 1 else 'entries'} to {output} "
                    f"({human_bytes(size)}), as stored: {dtype}"), soft_wrap=True)
     if storage == "int8":
         out.print("note: the store is INT8: k_{id} and v_{id} are I8 and k_scale_{id}, v_scale_{id} their F32 "

@@ -10,12 +10,11 @@ from itertools import chain
 from typing import Annotated
 
 import typer
-from rich.text import Text
 
 from hmem import ENTRY_SORTS, EntryListing, InvalidArgumentError, Store
 from hmem.cli.entry_view import JSON_FIELDS, SORT_WORDS, entry_cells, json_template
 from hmem.cli.options import JsonOption, QuietOption, StoreArgument
-from hmem.cli.output import Output
+from hmem.cli.output import Output, literal
 
 # Rows of the human table when --limit is not given: a table is for reading,
 # --json and --jsonl list every entry.
@@ -67,7 +66,7 @@ def ls(
         return
     where = "" if layer is None else f" in layer {layer}"
     if not listing.total:
-        out.print(Text(f"no entries{where} in {store}"))
+        out.print(literal(f"no entries{where} in {store}"))
         return
     if quiet:
         return

@@ -7,13 +7,12 @@ import time
 from typing import Any
 
 import numpy as np
-from rich.text import Text
 
 from hmem import EntryNotFoundError, Store, StoredKV
 from hmem.cli.entry_view import age, entry_json, not_found, utc_time
 from hmem.cli.entry_args import EntryIdArgument, store_and_ids
 from hmem.cli.options import JsonOption, QuietOption
-from hmem.cli.output import Output, human_bytes
+from hmem.cli.output import Output, human_bytes, literal
 
 
 def show(
@@ -57,7 +56,7 @@ def show(
     facts.add_row("bytes", f"{human_bytes(info.bytes)} in its shard")
     for key, value in (stored.meta or {}).items():
         shown = value if isinstance(value, str) else json.dumps(value)
-        facts.add_row(Text(f"meta {key}"), Text(shown))  # as text: a file name's [brackets] are no markup
+        facts.add_row(literal(f"meta {key}"), literal(shown))  # as text: a file name's [brackets] are no markup
     out.print(facts)
     table = out.table("tensor", "shape", "stored as", ">mean row L2", ">max row L2", ">max |x|")
     for name, t in tensors.items():

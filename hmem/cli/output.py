@@ -17,6 +17,9 @@
   stdout, ``error_document()`` (hmem/cli/app.py prints it).
 - A closed stdout (``hmem stats S | head -1``) ends the command quietly
   with exit code 141 (docs/cli.md, "Exit codes").
+- Rich is imported when something is first printed through it, so a
+  command under ``--json`` (what scripts and cron jobs run) does not pay
+  for importing it (about 40 ms of every start-up).
 """
 
 from __future__ import annotations
@@ -28,20 +31,13 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    ProgressColumn,
-    Task,
-    TextColumn,
-    TimeRemainingColumn,
-)
-from rich.table import Table
-from rich.text import Text
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+    from rich.text import Text
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -71,6 +67,8 @@ def silence_stdout() -> None:
         sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):  # not a file (a test runner's buffer): nothing to flush at exit
         return
+    from rich.console import Console
+
     with contextlib.suppress(SystemExit):  # Rich ends the process with exit code 1 after it
         Console().on_broken_pipe()
 
@@ -102,19 +100,29 @@ def flush_stdout() -> bool:
 def styled(text: str, style: str) -> Text:
     """`text` shown literally in `style` ("bold", "yellow"): the way to
     colour a line or a table cell (a plain ``str`` is never markup)."""
+    from rich.text import Text
+
     return Text(text, style=style)
 
 
-class _Console(Console):
-    def __init__(self, **kwargs: Any) -> None:
-        # markup and emoji codes off: every str printed is shown as it is;
-        # style comes only from Text objects (styled())
-        super().__init__(markup=False, emoji=False, highlight=False, **kwargs)
+def literal(text: str) -> Text:
+    """`text` as a Rich Text, unstyled: a table cell or line that must never
+    be read as markup, whatever the console's settings."""
+    return styled(text, "")
 
-    def on_broken_pipe(self) -> None:
-        # Rich would exit with code 1; hmem ends with 141 (hmem/cli/app.py)
-        self.quiet = True
-        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+def _console(**kwargs: Any) -> Console:
+    """A Rich console that prints every str as it is: markup and emoji
+    codes off; style comes only from Text objects (styled())."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # Rich would exit with code 1; hmem ends with 141 (hmem/cli/app.py)
+            self.quiet = True
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+    return _Console(markup=False, emoji=False, highlight=False, **kwargs)
 
 
 def human_bytes(n: int | float) -> str:
@@ -147,10 +155,27 @@ class Output:
     def __init__(self, *, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet
+        self._out: Console | None = None
+        self._err: Console | None = None
+
+    @staticmethod
+    def _plain() -> dict[str, Any]:
         # NO_COLOR: no escape codes at all (Rich alone would still embolden).
-        plain: Any = {"color_system": None} if os.environ.get("NO_COLOR") else {}
-        self.out = _Console(**plain)
-        self.err = _Console(stderr=True, **plain)
+        return {"color_system": None} if os.environ.get("NO_COLOR") else {}
+
+    @property
+    def out(self) -> Console:
+        """stdout's Rich console, made at first use."""
+        if self._out is None:
+            self._out = _console(**self._plain())
+        return self._out
+
+    @property
+    def err(self) -> Console:
+        """stderr's Rich console, made at first use."""
+        if self._err is None:
+            self._err = _console(stderr=True, **self._plain())
+        return self._err
 
     # ---- results ---------------------------------------------------------
 
@@ -172,6 +197,8 @@ class Output:
             self.out.print(*objects, **kwargs)
 
     def table(self, *columns: str, title: str | None = None, **kwargs: Any) -> Table:
+        from rich.table import Table
+
         table = Table(title=title, title_justify="left", header_style="bold", **kwargs)
         for column in columns:
             table.add_column(column.lstrip(">"), justify="right" if column.startswith(">") else "left")
@@ -182,6 +209,8 @@ class Output:
     def warn(self, message: str) -> None:
         """'warning: message' on stderr; the message is shown literally."""
         if not self.quiet:
+            from rich.text import Text
+
             self.err.print(Text.assemble(("warning:", "yellow"), " ", message), soft_wrap=True)
 
     @contextlib.contextmanager
@@ -193,21 +222,28 @@ class Output:
         if self.json_mode or self.quiet or not self.err.is_terminal:
             yield _NoProgress()
             return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
         columns: list[Any] = [TextColumn("{task.description}", markup=False), BarColumn()]
-        columns.append(BinaryTransferSpeedColumn() if bytes_mode else MofNCompleteColumn())
+        columns.append(binary_speed_column() if bytes_mode else MofNCompleteColumn())
         columns.append(TimeRemainingColumn())
         with Progress(*columns, console=self.err, transient=True) as bar:
             task = bar.add_task(description, total=total)
             yield _Progress(bar, task)
 
 
-class BinaryTransferSpeedColumn(ProgressColumn):
-    """The transfer speed in the units of every other size hmem prints
-    (MiB/s; Rich's own column says MB/s)."""
+def binary_speed_column() -> Any:
+    """A progress column of the transfer speed in the units of every other
+    size hmem prints (MiB/s; Rich's own column says MB/s)."""
+    from rich.progress import ProgressColumn, Task
+    from rich.text import Text
 
-    def render(self, task: Task) -> Text:
-        speed = task.finished_speed or task.speed
-        return Text("?" if speed is None else f"{human_bytes(speed)}/s", style="progress.data.speed")
+    class BinaryTransferSpeedColumn(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("?" if speed is None else f"{human_bytes(speed)}/s", style="progress.data.speed")
+
+    return BinaryTransferSpeedColumn()
 
 
 class _NoProgress:

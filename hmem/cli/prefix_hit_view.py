@@ -4,13 +4,14 @@ flat presence map (a line per group) or for rows (a line per row)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from hmem import Bitmap, GroupHit, PrefixHitReport, group_rows
 from hmem.cli.output import Output, styled
 from hmem.cli.ranges import format_chunks
+
+if TYPE_CHECKING:
+    from rich.text import Text
 
 PICTURE_MAX_CHUNKS = 64
 
@@ -81,6 +82,8 @@ def _picture(report: PrefixHitReport, found: Bitmap | None, ranks: int) -> Text:
     """One line per group (per row for rows); `found` is the flat map, None for rows."""
     C = report.num_chunks
     label_width = max(len(_label(report, g, ranks)) for g in report.groups) + 2
+    from rich.text import Text  # human output only (hmem/cli/output.py)
+
     text = Text()
     if C >= 10:
         text.append(" " * label_width + "".join(str(j // 10 % 10) if j % 10 == 0 else " " for j in range(C)) + "\n")
@@ -117,6 +120,8 @@ def _name(report: PrefixHitReport, g: GroupHit, ranks: int) -> str:
 def show(out: Output, report: PrefixHitReport, found: Bitmap | None, chunk_size: int | None,
          picture: bool | None, ranks: int) -> None:
     """`found`: the flat map, None when the presence came as rows, `ranks` per group."""
+    from rich.text import Text  # human output only (hmem/cli/output.py)
+
     C = report.num_chunks
     tokens = _tokens(report.hit, chunk_size)
     headline = Text.assemble(styled(f"hit: {report.hit}", "bold"), f" of {C} chunks")

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.text import Text
-
 from hmem import FileResult, ImportReport, StoreStats
 from hmem.cli import signals
 from hmem.cli.exit_codes import ExitCode, cli_hint
 from hmem.cli.ids import id_ranges
 from hmem.cli.notes import problem
-from hmem.cli.output import Output, human_bytes
+from hmem.cli.output import Output, human_bytes, literal
 
 FILES_SHOWN = 20  # files listed with their ids in the human summary
 
@@ -62,26 +60,26 @@ def report(out: Output, store: str, dry_run: bool, result: ImportReport, before:
     verb = "would add" if dry_run else "added"
     found = result.entries_found if dry_run else result.entries_added
     rate = f", {human_bytes(result.bytes_read / seconds)}/s" if seconds > 0 else ""
-    out.print(Text(f"{verb} {found} entries from {len(imported)} of {summary['files']} files "
+    out.print(literal(f"{verb} {found} entries from {len(imported)} of {summary['files']} files "
                    f"{'to' if dry_run else 'into'} {store} ({human_bytes(result.bytes_read)} read in {seconds:.1f} s"
                    f"{rate})"))
     for f in imported[:FILES_SHOWN]:
         ids = id_ranges(f.entries) if not dry_run else f"{f.planned} entries"
-        out.print(Text(f"  {f.path}: {'ids ' if not dry_run else ''}{ids}"))
+        out.print(literal(f"  {f.path}: {'ids ' if not dry_run else ''}{ids}"))
     if len(imported) > FILES_SHOWN:
-        out.print(Text(f"  and {len(imported) - FILES_SHOWN} more files (--json lists every id)"))
+        out.print(literal(f"  and {len(imported) - FILES_SHOWN} more files (--json lists every id)"))
     if already:
         names = ", ".join(f.path for f in already[:3]) + (f" and {len(already) - 3} more" if len(already) > 3 else "")
-        out.print(Text(f"already imported, not imported again: {names} (--again imports them anyway)"))
+        out.print(literal(f"already imported, not imported again: {names} (--again imports them anyway)"))
     if evicted:
         limit = ", ".join(name for name, value in (("max_entries", after.config.max_entries),
                                                   ("max_disk_bytes", after.config.max_disk_bytes)) if value)
         compacted = (f"; compacted, rewriting {human_bytes(rewritten)}" if summary["compactions"] else
                      "; run 'hmem compact' to free their bytes")
-        out.print(Text(f"evicted {evicted} lower-scored entries to keep {limit}{compacted}"))
+        out.print(literal(f"evicted {evicted} lower-scored entries to keep {limit}{compacted}"))
     if not dry_run:
         change = summary["bytes_written"]
-        out.print(Text(f"{'grew' if change >= 0 else 'shrank'} by {human_bytes(abs(change))} on disk "
+        out.print(literal(f"{'grew' if change >= 0 else 'shrank'} by {human_bytes(abs(change))} on disk "
                        f"({summary['shards_created']} new shard(s)); the store holds {after.entries} entries"))
     return code
 
