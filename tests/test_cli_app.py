@@ -146,8 +146,11 @@ def test_a_command_line_naming_a_command_runs_it_alone_and_others_see_every_comm
     only = app_module._app_for(["stats", "somewhere"])
     assert [info.name for info in only.registered_commands] == ["stats"]
     assert len(app.registered_commands) == 14  # the application itself keeps them all
-    for args in ([], ["--help"], ["--debug", "stats"], ["stat"], ["--version"]):
+    for args in ([], ["--help"], ["--debug", "stats"], ["stat"], ["--version", "stats"]):
         assert app_module._app_for(args) is app
+    assert app_module._app_for(["--version"]).registered_commands == []  # it runs no command
+    version = run_python("-m", "hmem", "--version")
+    assert version.returncode == 0 and version.stdout.strip() == app_module.version_text()
     store = tmp_path / "s"
     assert run_python("-m", "hmem", "init", str(store), "-d", "8").returncode == 0
     stats = run_python("-m", "hmem", "stats", str(store), "--json")

@@ -258,9 +258,11 @@ def _app_for(args: Sequence[str]) -> typer.Typer:
     all fourteen), and each command's module imports what it needs; a
     command line such as `hmem put ...` needs only its own.  Anything else
     (`hmem`, `hmem --help`, `hmem --debug put`, a misspelt command) gets the
-    whole application."""
+    whole application; `hmem --version` alone gets none."""
     if args and any(args[0] == name for name, _, _ in COMMANDS):
         return _new_app([args[0]])
+    if list(args) in (["--version"], ["-V"]):
+        return _new_app([])
     return _whole_app()
 
 
