@@ -269,6 +269,39 @@ def test_topk_replaces_the_worst_on_every_row():
             np.testing.assert_array_equal(got[1], want[1], err_msg=path)
 
 
+@st.composite
+def large_k_cases(draw):
+    # k of 128 and more: the native kernel selects by counting distances
+    # instead of keeping a heap (hamming.h, HM_SELECT_MIN_CAP).  Narrow
+    # distance ranges make the k-th distance shared by many rows, so the tie
+    # rule (lower row first) decides which of them are kept.
+    n = draw(st.integers(0, 2500))
+    nbytes = draw(st.sampled_from([8, 16, 128, 136]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    spread = draw(st.sampled_from([1, 3, nbytes * 8]))  # bits that differ between rows
+    bits = np.zeros((n, nbytes * 8), dtype=np.uint8)
+    bits[:, :spread] = rng.random((n, spread)) < 0.5
+    sigs = np.ascontiguousarray(np.packbits(bits, axis=1, bitorder="little")).reshape(n, nbytes)
+    query = np.zeros(nbytes, dtype=np.uint8)
+    alive = draw(st.sampled_from([None, "random", "few"]))
+    if alive is not None:
+        alive = (rng.random(n) < (0.5 if alive == "random" else 0.02)).astype(np.uint8)
+    k = draw(st.one_of(st.integers(128, 140), st.integers(128, max(128, n + 5))))
+    lo = draw(st.integers(0, n))
+    hi = draw(st.integers(lo, n))
+    return query, sigs, alive, k, lo, hi
+
+
+@given(large_k_cases())
+@example((np.zeros(8, np.uint8), np.zeros((300, 8), np.uint8), None, 128, 0, 300))  # every row tied
+def test_topk_of_large_k_matches_the_reference_on_every_path(case):
+    query, sigs, alive, k, lo, hi = case
+    want_rows, want_dists = ref_hamming.topk(query, sigs, alive, k, lo, hi)
+    for path, (rows, dists) in every_path(lambda: _hamming.topk(query, sigs, alive, k, lo, hi)).items():
+        assert rows.tolist() == want_rows.tolist(), path
+        assert dists.tolist() == want_dists.tolist(), path
+
+
 @pytest.mark.parametrize("module", [_hamming, ref_hamming], ids=["native", "reference"])
 def test_hamming_refuses_bad_arguments(module):
     sigs = np.zeros((4, 64), dtype=np.uint8)

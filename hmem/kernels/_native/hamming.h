@@ -13,7 +13,12 @@
  * of equal distance: once the heap is full a row is rejected with the single
  * test `d >= worst kept distance`.  Replacements are rare after the first
  * rows (about k * ln(n / k) for random data), so the scan runs at the speed
- * of the distance loop.
+ * of the distance loop while k is small.  For large k (the first stage of a
+ * two-stage search keeps thousands of rows) each replacement's heap walk
+ * costs more than the distance itself: there the rows are selected by
+ * counting instead (hm_select_*): one pass keeps every distance and a
+ * histogram of them, the histogram gives the k-th distance, and a second
+ * pass over the kept distances places each row straight at its rank.
  *
  * CPU paths (hm_path of bitops.h): portable SWAR popcount, the POPCNT
  * instruction, and AVX-512 VPOPCNTDQ over 64-byte blocks with a masked load
@@ -22,6 +27,8 @@
  */
 #ifndef HMEM_HAMMING_H
 #define HMEM_HAMMING_H
+
+#include <stdlib.h>
 
 #include "bitops.h"
 
@@ -233,6 +240,111 @@ static size_t hm_topk_scan_avx512(const uint8_t *q, const uint8_t *sigs, size_t 
 }
 #endif
 
+/* ---- top-k by counting, for large k -------------------------------- */
+
+/* Caps from which counting beats the heap (measured: docs/benchmarks.md,
+   "Two-stage search"), and the signature widths whose histogram of
+   distances (nbits + 1 counters) stays small. */
+#define HM_SELECT_MIN_CAP 128
+#define HM_SELECT_MAX_BITS 65536
+
+/*
+ * Pass one: the distance of every row into dist[0, n) (a dead row gets
+ * `dead`, above every distance) and the count of each distance into hist
+ * (nbits + 1 counters, zeroed by the caller).
+ */
+#define HM_SELECT_PASS_BODY(DIST)                                         \
+    for (size_t r = 0; r < n; r++) {                                      \
+        if (alive && !alive[r]) {                                         \
+            dist[r] = dead;                                               \
+            continue;                                                     \
+        }                                                                 \
+        uint32_t d = DIST(q, sigs + r * nbytes, nbytes);                  \
+        dist[r] = d;                                                      \
+        hist[d]++;                                                        \
+    }
+
+static void hm_select_pass_portable(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nbytes,
+                                    const uint8_t *alive, uint32_t dead, uint32_t *dist, size_t *hist)
+{
+    HM_SELECT_PASS_BODY(hm_dist_portable)
+}
+
+#if HM_X86
+__attribute__((target("popcnt")))
+static void hm_select_pass_popcnt(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nbytes,
+                                  const uint8_t *alive, uint32_t dead, uint32_t *dist, size_t *hist)
+{
+    HM_SELECT_PASS_BODY(hm_dist_popcnt)
+}
+
+__attribute__((target("avx512f,avx512vpopcntdq")))
+static void hm_select_pass_avx512(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nbytes,
+                                  const uint8_t *alive, uint32_t dead, uint32_t *dist, size_t *hist)
+{
+    HM_SELECT_PASS_BODY(hm_dist_avx512)
+}
+#endif
+
+/*
+ * The best min(cap, live rows) rows in (distance, row) order, by counting;
+ * returns how many, or (size_t)-1 when its buffers cannot be had (the
+ * caller then takes the heap).
+ */
+static size_t hm_topk_select(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nbytes,
+                             const uint8_t *alive, size_t cap, int32_t *dists, int64_t *rows)
+{
+    const uint32_t nbits = (uint32_t)(nbytes * 8);
+    uint32_t *dist = (uint32_t *)malloc((n ? n : 1) * sizeof(uint32_t));
+    size_t *hist = (size_t *)calloc((size_t)nbits + 1, sizeof(size_t));
+    if (!dist || !hist) {
+        free(dist);
+        free(hist);
+        return (size_t)-1;
+    }
+#if HM_X86
+    if (hm_path == HM_PATH_AVX512)
+        hm_select_pass_avx512(q, sigs, n, nbytes, alive, nbits + 1, dist, hist);
+    else if (hm_path == HM_PATH_POPCNT)
+        hm_select_pass_popcnt(q, sigs, n, nbytes, alive, nbits + 1, dist, hist);
+    else
+#endif
+        hm_select_pass_portable(q, sigs, n, nbytes, alive, nbits + 1, dist, hist);
+    /* t: the distance of the last row kept; rows at distances below t are
+       all kept, rows at t only the first `cap - below` of them. */
+    size_t below = 0, t = 0;
+    for (; t <= nbits; t++) {
+        if (below + hist[t] >= cap)
+            break;
+        below += hist[t];
+    }
+    size_t size = t <= nbits ? cap : below; /* fewer live rows than cap: all of them */
+    /* hist[d] for d < t becomes the rank of the next row at distance d
+       (rows come in ascending order, so each distance's rows stay in row
+       order, the tie rule) */
+    size_t rank = 0;
+    for (size_t d = 0; d < t && d <= nbits; d++) {
+        size_t count = hist[d];
+        hist[d] = rank;
+        rank += count;
+    }
+    size_t tied = below; /* the next rank of a row at distance t */
+    for (size_t r = 0; r < n; r++) {
+        uint32_t d = dist[r];
+        if (d < t) {
+            size_t i = hist[d]++;
+            dists[i] = (int32_t)d;
+            rows[i] = (int64_t)r;
+        } else if (d == t && tied < size) {
+            dists[tied] = (int32_t)d;
+            rows[tied++] = (int64_t)r;
+        }
+    }
+    free(dist);
+    free(hist);
+    return size;
+}
+
 /*
  * The best min(cap, live rows) rows of the matrix, sorted by (distance, row)
  * into dists/rows (each of room for `cap` entries, cap >= 1); returns how
@@ -242,6 +354,11 @@ static size_t hm_topk(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nb
                       const uint8_t *alive, size_t cap, int32_t *dists, int64_t *rows)
 {
     size_t size;
+    if (cap >= HM_SELECT_MIN_CAP && nbytes * 8 <= HM_SELECT_MAX_BITS) {
+        size = hm_topk_select(q, sigs, n, nbytes, alive, cap, dists, rows);
+        if (size != (size_t)-1)
+            return size;
+    }
 #if HM_X86
     if (hm_path == HM_PATH_AVX512)
         size = hm_topk_scan_avx512(q, sigs, n, nbytes, alive, cap, dists, rows);
