@@ -32,7 +32,9 @@ class StoreConfig:
                      useful entries are evicted to make room)
     max_disk_bytes   bytes on disk at most, 0 = unlimited
     shard_max_bytes  size at which a shard file is sealed and a new one begun
-    max_open_shards  shard files kept memory-mapped at once
+    max_open_shards  shard files kept memory-mapped at once (a map costs
+                     address space, not memory; mapping a shard again for
+                     a read costs about 0.1 ms)
     storage_dtype    how K/V rows are stored: "f32", "f16", "bf16" (exact
                      for rows that came in that dtype, half the disk) or
                      "int8" (one F32 scale per row); similarity math is F32
@@ -51,7 +53,7 @@ class StoreConfig:
     max_entries: int = 0
     max_disk_bytes: int = 0
     shard_max_bytes: int = 256 * MiB
-    max_open_shards: int = 4
+    max_open_shards: int = 256
     quantize_stored: bool = False
     storage_dtype: str = "f32"
     signatures_per_entry: int = 1

@@ -73,7 +73,7 @@ def test_config_defaults():
     assert cfg.max_entries == 0
     assert cfg.max_disk_bytes == 0
     assert cfg.shard_max_bytes == 256 * MiB
-    assert cfg.max_open_shards == 4
+    assert cfg.max_open_shards == 256
     assert cfg.quantize_stored is False
     assert cfg.signature_bytes == 512
 

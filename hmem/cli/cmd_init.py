@@ -24,7 +24,7 @@ def init(
     max_entries: Annotated[int, typer.Option("--max-entries", help="Live entries kept at most; 0 = unlimited.")] = 0,
     max_disk: Annotated[str, typer.Option("--max-disk", help="Bytes on disk at most (e.g. 50G); 0 = unlimited.")] = "0",
     shard_max: Annotated[str, typer.Option("--shard-max", help="Size at which a shard file is sealed.")] = "256MiB",
-    max_open_shards: Annotated[int, typer.Option("--max-open-shards", help="Shard files memory-mapped at once.")] = 4,
+    max_open_shards: Annotated[int, typer.Option("--max-open-shards", help="Shard files memory-mapped at once.")] = 256,
     storage_dtype: Annotated[str, typer.Option("--storage-dtype", help="How K/V rows are stored: f32, f16, bf16 "
                                                "(half the disk, exact for rows of that dtype) or int8.")] = "f32",
     quantize: Annotated[bool, typer.Option("--quantize", help="The same as --storage-dtype int8.")] = False,
