@@ -214,8 +214,9 @@ class Queries:
             if kv is not None:
                 break
             positions, sims = self._shortlist(layer, signature, k * factor, search, skipped, rerank)
-        results = [self._result(int(pos), float(sims[i]), None if cosines is None else float(cosines[i]),
-                                kv[i], framework) for i, pos in enumerate(positions)]
+        rows = self.state.records[list(_RESULT_FIELDS)][positions].tolist()  # Python values, in one call
+        results = [self._result(row, float(sims[i]), None if cosines is None else float(cosines[i]), kv[i], framework)
+                   for i, row in enumerate(rows)]
         return QueryResults(results, () if skipped is None else skipped.values()), positions
 
     def _from_pooled_file(self, positions: np.ndarray, *, skip: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -330,24 +331,31 @@ class Queries:
         state.dirty.update(int(p) for p in positions)
         return now
 
-    def _result(self, pos: int, sim: float, cosine: float | None, kv: tuple[np.ndarray, np.ndarray],
+    @staticmethod
+    def _result(row: tuple, sim: float, cosine: float | None, kv: tuple[np.ndarray, np.ndarray],
                 framework: str) -> QueryResult:
-        row = self.state.records[pos]
+        """The result of one record, given as the Python values of its
+        _RESULT_FIELDS."""
+        entry_id, layer_idx, n_tokens, importance, timestamp, access_count, shard_idx = row
         keys, values = kv
         return QueryResult(
-            entry_id=int(row["entry_id"]),
-            layer_idx=int(row["layer_idx"]),
+            entry_id=entry_id,
+            layer_idx=layer_idx,
             score=sim if cosine is None else cosine,
             similarity=sim,
             cosine=cosine,
             keys=as_framework(keys, framework),
             values=as_framework(values, framework),
-            n_tokens=int(row["n_tokens"]),
-            importance=float(row["importance"]),
-            timestamp=int(row["timestamp"]),
-            access_count=int(row["access_count"]),
-            shard_idx=int(row["shard_idx"]),
+            n_tokens=n_tokens,
+            importance=importance,
+            timestamp=timestamp,
+            access_count=access_count,
+            shard_idx=shard_idx,
         )
+
+
+# the record fields a QueryResult carries, in _result's order
+_RESULT_FIELDS = ("entry_id", "layer_idx", "n_tokens", "importance", "timestamp", "access_count", "shard_idx")
 
 
 def _cosines(pooled_rows: np.ndarray | list[np.ndarray], target: np.ndarray) -> np.ndarray:
