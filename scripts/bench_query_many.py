@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--entries", type=int, default=1_000_000, metavar="N", help="entries in the layer (default 1,000,000)")
     p.add_argument("--store", metavar="PATH", help="build the store here once and reuse it (default: a temp dir)")
     p.add_argument("--max-open-shards", type=int, default=hmem.StoreConfig(embed_dim=1).max_open_shards, metavar="N",
-                   help="the store's max_open_shards when it is built (default hmem's, 4); the store has one "
+                   help="the store's max_open_shards when it is built (default hmem's, 256); the store has one "
                         "shard per 10,000 entries, and re-rank reads pooled keys from many of them")
     p.add_argument("--queries", type=int, default=64, metavar="N", help="queries per batch (default 64)")
     p.add_argument("--repeat", type=int, default=5, metavar="N", help="timed rounds per case (default 5)")

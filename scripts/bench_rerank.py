@@ -6,9 +6,10 @@ query by signature only, on stores of 100k and 1M entries.
 
 Each store holds its entries over 32 layers (1 token x 16 float32, hdc_dim
 4096), put with put_many in batches of 10,000, each flushed (so a store of
-1M entries has 100 shards; the store keeps max_open_shards = 4 mapped, as
-by default). Per query, on one layer, top-5 and top-10, count_access=False,
-each result's K/V touched:
+1M entries has 100 shards; the store keeps max_open_shards of them mapped,
+hmem's default when it was built: 256, or 4 before that default changed).
+Per query, on one layer, top-5 and top-10, count_access=False, each
+result's K/V touched:
 
 - signature: rerank=False (the baseline of the goal);
 - re-rank: rerank=True, the shortlist's pooled keys from pooled.bin;
