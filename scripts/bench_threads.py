@@ -12,6 +12,9 @@ serving process holds it). Cases, each answering the same 200 queries:
 - 2 threads sharing one Store (100 queries each);
 - 2 threads, each with its own Store opened read-only on the same path
   (the baseline: nothing shared);
+- 2 processes, each with its own Store opened read-only, each answering
+  half of the queries from the same moment (nothing shared, not even the
+  GIL: what this machine allows two readers at all);
 - 2 threads sharing one Store while a writer thread on it puts 100 entries
   (in another layer) and flushes, again and again, with --writer-pause
   seconds between rounds.
@@ -30,6 +33,7 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -59,6 +63,32 @@ def open_store(root: Path, log) -> Path:
                 store.put_many(hmem.Entry(k, k, 0) for k in keys)
                 store.flush()
     return path
+
+
+def process_child(argv: list[str]) -> None:
+    """In a child process: open the store read-only, warm up, wait for the
+    start time, answer queries [lo, hi) and print the seconds it took."""
+    path, search, lo, hi, start_at = argv[0], argv[1], int(argv[2]), int(argv[3]), float(argv[4])
+    queries = np.random.default_rng(5).standard_normal((QUERIES, 4, EMBED_DIM), dtype=np.float32)
+    with hmem.Store.open(path, read_only=True) as store:
+        run_threads([store], queries[:10], search)
+        while time.time() < start_at:
+            time.sleep(0.0005)
+        print(run_threads([store], queries[lo:hi], search), flush=True)
+
+
+def run_processes(path: Path, search: str) -> float:
+    """Seconds for 2 processes, started together, to answer half the
+    queries each (the slower one's time; start-up and warm-up not timed)."""
+    start_at = time.time() + 2.0  # time enough to start, open and warm up
+    half = QUERIES // 2
+    children = [subprocess.Popen([sys.executable, __file__, "--child", str(path), search, str(lo), str(hi),
+                                  repr(start_at)], stdout=subprocess.PIPE, text=True)
+                for lo, hi in ((0, half), (half, QUERIES))]
+    outs = [child.communicate()[0] for child in children]
+    if any(child.returncode for child in children):
+        raise RuntimeError("a query process failed")
+    return max(float(out) for out in outs)
 
 
 def run_threads(stores: list[hmem.Store], queries: np.ndarray, search: str) -> float:
@@ -121,6 +151,10 @@ class Writer:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        process_child(argv[1:])
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", default="/tmp/hmem-bench-threads", help="where the store is built and kept")
     p.add_argument("--repeat", type=int, default=5)
@@ -153,11 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         for s in (shared, *own):
             run_threads([s], queries[:10], args.search)  # warm: maps, prefix matrices
         times: dict[str, list[float]] = {"1 thread": [], "2 threads, one Store": [], "2 threads, own Stores": [],
-                                         "2 threads, one Store, writer": []}
+                                         "2 processes, own Stores": [], "2 threads, one Store, writer": []}
         for _ in range(args.repeat):
             times["1 thread"].append(run_threads([shared], queries, args.search))
             times["2 threads, one Store"].append(run_threads([shared, shared], queries, args.search))
             times["2 threads, own Stores"].append(run_threads(own, queries, args.search))
+            times["2 processes, own Stores"].append(run_processes(path, args.search))
             with Writer(shared, args.writer_pause) as writer:
                 times["2 threads, one Store, writer"].append(run_threads([shared, shared], queries, args.search))
             writes += writer.rounds
