@@ -15,6 +15,7 @@ MiB = 1 << 20
 STORAGE_DTYPES = ("f32", "f16", "bf16", "int8")
 U64_MAX = validation.U64_MAX
 MAX_SIGNATURES_PER_ENTRY = 64
+MAX_OPEN_SHARDS = 1 << 16
 # A span signature is the first SPAN_SIGNATURE_BITS bits of the signature
 # of its span's mean (all of it when hdc_dim is smaller): spans only pick
 # candidates, which their exact pooled keys then rank (docs/format.md).
@@ -70,7 +71,7 @@ class StoreConfig:
         integer("max_entries", 0, U64_MAX)
         integer("max_disk_bytes", 0, U64_MAX)
         integer("shard_max_bytes", 1, U64_MAX)
-        integer("max_open_shards", 1, 1 << 16)
+        integer("max_open_shards", 1, MAX_OPEN_SHARDS)
         integer("signatures_per_entry", 1, MAX_SIGNATURES_PER_ENTRY)
         validation.flag(self.quantize_stored, "quantize_stored")
         validation.choice(self.storage_dtype, "storage_dtype", STORAGE_DTYPES)

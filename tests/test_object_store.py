@@ -145,11 +145,11 @@ def test_bad_input_leaves_the_objects_unchanged(s3_server, s3_url):
 # ---- readers see whole commits and pick up new ones ---------------------------------------
 
 
-def test_refresh_takes_new_commits_and_old_entries_stay_right(s3_url):
+def test_refresh_takes_new_commits_and_old_entries_stay_right(s3_url, store_internals):
     writer = Store.create(s3_url, embed_dim=DIM)
     first = _fill(writer, range(10))
     writer.flush()
-    reader = Store.open(s3_url, read_only=True)
+    reader = Store.open(s3_url, read_only=True, max_open_shards=7)
     try:
         _check_kv(reader, first)
         second = _fill(writer, range(10, 15))
@@ -165,6 +165,7 @@ def test_refresh_takes_new_commits_and_old_entries_stay_right(s3_url):
         writer.compact()
         assert reader.refresh() is True
         _check_kv(reader, {i: s for i, s in {**first, **second}.items() if i not in gone})
+        assert store_internals.shard_map_limit(reader) == 7  # open()'s bound outlives the refreshes
     finally:
         reader.close()
         writer.close()

@@ -1140,6 +1140,27 @@ def test_open_shards_stay_within_max_open_shards(tmp_path, store_internals):
         store.close()
 
 
+def test_open_may_map_more_shards_than_the_store_setting(tmp_path, store_internals):
+    # A store made when the default was 4 keeps 4 in its config; open() may
+    # give this process a larger bound without changing the store.
+    rng = np.random.default_rng(22)
+    with Store.create(tmp_path / "s", embed_dim=16, hdc_dim=256, shard_max_bytes=1200, max_open_shards=2) as store:
+        data = {store.put(k, k, layer_idx=0): k for k in (gauss(rng, 3) for _ in range(12))}
+    for read_only in (True, False):
+        with Store.open(tmp_path / "s", read_only=read_only, max_open_shards=8) as store:
+            assert store.config.max_open_shards == 2  # the store's setting, unchanged
+            assert store_internals.shard_map_limit(store) == 8
+            for eid, k in data.items():
+                assert store.query(k, 0, 3)[0].entry_id == eid
+            assert 2 < store_internals.open_shard_maps(store) <= 8
+    assert json.loads((tmp_path / "s" / "index.json").read_text())["config"]["max_open_shards"] == 2
+    for bad in (0, -1, 1 << 17, 2.5, True, "8"):
+        with pytest.raises(hmem.InvalidArgumentError, match="max_open_shards"):
+            Store.open(tmp_path / "s", max_open_shards=bad)
+    with Store.open(tmp_path / "s") as store:  # a refused open took no lock and left nothing behind
+        assert store_internals.shard_map_limit(store) == 2
+
+
 # ---- flush and reopen -------------------------------------------------------------------
 
 
