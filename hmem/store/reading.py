@@ -30,10 +30,25 @@ class EntryReader:
     def kv(self, pos: int, *, check: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values of the record at `pos`, as float32 rows (each
         tensor's CRC checked on first read with verify_reads, or when `check`)."""
-        storage = self.state.config.storage_dtype
-        stored = self.stored(pos, check=check)
-        rows = [storage_codec.decode(stored[kind], stored.get(kind + "s"), storage) for kind in ("k", "v")]
-        return rows[0], rows[1]
+        state = self.state
+        storage = state.config.storage_dtype
+        entry_id, shard_idx, n_tokens = state.records[["entry_id", "shard_idx", "n_tokens"]][pos].tolist()
+        builder = state.builder  # read once: a flush beside this read may seal it
+        if storage == "int8" or (builder is not None and shard_idx == builder.index):
+            stored = self.stored(pos, check=check)
+            rows = [storage_codec.decode(stored[kind], stored.get(kind + "s"), storage) for kind in ("k", "v")]
+            return rows[0], rows[1]
+        # a sealed shard, no scales: both tensors through one look-up of the entry's index row
+        reader = self.shard(shard_idx)
+        keys, values = reader.pair(entry_id, shard_file.DTYPES[shard_file.KV_DTYPES[storage]],
+                                   (n_tokens, state.config.embed_dim))
+        if state.verify_reads if check is None else check:
+            verified = reader.verified
+            for kind, array in (("k", keys), ("v", values)):
+                if (entry_id, kind) not in verified and not reader.check(entry_id, kind, array):
+                    raise CorruptStoreError(f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} "
+                                            "fails its checksum", hint=Hint.VERIFY_FULL)
+        return storage_codec.decode(keys, None, storage), storage_codec.decode(values, None, storage)
 
     def stored(self, pos: int, *, check: bool | None = None) -> dict[str, np.ndarray]:
         """The K/V tensors of the record at `pos` as the shard holds them, not

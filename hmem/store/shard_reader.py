@@ -128,9 +128,24 @@ class ShardReader:
         column = KINDS.index(kind)
         return int(self.index[row + 1, 2 + column]), int(self.index[row + 1, 7 + column])
 
+    def pair(self, entry_id: int, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Read-only views of an entry's keys and values (tensors k and v),
+        its index row found once for both."""
+        ids = self.state.ids
+        assert ids is not None  # set by _load_index, which every reader runs first
+        row = int(ids.searchsorted(entry_id))
+        if row >= len(ids) or ids[row] != entry_id:
+            raise self._bad(f"it holds no entry {entry_id}")
+        k_start, v_start = self.index[row + 1, 2:4].tolist()  # the offsets of KINDS[0] and [1], k and v
+        return self._view(entry_id, "k", k_start, dtype, shape), self._view(entry_id, "v", v_start, dtype, shape)
+
     def tensor(self, entry_id: int, kind: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """A read-only view of one tensor in the memory map (no copy)."""
         start, _ = self._locate(entry_id, kind)
+        return self._view(entry_id, kind, start, dtype, shape)
+
+    def _view(self, entry_id: int, kind: str, start: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """The tensor at data offset `start`, checked to lie in the file."""
         nbytes = math.prod(shape) * dtype.itemsize
         begin = self.data_start + start
         if start < 0 or begin + nbytes > self.size:
