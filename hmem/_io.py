@@ -19,6 +19,7 @@ them, so any that exist when a writer opens the store are garbage.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import itertools
 import os
@@ -275,8 +276,20 @@ def write_pieces(path: Path, pieces: Sequence[tuple[int, Buffer]]) -> None:
         return
     fd = _open(path, os.O_WRONLY)
     try:
-        for offset, data in pieces:
-            _write_all(fd, path, [data], offset)
+        # One error context for the whole loop: the pieces are small (a
+        # flush writes each access count it persists as a 12-byte piece)
+        # and a context of their own cost more than their writes.  The
+        # fault hook still sees every write.
+        with _errors("write", path):
+            for i, (offset, data) in enumerate(pieces):
+                if i and _fault_hook is not None:
+                    _fault_hook("write", os.fspath(path))
+                view = memoryview(data).cast("B")
+                while view:
+                    n = os.pwrite(fd, view, offset)
+                    if n <= 0:
+                        raise OSError(errno.EIO, "a write wrote nothing")
+                    view, offset = view[n:], offset + n
         _fsync(fd, path)
     finally:
         os.close(fd)
