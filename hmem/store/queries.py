@@ -10,9 +10,8 @@ next best takes its place, and the query reports what it left out
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -109,24 +108,18 @@ class Queries:
             shortlists = state.index.search_many(layer, np.stack([sig for sig, _ in prepared]), k * factor, search)
             pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check,
                                            span_tokens)
-        answers = [self._answer(layer, sig, mean, shortlist, k, factor, rerank=rerank, framework=framework,
+        answers = [self._answer(layer, sig, mean, shortlist, k, factor, rerank=rerank,
                                 skip=skip, search=search, pooled=pooled, kvs=kvs, q_tokens=q_tokens)
                    for (sig, mean), shortlist, q_tokens in zip(prepared, shortlists, span_tokens)]
         used = self._searched(layer, search, k * factor)
-        for answer, _ in answers:
-            answer.search = used
         # Accesses are counted once every query is answered (a damaged entry
         # that raises leaves no count behind), in order: each query's results
         # show the counts of the queries before it, as one after another.
-        if not count_access or state.read_only:
-            return [answer for answer, _ in answers]
-        counted = []
-        with state.counts_lock:  # other threads' queries count too (hmem/store/rwlock.py)
-            for answer, positions in answers:
-                now = self.count_access(positions)
-                counted.append(QueryResults([dataclasses.replace(r, access_count=int(c)) for r, c in zip(answer, now)],
-                                            answer.skipped, used))
-        return counted
+        counts: list[list[int] | None] = [None] * len(answers)
+        if count_access and not state.read_only:
+            with state.counts_lock:  # other threads' queries count too (hmem/store/rwlock.py)
+                counts = [self.count_access(answer.positions).tolist() for answer in answers]
+        return [answer.results(framework, used, now) for answer, now in zip(answers, counts)]
 
     def _searched(self, layer: int, search: str, n: int) -> str:
         """How a search of mode `search` for n rows ran on this layer: what
@@ -183,13 +176,12 @@ class Queries:
 
     def _answer(self, layer: int, signature: np.ndarray, q_mean: np.ndarray,
                 shortlist: tuple[np.ndarray, np.ndarray], k: int, factor: int, *, rerank: bool,
-                framework: str, skip: bool, search: str, pooled: dict[int, np.ndarray],
-                kvs: dict[int, tuple[np.ndarray, np.ndarray]], q_tokens: int | None
-                ) -> tuple[QueryResults, np.ndarray]:
-        """One query's results from its signature shortlist (record
-        positions, Hamming distances), re-ranked and read, and their record
-        positions.  `pooled` and `kvs` hold tensors already read, by record
-        position; `q_tokens` is the query's token count in a span search."""
+                skip: bool, search: str, pooled: dict[int, np.ndarray],
+                kvs: dict[int, tuple[np.ndarray, np.ndarray]], q_tokens: int | None) -> _Answer:
+        """One query's answer from its signature shortlist (record
+        positions, Hamming distances), re-ranked and read.  `pooled` and
+        `kvs` hold tensors already read, by record position; `q_tokens` is
+        the query's token count in a span search."""
         state = self.state
         # "skip" checks every tensor it hands out, verify_reads or not: a
         # skipped entry is one whose damage was seen, so one never seen must
@@ -214,10 +206,9 @@ class Queries:
             if kv is not None:
                 break
             positions, sims = self._shortlist(layer, signature, k * factor, search, skipped, rerank)
-        rows = self.state.records[list(_RESULT_FIELDS)][positions].tolist()  # Python values, in one call
-        results = [self._result(row, float(sims[i]), None if cosines is None else float(cosines[i]), kv[i], framework)
-                   for i, row in enumerate(rows)]
-        return QueryResults(results, () if skipped is None else skipped.values()), positions
+        return _Answer(positions, self.state.records[list(_RESULT_FIELDS)][positions].tolist(), sims.tolist(),
+                       None if cosines is None else cosines.tolist(), kv,
+                       () if skipped is None else tuple(skipped.values()))
 
     def _from_pooled_file(self, positions: np.ndarray, *, skip: bool) -> tuple[np.ndarray, np.ndarray]:
         """(keys, found): the pooled keys pooled.bin holds for these
@@ -331,31 +322,46 @@ class Queries:
         state.dirty.update(int(p) for p in positions)
         return now
 
-    @staticmethod
-    def _result(row: tuple, sim: float, cosine: float | None, kv: tuple[np.ndarray, np.ndarray],
-                framework: str) -> QueryResult:
-        """The result of one record, given as the Python values of its
-        _RESULT_FIELDS."""
-        entry_id, layer_idx, n_tokens, importance, timestamp, access_count, shard_idx = row
-        keys, values = kv
-        return QueryResult(
-            entry_id=entry_id,
-            layer_idx=layer_idx,
-            score=sim if cosine is None else cosine,
-            similarity=sim,
-            cosine=cosine,
-            keys=as_framework(keys, framework),
-            values=as_framework(values, framework),
-            n_tokens=n_tokens,
-            importance=importance,
-            timestamp=timestamp,
-            access_count=access_count,
-            shard_idx=shard_idx,
-        )
 
-
-# the record fields a QueryResult carries, in _result's order
+# the record fields a QueryResult carries, in _Answer.results' order
 _RESULT_FIELDS = ("entry_id", "layer_idx", "n_tokens", "importance", "timestamp", "access_count", "shard_idx")
+
+
+class _Answer(NamedTuple):
+    """One query's answer before its results are made: its record
+    positions and, for each, its _RESULT_FIELDS, similarity, cosine (None
+    without re-rank) and K/V."""
+
+    positions: np.ndarray
+    rows: list[tuple]
+    sims: list[float]
+    cosines: list[float] | None
+    kvs: list[tuple[np.ndarray, np.ndarray]]
+    skipped: tuple[SkippedEntry, ...]
+
+    def results(self, framework: str, search: str, access_counts: list[int] | None) -> QueryResults:
+        """The QueryResults, each access count the one given (the counts
+        after this query's accesses) or else the record's."""
+        out = []
+        for i, (entry_id, layer_idx, n_tokens, importance, timestamp, access_count, shard_idx) in enumerate(self.rows):
+            sim = self.sims[i]
+            cosine = None if self.cosines is None else self.cosines[i]
+            keys, values = self.kvs[i]
+            out.append(QueryResult(
+                entry_id=entry_id,
+                layer_idx=layer_idx,
+                score=sim if cosine is None else cosine,
+                similarity=sim,
+                cosine=cosine,
+                keys=as_framework(keys, framework),
+                values=as_framework(values, framework),
+                n_tokens=n_tokens,
+                importance=importance,
+                timestamp=timestamp,
+                access_count=access_count if access_counts is None else access_counts[i],
+                shard_idx=shard_idx,
+            ))
+        return QueryResults(out, self.skipped, search)
 
 
 def _cosines(pooled_rows: np.ndarray | list[np.ndarray], target: np.ndarray) -> np.ndarray:
