@@ -106,6 +106,36 @@ def test_a_warm_query_makes_no_request_and_a_cold_one_few(s3_url):
         assert reader.stats().remote.requests == before  # warm: no request at all
 
 
+def test_a_closing_writer_leaves_one_state_object_for_readers(s3_url, s3_server):
+    writer = Store.create(s3_url, embed_dim=DIM)
+    data = {}
+    for lo in range(0, 40, 10):  # a state object per flush
+        data.update(_fill(writer, range(lo, lo + 10)))
+        writer.flush()
+    assert len(_manifest(s3_server, s3_url)["state"]) > 1
+    writer.close()
+    listed = _manifest(s3_server, s3_url)["state"]
+    assert len(listed) == 1  # one snapshot, which the session's uploads paid for many times over
+    with Store.open(s3_url, read_only=True) as reader:
+        assert reader.stats().remote.requests == 2  # the manifest, the snapshot
+        _check_kv(reader, data)
+    assert hmem.verify(s3_url, full=True).ok
+
+
+def test_a_small_session_on_a_large_store_does_not_upload_its_records_whole(s3_url, s3_server):
+    with Store.create(s3_url, embed_dim=DIM) as writer:
+        data = _fill(writer, range(200))
+    for seed in (1000, 1001):  # two sessions of one entry each, a flush and a close
+        with Store.open(s3_url) as writer:
+            data.update(_fill(writer, [seed]))
+    listed = _manifest(s3_server, s3_url)["state"]
+    assert len(listed) == 3  # the snapshot of the first session, then one change per session
+    assert listed[1]["bytes"] < listed[0]["bytes"] // 20
+    with Store.open(s3_url, read_only=True) as reader:
+        assert reader.stats().remote.requests == 4
+        _check_kv(reader, data)
+
+
 def test_create_refuses_an_existing_store_and_open_an_empty_prefix(s3_url):
     Store.create(s3_url, embed_dim=DIM).close()
     with pytest.raises(StoreExistsError):

@@ -151,6 +151,7 @@ class RemoteLink:
         self.etag: str | None = None
         self.published_generation = -1  # the local commit last published
         self.published_local: Manifest | None = None  # and what it said
+        self.uploaded_bytes = 0  # shard and state objects this writer uploaded (consolidate)
         self._dirs = 0
 
     # ---- reading the committed state -------------------------------------------------
@@ -242,14 +243,30 @@ class RemoteLink:
         self.manifest = None
         self.publish(directory, committed, create=True)
 
+    def consolidate(self, directory: Path, committed: Manifest) -> None:
+        """At a writer's close: when the manifest lists more than one state
+        object, commit the same state again as one snapshot, so that every
+        reader opens it with two requests (the manifest, the snapshot);
+        only when the snapshot is no bigger than what this writer uploaded
+        since it opened, so that closing at most doubles a session's
+        uploads (a writer that added one entry to a large store does not
+        upload its records whole)."""
+        mf = self.manifest
+        if mf is None or len(mf.state) <= 1 or self.published_generation != committed.generation:
+            return
+        if sum(committed_sizes(directory, committed).values()) > self.uploaded_bytes:
+            return
+        self.publish(directory, committed, snapshot=True, again=True)
+
     def publish(self, directory: Path, committed: Manifest, written: bytes | None = None, *, create: bool = False,
-                snapshot: bool = False, data_only: bool = False) -> None:
+                snapshot: bool = False, data_only: bool = False, again: bool = False) -> None:
         """Commit the working copy's last local commit (`committed`; `written`:
         the index.json it wrote, whose pending updates say which records it
         changed in place) to the object store: a state object with what that
-        commit changed, or a snapshot (module docstring)."""
+        commit changed, or a snapshot (module docstring).  `again`: commit
+        a commit already published once more (consolidate)."""
         generation = committed.generation
-        if generation == self.published_generation and not create:
+        if generation == self.published_generation and not (create or again):
             return
         if data_only and self._same_data(committed, written):
             # A local commit of an id reservation alone: not needed here.  A
@@ -275,6 +292,7 @@ class RemoteLink:
                 continue
             key = fmt.shard_key(info.uid)
             self.client.put(key, directory / info.file)
+            self.uploaded_bytes += info.bytes
             named[info.uid] = {"key": key, "bytes": info.bytes}
         retired = [] if old is None else [r for r in old.retired]
         expired = [r["key"] for r in retired if now - r["since"] >= self.retire_seconds]
@@ -306,6 +324,7 @@ class RemoteLink:
             key = fmt.state_key(next_generation, lease.token[:8])
             body = fmt.encode_state(pieces)
             self.client.put(key, body)
+            self.uploaded_bytes += len(body)
             state_list.append({"key": key, "bytes": len(body)})
         new_mf = fmt.RemoteManifest(generation=next_generation, index=index_bytes, sizes=sizes, state=state_list,
                                     shards=named, retired=retired, writer=lease.token, committed=now)

@@ -32,6 +32,7 @@ from hmem.errors import (
     CorruptStoreError,
     EntryNotFoundError,
     Hint,
+    HmemError,
     InvalidArgumentError,
     StoreChangedError,
     StoreExistsError,
@@ -353,6 +354,11 @@ class Store:
                 if not state.read_only:
                     self._writer.close()
                     self._publish()
+                    if self._remote is not None:  # readers then open with two requests
+                        try:
+                            self._remote.consolidate(state.path, state.committed)
+                        except HmemError:
+                            pass  # everything is committed already: the state list stays as it was
             finally:
                 state.shut()
                 if self._release_unclosed is not None:
