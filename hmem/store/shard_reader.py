@@ -119,24 +119,23 @@ class ShardReader:
             self.state.ids = np.ascontiguousarray(index[1:, 0])
         return data_start, index
 
-    def _locate(self, entry_id: int, kind: str) -> tuple[int, int]:
-        ids = self.state.ids
-        assert ids is not None  # set by _load_index, which every reader runs first
-        row = int(np.searchsorted(ids, entry_id))
-        if row >= len(ids) or ids[row] != entry_id:
-            raise self._bad(f"it holds no entry {entry_id}")
-        column = KINDS.index(kind)
-        return int(self.index[row + 1, 2 + column]), int(self.index[row + 1, 7 + column])
-
-    def pair(self, entry_id: int, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """Read-only views of an entry's keys and values (tensors k and v),
-        its index row found once for both."""
+    def _row(self, entry_id: int) -> int:
+        """The entry's row of the index (after its header row)."""
         ids = self.state.ids
         assert ids is not None  # set by _load_index, which every reader runs first
         row = int(ids.searchsorted(entry_id))
         if row >= len(ids) or ids[row] != entry_id:
             raise self._bad(f"it holds no entry {entry_id}")
-        k_start, v_start = self.index[row + 1, 2:4].tolist()  # the offsets of KINDS[0] and [1], k and v
+        return row + 1
+
+    def _locate(self, entry_id: int, kind: str) -> tuple[int, int]:
+        row, column = self._row(entry_id), KINDS.index(kind)
+        return int(self.index[row, 2 + column]), int(self.index[row, 7 + column])
+
+    def pair(self, entry_id: int, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Read-only views of an entry's keys and values (tensors k and v),
+        its index row found once for both."""
+        k_start, v_start = self.index[self._row(entry_id), 2:4].tolist()  # offsets of KINDS[0] and [1]: k, v
         return self._view(entry_id, "k", k_start, dtype, shape), self._view(entry_id, "v", v_start, dtype, shape)
 
     def tensor(self, entry_id: int, kind: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
