@@ -20,6 +20,11 @@ MAX_OPEN_SHARDS = 1 << 16
 # of its span's mean (all of it when hdc_dim is smaller): spans only pick
 # candidates, which their exact pooled keys then rank (docs/format.md).
 SPAN_SIGNATURE_BITS = 512
+# How an entry's tokens are cut into its spans (docs/format.md, "Span
+# signatures"): "overlapping" windows, each two of S equal parts wide,
+# starting one part apart (new stores), or "disjoint" equal spans (stores
+# made before span_layout existed, whose config does not name one).
+SPAN_LAYOUTS = ("overlapping", "disjoint")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,13 @@ class StoreConfig:
                      entry's tokens cut into S - 1 equal spans, so that a
                      query of a few tokens finds the entry that holds them
                      (docs/format.md, "Span signatures")
+    span_layout      how the spans cut an entry's tokens: "overlapping"
+                     (default: S - 1 windows, each 2/S of the tokens wide,
+                     starting 1/S apart, so a few consecutive tokens lie
+                     mostly inside one window) or "disjoint" (S - 1 equal
+                     spans, the layout of span stores made before
+                     span_layout existed);
+                     meaningless without spans, where it is "overlapping"
     """
 
     embed_dim: int
@@ -58,6 +70,7 @@ class StoreConfig:
     quantize_stored: bool = False
     storage_dtype: str = "f32"
     signatures_per_entry: int = 1
+    span_layout: str = "overlapping"
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int, high: int) -> None:
@@ -75,6 +88,9 @@ class StoreConfig:
         integer("signatures_per_entry", 1, MAX_SIGNATURES_PER_ENTRY)
         validation.flag(self.quantize_stored, "quantize_stored")
         validation.choice(self.storage_dtype, "storage_dtype", STORAGE_DTYPES)
+        validation.choice(self.span_layout, "span_layout", SPAN_LAYOUTS)
+        if self.signatures_per_entry == 1:  # no spans: nothing to lay out, saved as before layouts existed
+            object.__setattr__(self, "span_layout", "overlapping")
         if self.quantize_stored and self.storage_dtype not in ("f32", "int8"):
             raise InvalidArgumentError(f"quantize_stored means storage_dtype='int8', not {self.storage_dtype!r}")
         if self.quantize_stored or self.storage_dtype == "int8":
@@ -109,6 +125,9 @@ class StoreConfig:
             del out["storage_dtype"]
         if self.signatures_per_entry == 1:  # likewise: a store without spans is saved as before they existed
             del out["signatures_per_entry"]
+            del out["span_layout"]
+        elif self.span_layout == "disjoint":  # saved as before layouts existed
+            del out["span_layout"]
         return out
 
     @classmethod
@@ -125,6 +144,8 @@ class StoreConfig:
             )
         if "embed_dim" not in data:
             raise UnsupportedFormatError("the store's config has no embed_dim")
+        if "span_layout" not in data:  # saved before layouts existed: its spans are disjoint
+            data = {**data, "span_layout": "disjoint"}
         try:
             return cls(**data)
         except InvalidArgumentError as exc:

@@ -31,6 +31,9 @@ def init(
     signatures_per_entry: Annotated[int, typer.Option(
         "--signatures-per-entry", help="1: one signature per entry, of its mean key.  S > 1: also S - 1 span "
         "signatures, so that a query of a few tokens finds the entry holding them (docs/cli.md).")] = 1,
+    span_layout: Annotated[str, typer.Option(
+        "--span-layout", help="How the spans cut an entry's tokens: overlapping (S - 1 windows, each 2/S of the "
+        "tokens, starting 1/S apart) or disjoint (S - 1 equal spans, the earlier layout).")] = "overlapping",
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -40,7 +43,7 @@ def init(
         embed_dim=embed_dim, hdc_dim=hdc_dim, seed=seed, max_entries=max_entries,
         max_disk_bytes=parse_size(max_disk, "--max-disk"), shard_max_bytes=parse_size(shard_max, "--shard-max"),
         max_open_shards=max_open_shards, storage_dtype="int8" if quantize else storage_dtype,
-        signatures_per_entry=signatures_per_entry,
+        signatures_per_entry=signatures_per_entry, span_layout=span_layout,
     )
     with signals.stoppable():  # creating a store is short: a signal lets it finish (hmem/cli/signals.py)
         with Store.create(path, config) as store:

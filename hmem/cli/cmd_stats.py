@@ -49,7 +49,7 @@ def stats(
     summary.add_row("accesses", str(st.total_accesses))
     summary.add_row("config", f"embed_dim {cfg.embed_dim}, hdc_dim {cfg.hdc_dim}, seed {cfg.seed}, "
                     f"stored as {cfg.storage_dtype}, shards up to {human_bytes(cfg.shard_max_bytes)}"
-                    + (f", {cfg.signatures_per_entry} signatures per entry" if cfg.spans else ""))
+                    + (f", {cfg.signatures_per_entry} signatures per entry ({cfg.span_layout} spans)" if cfg.spans else ""))
     limits = [f"max {cfg.max_entries} entries" if cfg.max_entries else "",
               f"max {human_bytes(cfg.max_disk_bytes)} on disk" if cfg.max_disk_bytes else ""]
     summary.add_row("limits", ", ".join(x for x in limits if x) or "none")

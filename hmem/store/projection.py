@@ -116,18 +116,27 @@ def _array(shape: tuple[int, int], dtype: type, buffers: list[np.ndarray] | None
 SINK_FACTOR = 3.0
 
 
-def span_bounds(starts: np.ndarray, spans: int, skip: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def span_bounds(starts: np.ndarray, spans: int, skip: np.ndarray | None = None,
+                layout: str = "overlapping") -> tuple[np.ndarray, np.ndarray]:
     """(first, end) rows of each span of each entry, int64 [n, spans] each:
     entry e (rows starts[e] .. starts[e + 1] - 1, n_e of them; without its
-    first row where skip[e]) cut into `spans` spans, span j covering its
-    rows j * n_e // spans up to (j + 1) * n_e // spans.  An entry of fewer
-    tokens than spans gives some spans a single row of their own instead of
-    none (docs/format.md, "Span signatures")."""
+    first row where skip[e]) cut by `layout` (docs/format.md, "Span
+    signatures"):
+
+    - "overlapping": span j covers its rows j * n_e // (spans + 1) up to
+      (j + 2) * n_e // (spans + 1), two of spans + 1 equal parts, so that
+      consecutive spans share a part;
+    - "disjoint": span j covers its rows j * n_e // spans up to
+      (j + 1) * n_e // spans.
+
+    An entry too short for every span to get rows of its own gives some
+    spans a single row (shared with a neighbour) instead of none."""
     lo = starts[:-1] + (0 if skip is None else skip.astype(np.int64))
     n = (starts[1:] - lo)[:, None]
     j = np.arange(spans, dtype=np.int64)[None, :]
-    first = np.minimum(j * n // spans, n - 1)
-    end = np.maximum((j + 1) * n // spans, first + 1)
+    parts, width = (spans + 1, 2) if layout == "overlapping" else (spans, 1)
+    first = np.minimum(j * n // parts, n - 1)
+    end = np.maximum((j + width) * n // parts, first + 1)
     return lo[:, None] + first, lo[:, None] + end
 
 
@@ -148,8 +157,8 @@ class SpanProjector:
     of each span's mean, which is the whole signature of the same
     projection made with fewer bits (its first blocks)."""
 
-    def __init__(self, embed_dim: int, span_bits: int, seed: int, spans: int) -> None:
-        self.spans = spans
+    def __init__(self, embed_dim: int, span_bits: int, seed: int, spans: int, layout: str) -> None:
+        self.spans, self.layout = spans, layout
         self.projector = Projector(embed_dim, span_bits, seed)
 
     def signatures_and_means(self, rows: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -159,7 +168,7 @@ class SpanProjector:
         count = len(starts) - 1
         starts = np.asarray(starts, dtype=np.int64)
         sinks = sink_rows(rows, starts) if count else np.zeros(0, dtype=bool)
-        first, end = span_bounds(starts, self.spans, sinks)
+        first, end = span_bounds(starts, self.spans, sinks, self.layout)
         if count == 0 or bool(np.all(end[:, :-1] == first[:, 1:])):
             # every entry has a row per span: its spans, after its sink row if
             # it has one, are consecutive row ranges; a sink row is taken as a
@@ -173,7 +182,7 @@ class SpanProjector:
             keep = is_span[taken]
             sigs, means = self.projector.signatures_and_means(rows, span_starts)
             sigs, means = sigs[keep], means[keep]
-        else:  # some spans share a row: each span's rows copied out, back to back
+        else:  # spans overlap or share a row: each span's rows copied out, back to back
             lengths = (end - first).ravel()
             span_starts = np.concatenate([[0], np.cumsum(lengths)])
             source = np.ascontiguousarray(rows[np.repeat(first.ravel() - span_starts[:-1], lengths)

@@ -282,7 +282,7 @@ class Queries:
             return _cosines(keys[:, :dim], q_mean)
         scores = _cosines_rows(keys.reshape(-1, dim), q_mean).reshape(len(keys), config.signatures_per_entry)
         n_tokens = self.state.records["n_tokens"][positions].astype(np.int64)
-        first, end = span_bounds(np.concatenate([[0], np.cumsum(n_tokens)]), config.spans)
+        first, end = span_bounds(np.concatenate([[0], np.cumsum(n_tokens)]), config.spans, layout=config.span_layout)
         held = (end - first) >= SPAN_MIN_SHARE * q_tokens
         scores[:, 1:] = np.where(held, scores[:, 1:], -np.inf)
         return scores.max(axis=1)

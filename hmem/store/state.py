@@ -67,7 +67,8 @@ class StoreState:
         self.verify_reads = verify_reads
         self.closed = False
         self.projector = Projector(cfg.embed_dim, cfg.hdc_dim, cfg.seed)
-        self.span_projector = SpanProjector(cfg.embed_dim, cfg.span_signature_bytes * 8, cfg.seed, cfg.spans) \
+        self.span_projector = SpanProjector(cfg.embed_dim, cfg.span_signature_bytes * 8, cfg.seed, cfg.spans,
+                                            cfg.span_layout) \
             if cfg.spans else None
         if committed.projection != self.projector.describe():
             raise UnsupportedFormatError(
