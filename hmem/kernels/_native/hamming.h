@@ -87,6 +87,45 @@ uint32_t hm_dist_avx512(const uint8_t *a, const uint8_t *b, size_t nbytes)
     }
     return (uint32_t)_mm512_reduce_add_epi64(acc);
 }
+
+/* The distances of 8 consecutive rows s, s + nbytes, ... into out[0, 8).
+   Each row's popcounts stay in eight 64-bit lanes until the end, where the
+   8 rows' lanes are summed together by a transpose tree (three rounds of
+   shuffles and adds for all 8) instead of a full horizontal sum per row:
+   on rows of one or two 64-byte blocks (span signatures, the first stage's
+   prefixes) that sum cost more than the popcounts. */
+__attribute__((target("avx512f,avx512vpopcntdq"))) HM_INLINE
+void hm_dist8_avx512(const uint8_t *q, const uint8_t *s, size_t nbytes, int32_t *out)
+{
+    __m512i v[8];
+    for (int i = 0; i < 8; i++)
+        v[i] = _mm512_setzero_si512();
+    size_t j = 0;
+    for (; j + 64 <= nbytes; j += 64) {
+        __m512i qq = _mm512_loadu_si512(q + j);
+        for (int i = 0; i < 8; i++)
+            v[i] = _mm512_add_epi64(v[i], _mm512_popcnt_epi64(
+                _mm512_xor_si512(qq, _mm512_loadu_si512(s + (size_t)i * nbytes + j))));
+    }
+    if (j < nbytes) { /* 1 to 7 words left: masked-off lanes read nothing */
+        __mmask8 m = (__mmask8)((1u << ((nbytes - j) / 8)) - 1);
+        __m512i qq = _mm512_maskz_loadu_epi64(m, q + j);
+        for (int i = 0; i < 8; i++)
+            v[i] = _mm512_add_epi64(v[i], _mm512_popcnt_epi64(
+                _mm512_xor_si512(qq, _mm512_maskz_loadu_epi64(m, s + (size_t)i * nbytes + j))));
+    }
+    /* per 128-bit lane: [row a, row b] sums of that lane's two words */
+    __m512i p01 = _mm512_add_epi64(_mm512_unpacklo_epi64(v[0], v[1]), _mm512_unpackhi_epi64(v[0], v[1]));
+    __m512i p23 = _mm512_add_epi64(_mm512_unpacklo_epi64(v[2], v[3]), _mm512_unpackhi_epi64(v[2], v[3]));
+    __m512i p45 = _mm512_add_epi64(_mm512_unpacklo_epi64(v[4], v[5]), _mm512_unpackhi_epi64(v[4], v[5]));
+    __m512i p67 = _mm512_add_epi64(_mm512_unpacklo_epi64(v[6], v[7]), _mm512_unpackhi_epi64(v[6], v[7]));
+    /* 128-bit lanes 0, 1 and 2, 3 added: [rows 0-1 (half), rows 0-1 (half), rows 2-3, rows 2-3] */
+    __m512i q03 = _mm512_add_epi64(_mm512_shuffle_i64x2(p01, p23, 0x88), _mm512_shuffle_i64x2(p01, p23, 0xDD));
+    __m512i q47 = _mm512_add_epi64(_mm512_shuffle_i64x2(p45, p67, 0x88), _mm512_shuffle_i64x2(p45, p67, 0xDD));
+    /* the last halves added: rows 0 to 7 in order */
+    __m512i sums = _mm512_add_epi64(_mm512_shuffle_i64x2(q03, q47, 0x88), _mm512_shuffle_i64x2(q03, q47, 0xDD));
+    _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi64_epi32(sums));
+}
 #endif
 
 /* ---- all distances ---------------------------------------------------- */
@@ -113,7 +152,11 @@ __attribute__((target("avx512f,avx512vpopcntdq")))
 static void hm_distances_avx512(const uint8_t *q, const uint8_t *sigs, size_t n,
                                 size_t nbytes, int32_t *out)
 {
-    HM_DISTANCES_BODY(hm_dist_avx512)
+    size_t r = 0;
+    for (; r + 8 <= n; r += 8)
+        hm_dist8_avx512(q, sigs + r * nbytes, nbytes, out + r);
+    for (; r < n; r++)
+        out[r] = (int32_t)hm_dist_avx512(q, sigs + r * nbytes, nbytes);
 }
 #endif
 
@@ -194,6 +237,20 @@ static void hm_heap_sort(int32_t *dists, int64_t *rows, size_t size)
  * Scan rows [0, n) and leave the best `cap` live rows in dists/rows as a
  * max-heap; returns how many were kept (min(cap, live rows)).
  */
+/* Offer row r at distance d to the heap (the scan's locals size, worst). */
+#define HM_TOPK_KEEP(d, r)                                                \
+    if (size < cap) {                                                     \
+        dists[size] = (d);                                                \
+        rows[size] = (int64_t)(r);                                        \
+        hm_heap_up(dists, rows, size++);                                  \
+        worst = dists[0];                                                 \
+    } else if ((d) < worst) {                                             \
+        dists[0] = (d);                                                   \
+        rows[0] = (int64_t)(r);                                           \
+        hm_heap_down(dists, rows, 0, size);                               \
+        worst = dists[0];                                                 \
+    }
+
 #define HM_TOPK_BODY(DIST)                                                \
     size_t size = 0;                                                      \
     int32_t worst = 0;                                                    \
@@ -201,17 +258,7 @@ static void hm_heap_sort(int32_t *dists, int64_t *rows, size_t size)
         if (alive && !alive[r])                                           \
             continue;                                                     \
         int32_t d = (int32_t)DIST(q, sigs + r * nbytes, nbytes);          \
-        if (size < cap) {                                                 \
-            dists[size] = d;                                              \
-            rows[size] = (int64_t)r;                                      \
-            hm_heap_up(dists, rows, size++);                              \
-            worst = dists[0];                                             \
-        } else if (d < worst) {                                           \
-            dists[0] = d;                                                 \
-            rows[0] = (int64_t)r;                                         \
-            hm_heap_down(dists, rows, 0, size);                           \
-            worst = dists[0];                                             \
-        }                                                                 \
+        HM_TOPK_KEEP(d, r)                                                \
     }                                                                     \
     return size;
 
@@ -236,7 +283,25 @@ static size_t hm_topk_scan_avx512(const uint8_t *q, const uint8_t *sigs, size_t 
                                   size_t nbytes, const uint8_t *alive, size_t cap,
                                   int32_t *dists, int64_t *rows)
 {
-    HM_TOPK_BODY(hm_dist_avx512)
+    size_t size = 0;
+    int32_t worst = 0;
+    int32_t block[8];
+    size_t r = 0;
+    for (; r + 8 <= n; r += 8) { /* 8 rows' distances at once (dead rows' too, then passed over) */
+        hm_dist8_avx512(q, sigs + r * nbytes, nbytes, block);
+        for (size_t i = 0; i < 8; i++) {
+            if (alive && !alive[r + i])
+                continue;
+            HM_TOPK_KEEP(block[i], r + i)
+        }
+    }
+    for (; r < n; r++) {
+        if (alive && !alive[r])
+            continue;
+        int32_t d = (int32_t)hm_dist_avx512(q, sigs + r * nbytes, nbytes);
+        HM_TOPK_KEEP(d, r)
+    }
+    return size;
 }
 #endif
 
@@ -282,7 +347,25 @@ __attribute__((target("avx512f,avx512vpopcntdq")))
 static void hm_select_pass_avx512(const uint8_t *q, const uint8_t *sigs, size_t n, size_t nbytes,
                                   const uint8_t *alive, uint32_t dead, uint32_t *dist, size_t *hist)
 {
-    HM_SELECT_PASS_BODY(hm_dist_avx512)
+    size_t r = 0;
+    for (; r + 8 <= n; r += 8) { /* 8 rows' distances at once, straight into dist */
+        hm_dist8_avx512(q, sigs + r * nbytes, nbytes, (int32_t *)(dist + r));
+        for (size_t i = r; i < r + 8; i++) {
+            if (alive && !alive[i])
+                dist[i] = dead;
+            else
+                hist[dist[i]]++;
+        }
+    }
+    for (; r < n; r++) {
+        if (alive && !alive[r]) {
+            dist[r] = dead;
+            continue;
+        }
+        uint32_t d = hm_dist_avx512(q, sigs + r * nbytes, nbytes);
+        dist[r] = d;
+        hist[d]++;
+    }
 }
 #endif
 
