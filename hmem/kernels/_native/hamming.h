@@ -22,8 +22,9 @@
  *
  * CPU paths (hm_path of bitops.h): portable SWAR popcount, the POPCNT
  * instruction, and AVX-512 VPOPCNTDQ over 64-byte blocks with a masked load
- * for the last nbytes % 64 bytes.  Each path's scan is compiled as its own
- * function so the per-row distance is inlined into it.
+ * for the last nbytes % 64 bytes, whose scans take 8 rows' distances at a
+ * time (hm_dist8_avx512).  Each path's scan is compiled as its own function
+ * so the per-row distance is inlined into it.
  */
 #ifndef HMEM_HAMMING_H
 #define HMEM_HAMMING_H
@@ -233,10 +234,6 @@ static void hm_heap_sort(int32_t *dists, int64_t *rows, size_t size)
     }
 }
 
-/*
- * Scan rows [0, n) and leave the best `cap` live rows in dists/rows as a
- * max-heap; returns how many were kept (min(cap, live rows)).
- */
 /* Offer row r at distance d to the heap (the scan's locals size, worst). */
 #define HM_TOPK_KEEP(d, r)                                                \
     if (size < cap) {                                                     \
@@ -251,6 +248,10 @@ static void hm_heap_sort(int32_t *dists, int64_t *rows, size_t size)
         worst = dists[0];                                                 \
     }
 
+/*
+ * Scan rows [0, n) and leave the best `cap` live rows in dists/rows as a
+ * max-heap; returns how many were kept (min(cap, live rows)).
+ */
 #define HM_TOPK_BODY(DIST)                                                \
     size_t size = 0;                                                      \
     int32_t worst = 0;                                                    \
