@@ -59,11 +59,19 @@ class PooledKeys:
     def get(self, positions: np.ndarray, entry_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(keys float32 [m, embed_dim], found bool [m]): the key of each
         committed record position (entry_ids: theirs) whose row is usable."""
+        rows = self._mapped(int(positions.max()) + 1) if len(positions) else None
+        if rows is not None and int(positions.max()) < len(rows):
+            # the usual case, every row there: taken without index arrays or
+            # a second copy (a shortlist's keys are a few MB of fresh memory)
+            picked = rows[positions]  # a copy
+            good = pooled.usable(picked, entry_ids)
+            if good.all():
+                return picked["key"], good
+            keys = np.zeros((len(positions), self.embed_dim), dtype=np.float32)
+            keys[good] = picked["key"][good]
+            return keys, good
         keys = np.zeros((len(positions), self.embed_dim), dtype=np.float32)
         found = np.zeros(len(positions), dtype=bool)
-        if not len(positions):
-            return keys, found
-        rows = self._mapped(int(positions.max()) + 1)
         if rows is None:
             return keys, found
         inside = np.flatnonzero(positions < len(rows))

@@ -218,6 +218,8 @@ class Queries:
         takes its place (docs/reliability.md, "Degraded reads")."""
         state = self.state
         committed = positions < state.committed_n
+        if not skip and len(positions) and committed.all():  # the usual case, without index arrays
+            return state.pooled.get(positions, state.records["entry_id"][positions])
         keys = np.zeros((len(positions), state.config.pooled_width), dtype=np.float32)
         found = np.zeros(len(positions), dtype=bool)
         if committed.any() and not skip:
