@@ -286,8 +286,11 @@ def _answers(store, keys) -> list[list[int]]:
             for e in range(0, 60, 4)]
 
 
-def test_reopen_compact_and_repair_keep_the_answers(store_factory, tmp_path):
-    store, keys, ids = _filled(store_factory)
+@pytest.mark.parametrize("layout", ["overlapping", "disjoint"])
+def test_reopen_compact_and_repair_keep_the_answers(store_factory, tmp_path, layout):
+    """...and the layout: repair takes the config from the shards, which
+    save it as index.json does (a disjoint store without the key)."""
+    store, keys, ids = _filled(store_factory, span_layout=layout)
     store.delete(ids[50:])
     before = _answers(store, keys)
     store.close()
@@ -303,7 +306,7 @@ def test_reopen_compact_and_repair_keep_the_answers(store_factory, tmp_path):
     (tmp_path / "s" / "index.json").unlink()
     hmem.repair(tmp_path / "s")
     with Store.open(tmp_path / "s", read_only=True) as repaired:
-        assert repaired.config.signatures_per_entry == 8
+        assert repaired.config.signatures_per_entry == 8 and repaired.config.span_layout == layout
         assert _answers(repaired, keys) == before
         assert hmem.verify(tmp_path / "s", full=True).ok
 
