@@ -699,8 +699,8 @@ def _read_side_file(side: Path) -> list:
 
 @pytest.mark.stress
 def test_a_writer_killed_at_random_moments_loses_nothing_acknowledged(tmp_path):
-    # 25 rounds: ~19 s here, with thousands of acknowledged entries and 100+ kills
-    # across evictions and compactions; HMEM_STRESS_ROUNDS=800 for a long run
+    # 25 rounds: ~19 s here, with thousands of acknowledged entries and hundreds
+    # of evictions and compactions among the kills; HMEM_STRESS_ROUNDS=800 for a long run
     rounds = min(_stress_rounds(25), 800)
     budget = 80.0 if not _long_run() else rounds * 2.0
     rng = np.random.default_rng(20240611)
