@@ -98,12 +98,127 @@ def test_a_warm_query_makes_no_request_and_a_cold_one_few(s3_url):
         results = reader.query(_kv(45)[0], 0, top_k=3)
         touched = len({r.shard_idx for r in results})
         cold = reader.stats().remote.requests - opened.requests
-        assert 1 <= cold <= 2 * touched  # each shard: its header and index, then its tensors (or both at once)
+        # the shards' heads came with the state objects; a result's keys and
+        # values lie side by side: one ranged GET each, or one for results
+        # in the same block
+        assert touched <= cold <= len(results) == 3
         before = reader.stats().remote.requests
         for _ in range(5):
             again = reader.query(_kv(45)[0], 0, top_k=3)
             assert [r.entry_id for r in again] == [r.entry_id for r in results]
         assert reader.stats().remote.requests == before  # warm: no request at all
+
+
+_MARK = np.random.default_rng(99).standard_normal(DIM).astype(np.float32) * 4
+
+
+def _far_apart_in_one_shard(s3_url: str) -> list[int]:
+    """A store of one shard holding ~2 MiB of entries; returns the ids of
+    its first and last entry (their blocks lie more than 1 MiB apart),
+    whose keys share a direction no other entry has (_MARK)."""
+    with Store.create(s3_url, embed_dim=DIM, hdc_dim=512) as writer:
+        ids = list(_fill(writer, range(1200), layer=0))  # 1,200 × 2 × 6 × 32 × 4 bytes = 1.8 MB
+        writer.flush()
+        assert len(writer.stats().shards) == 1
+    return [ids[0], ids[-1]]
+
+
+def _fill_marked(store: Store) -> list[int]:
+    entries = [(*_kv(seed), 0) for seed in range(1200)]
+    for at in (0, 1199):
+        keys, values, _ = entries[at]
+        entries[at] = (keys + _MARK, values, 0)
+    ids = store.put_many(entries)
+    return [ids[0], ids[-1]]
+
+
+def test_ranges_of_one_shard_are_fetched_together_only_when_asked(s3_url):
+    with Store.create(s3_url, embed_dim=DIM, hdc_dim=512) as writer:
+        first, last = _fill_marked(writer)  # 1,200 × 2 × 6 × 32 × 4 bytes = 1.8 MB in one shard
+        writer.flush()
+        assert len(writer.stats().shards) == 1
+    requests, fetched = {}, {}
+    for coalesce in (0, 4 << 20):
+        with Store.open(s3_url, read_only=True, storage_options={"coalesce_bytes": coalesce}) as reader:
+            before = reader.stats().remote.requests
+            results = reader.query(np.tile(_MARK, (3, 1)), 0, top_k=2)
+            assert sorted(r.entry_id for r in results) == [first, last]
+            for r in results:
+                seed = 0 if r.entry_id == first else 1199
+                assert np.array_equal(r.keys, _kv(seed)[0] + _MARK) and np.array_equal(r.values, _kv(seed)[1])
+            requests[coalesce] = reader.stats().remote.requests - before
+            fetched[coalesce] = reader.stats().remote.bytes_fetched
+    # a ranged GET for each result's keys and values; or one for both, with the bytes between them
+    assert requests == {0: 2, 4 << 20: 1}
+    assert fetched[0] <= 2 << 20 < fetched[4 << 20]
+    with pytest.raises(InvalidArgumentError, match="coalesce_bytes"):
+        Store.open(s3_url, read_only=True, storage_options={"coalesce_bytes": -1})
+
+
+def _rewrite_state(s3_server, s3_url: str, change) -> None:
+    """Commit the store's state again as one state object whose four files
+    `change` edited in place (a list of bytearrays: entries, pooled,
+    sources, shard heads; it may empty the heads)."""
+    from hmem.formats import remote as fmt  # crafting a commit needs the format's own encoders
+
+    objects = s3_server.objects(_prefix(s3_url))
+    mf = fmt.RemoteManifest.parse(objects["manifest.json"], "manifest.json")
+    files = [bytearray(mf.sizes[name]) for name in (*fmt.STATE_FILES, fmt.HEADS_FILE)]
+    for item in mf.state:
+        fmt.apply_state(objects[item["key"]], files, item["key"])
+    change(files)
+    body = fmt.encode_state([(number, 0, bytes(content)) for number, content in enumerate(files) if content])
+    key = fmt.state_key(mf.generation + 1, "crafted0")
+    s3_server.put_object(_prefix(s3_url), key, body)
+    mf.retired += [{"key": item["key"], "since": time.time()} for item in mf.state]
+    mf.state = [{"key": key, "bytes": len(body)}]
+    mf.sizes = {**{name: len(files[n]) for n, name in enumerate(fmt.STATE_FILES)}, fmt.HEADS_FILE: len(files[3])}
+    mf.generation += 1
+    s3_server.put_object(_prefix(s3_url), "manifest.json", mf.to_bytes())
+
+
+@pytest.mark.parametrize("damage", ["no heads", "a wrong head"])
+def test_a_shard_without_a_trusted_head_is_read_through_its_own(s3_server, s3_url, damage):
+    # a store written before the state objects carried the shards' heads, or
+    # one whose head does not match the shard's index CRC: the reader fetches
+    # the shard's first block, as it would without heads, and answers the same
+    first, last = _far_apart_in_one_shard(s3_url)
+
+    def change(files):
+        if damage == "no heads":
+            files[3] = bytearray()
+        else:
+            files[3][40 + 96] ^= 0x01  # the first entry's token count in the index the head carries
+
+    _rewrite_state(s3_server, s3_url, change)
+    with Store.open(s3_url, read_only=True) as reader:
+        before = reader.stats().remote.requests
+        got = reader.get(last)
+        assert np.array_equal(got.keys, _kv(1199)[0]) and np.array_equal(got.values, _kv(1199)[1])
+        assert reader.stats().remote.requests - before == 2  # the shard's first block, then the entry's
+        assert np.array_equal(reader.get(first).keys, _kv(0)[0])
+    if damage == "no heads":
+        # a writer of such a store gives heads to the shards it writes
+        with Store.open(s3_url) as writer:
+            added = _fill(writer, [5000])
+        with Store.open(s3_url, read_only=True) as reader:
+            before = reader.stats().remote.requests
+            (new_id,) = added
+            assert np.array_equal(reader.get(new_id).keys, _kv(5000)[0])
+            assert reader.stats().remote.requests - before == 1
+    report = hmem.verify(s3_url, full=True)
+    assert report.ok, report.findings
+
+
+def test_damaged_heads_are_refused(s3_server, s3_url):
+    _far_apart_in_one_shard(s3_url)
+
+    def change(files):
+        del files[3][-5:]  # a head cut short: the state no longer describes whole heads
+
+    _rewrite_state(s3_server, s3_url, change)
+    with pytest.raises(CorruptStoreError, match="shard head"):
+        Store.open(s3_url, read_only=True)
 
 
 def test_a_closing_writer_leaves_one_state_object_for_readers(s3_url, s3_server):

@@ -459,7 +459,8 @@ def test_a_sealed_shard_s_memory_is_reused_only_once_nothing_reads_it():
 
     def builder(index, fill):
         b = ShardBuilder(index, f"{index:032x}", "", Arena(spares))
-        b.add_entries(np.array([1]), np.array([4]), {"k": [np.full((4, 8), fill, np.float32)]})
+        b.add_entries(np.array([1]), np.array([4]), {"k": [np.full((4, 8), fill, np.float32)],
+                                                     "v": [np.full((4, 8), -fill, np.float32)]})
         return b
 
     held = builder(0, 1.0)  # a query holds it, as hmem/store/reading.py does while copying

@@ -43,15 +43,20 @@ SHARD_PREFIX = "shards/"
 STATE_PREFIX = "state/"
 # the small files a state object carries, by number
 STATE_FILES = (ENTRIES_FILE, POOLED_FILE, SOURCES_FILE)
+# piece file 3: the shard heads, kept by the working copy in memory (not a file of the store)
+HEADS_FILE = "shard-heads"
+HEADS = len(STATE_FILES)
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_STATE_OBJECTS = 10_000
 
 _STATE_MAGIC = b"HMEMSTAT"
 _STATE_HEAD = struct.Struct("<8sII")  # magic, version, number of pieces
 _PIECE = np.dtype([("file", "<u4"), ("zero", "<u4"), ("offset", "<u8"), ("length", "<u8")])
+_HEAD = struct.Struct("<16sQQ")  # shard uid, JSON header length, entries
+INDEX_ROW_BYTES = 96  # a row of a shard's hmem_index: 12 × i64 (hmem/formats/shard_file.py)
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "LEASE_KEY", "MANIFEST_KEY", "STATE_FILES", "Lease", "RemoteManifest",
-           "apply_state", "encode_state", "shard_key", "state_key"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "HEADS", "HEADS_FILE", "LEASE_KEY", "MANIFEST_KEY", "STATE_FILES", "Lease",
+           "RemoteManifest", "apply_state", "encode_head", "encode_state", "parse_heads", "shard_key", "state_key"]
 
 
 def shard_key(uid: str) -> str:
@@ -91,7 +96,8 @@ def encode_state(pieces: list[tuple[int, int, bytes | memoryview]]) -> bytes:
 
 def apply_state(data: bytes, files: list[bytearray], key: str) -> None:
     """Write a state object's pieces into `files` (one bytearray per
-    STATE_FILES entry, sized as the manifest says); refuses a damaged
+    STATE_FILES entry, then one for the shard heads, sized as the manifest
+    says); refuses a damaged
     object or a piece outside its file."""
     def bad(why: str) -> CorruptStoreError:
         return CorruptStoreError(f"state object {key} is damaged: {why}", hint=Hint.VERIFY)
@@ -135,6 +141,37 @@ def apply_state(data: bytes, files: list[bytearray], key: str) -> None:
         out[np.repeat(offsets[mine], lengths[mine]) + within] = body[np.repeat(sources[mine], lengths[mine]) + within]
 
 
+# ---- shard heads -----------------------------------------------------------------------
+
+
+def encode_head(uid: str, header_length: int, index: bytes | memoryview) -> bytes:
+    """A shard's head, as the heads pieces of state objects carry it: its
+    uid (16 bytes, the hex digits' value big-endian), the length of its JSON
+    header (u64; its data starts at 8 + that), its entries (u64), then its
+    hmem_index tensor byte for byte ((entries + 1) × 96 bytes)."""
+    entries = len(index) // INDEX_ROW_BYTES - 1
+    return _HEAD.pack(bytes.fromhex(uid), header_length, entries) + bytes(index)
+
+
+def parse_heads(data: bytes | bytearray, key: str) -> dict[str, tuple[int, bytes]]:
+    """The heads in the heads pieces of a store's state: shard uid -> (data
+    start, index bytes).  The index bytes are checked by whoever uses them
+    (against the shard's index CRC in index.json), as a shard's own are."""
+    heads: dict[str, tuple[int, bytes]] = {}
+    at, view = 0, memoryview(data)
+    while at < len(view):
+        if at + _HEAD.size > len(view):
+            raise CorruptStoreError(f"{key}: the shard heads end in the middle of one", hint=Hint.VERIFY)
+        uid, header_length, entries = _HEAD.unpack_from(view, at)
+        length = (entries + 1) * INDEX_ROW_BYTES
+        if entries > MAX_MANIFEST_BYTES or at + _HEAD.size + length > len(view) or header_length > 1 << 40:
+            raise CorruptStoreError(f"{key}: a shard head runs past the end of the heads", hint=Hint.VERIFY)
+        start = at + _HEAD.size
+        heads[uid.hex()] = (8 + header_length, bytes(view[start : start + length]))
+        at = start + length
+    return heads
+
+
 # ---- the manifest ----------------------------------------------------------------------
 
 
@@ -146,7 +183,7 @@ class RemoteManifest:
                  committed: float | None = None) -> None:
         self.generation = generation
         self.index = index  # the index.json text of the local format (hmem/formats/manifest.py)
-        self.sizes = sizes  # STATE_FILES name -> bytes
+        self.sizes = sizes  # STATE_FILES name (and HEADS_FILE) -> bytes
         self.state = state  # [{"key", "bytes"}], oldest first; the first a snapshot
         self.shards = shards  # uid -> {"key", "bytes"}
         self.retired = retired  # [{"key", "since"}]: objects no commit names, deleted after a grace time
@@ -186,7 +223,8 @@ class RemoteManifest:
             raise CorruptStoreError(f"{where} fails its checksum", hint=Hint.VERIFY)
         try:
             mf = cls(generation=int(doc["generation"]), index=str(doc["index"]).encode(),
-                     sizes={name: int(doc["files"][name]) for name in STATE_FILES},
+                     sizes={**{name: int(doc["files"][name]) for name in STATE_FILES},
+                            HEADS_FILE: int(doc["files"].get(HEADS_FILE, 0))},
                      state=[{"key": str(s["key"]), "bytes": int(s["bytes"])} for s in doc["state"]],
                      shards={str(uid): {"key": str(s["key"]), "bytes": int(s["bytes"])}
                              for uid, s in doc["shards"].items()},

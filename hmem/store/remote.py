@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_LEASE_SECONDS = 60.0
 DEFAULT_RETIRE_SECONDS = 900.0  # objects no commit names stay this long for readers of older commits
 SNAPSHOT_AFTER = 16  # state objects past a snapshot before the next snapshot
-_REMOTE_OPTIONS = ("cache_dir", "cache_bytes", "lease_seconds", "retire_seconds")
+_REMOTE_OPTIONS = ("cache_dir", "cache_bytes", "coalesce_bytes", "lease_seconds", "retire_seconds")
 
 
 def split_options(options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -139,19 +140,25 @@ class RemoteLink:
         client_options, own = split_options(storage_options)
         self.client = ObjectClient(url, client_options)
         self.url = self.client.url
-        bound = own.get("cache_bytes", cache_bytes if cache_bytes is not None else DEFAULT_CACHE_BYTES)
+        bound = int(_positive(own.get("cache_bytes", cache_bytes if cache_bytes is not None else DEFAULT_CACHE_BYTES),
+                              "cache_bytes"))
         self.lease_seconds = _positive(own.get("lease_seconds", DEFAULT_LEASE_SECONDS), "lease_seconds")
         self.retire_seconds = float(own.get("retire_seconds", DEFAULT_RETIRE_SECONDS))
         if self.retire_seconds < 0:
             raise InvalidArgumentError("storage option retire_seconds must be >= 0")
+        coalesce = own.get("coalesce_bytes", 0)
+        if isinstance(coalesce, bool) or not isinstance(coalesce, int) or coalesce < 0:
+            raise InvalidArgumentError(f"storage option coalesce_bytes must be an integer >= 0, got {coalesce!r}")
         self.workdir = make_workdir(own.get("cache_dir"))
-        self.fetcher = ShardFetcher(self.client, self.workdir / "shards", int(_positive(bound, "cache_bytes")))
+        self.fetcher = ShardFetcher(self.client, self.workdir / "shards", bound)
+        self.fetcher.coalesce_bytes = coalesce
         self.lease: LeaseHolder | None = None
         self.manifest: fmt.RemoteManifest | None = None
         self.etag: str | None = None
         self.published_generation = -1  # the local commit last published
         self.published_local: Manifest | None = None  # and what it said
         self.uploaded_bytes = 0  # shard and state objects this writer uploaded (consolidate)
+        self.head_records: dict[str, bytes] = {}  # uid -> head of each shard named (encode_head), for snapshots
         self._dirs = 0
 
     # ---- reading the committed state -------------------------------------------------
@@ -173,7 +180,7 @@ class RemoteLink:
         commit read before too (a refresh, until it swaps the new one in)."""
         mf = self.manifest
         assert mf is not None
-        files = [bytearray(mf.sizes[name]) for name in fmt.STATE_FILES]
+        files = [bytearray(mf.sizes[name]) for name in (*fmt.STATE_FILES, fmt.HEADS_FILE)]
         def fetch(key: str) -> bytes:
             try:
                 return self.client.get(key)[0]
@@ -185,6 +192,9 @@ class RemoteLink:
         # fetched concurrently, applied in order
         for key, data in zip(keys, fetch_pool().map(fetch, keys) if len(keys) > 1 else map(fetch, keys)):
             fmt.apply_state(data, files, key)
+        heads = fmt.parse_heads(files[fmt.HEADS], keys[-1])
+        self.head_records = {uid: fmt.encode_head(uid, start - 8, index) for uid, (start, index) in heads.items()
+                             if uid in mf.shards}
         self._dirs += 1
         directory = self.workdir / f"store-{self._dirs}"
         _io.make_dir(directory)
@@ -194,8 +204,10 @@ class RemoteLink:
                 _io.write_file(directory / name, [content])
         if keep_known:
             self.fetcher.remote = {**self.fetcher.remote, **mf.shards}
+            self.fetcher.heads = {**self.fetcher.heads, **heads}
         else:
             self.fetcher.remote = dict(mf.shards)
+            self.fetcher.heads = heads
             self.fetcher.manifest_etag = self.etag
         return directory
 
@@ -254,7 +266,7 @@ class RemoteLink:
         mf = self.manifest
         if mf is None or len(mf.state) <= 1 or self.published_generation != committed.generation:
             return
-        if sum(committed_sizes(directory, committed).values()) > self.uploaded_bytes:
+        if sum(committed_sizes(directory, committed).values()) + mf.sizes[fmt.HEADS_FILE] > self.uploaded_bytes:
             return
         self.publish(directory, committed, snapshot=True, again=True)
 
@@ -286,6 +298,7 @@ class RemoteLink:
         sizes = committed_sizes(directory, committed)
         # shards: upload the new ones; retire the ones no longer named
         named: dict[str, dict[str, Any]] = {}
+        new_heads: dict[str, bytes] = {}
         for info in shards:
             if old is not None and info.uid in old.shards:
                 named[info.uid] = old.shards[info.uid]
@@ -294,6 +307,7 @@ class RemoteLink:
             self.client.put(key, directory / info.file)
             self.uploaded_bytes += info.bytes
             named[info.uid] = {"key": key, "bytes": info.bytes}
+            new_heads[info.uid] = _local_head(directory / info.file, info)
         retired = [] if old is None else [r for r in old.retired]
         expired = [r["key"] for r in retired if now - r["since"] >= self.retire_seconds]
         retired = [r for r in retired if r["key"] not in expired]
@@ -305,17 +319,27 @@ class RemoteLink:
         whole = (old is None or snapshot or changed is None or generation != self.published_generation + 1
                  or len(old.state) >= SNAPSHOT_AFTER
                  or any(sizes[name] < old.sizes[name] for name in fmt.STATE_FILES))
+        appended_heads = b"".join(new_heads.values())
         pieces: list[tuple[int, int, Any]] = []
         if not whole:
             assert old is not None and changed is not None
             spans = _changed_spans(changed, record_size, old.sizes, sizes)
             pieces = [(number, offset, _read_range(directory / fmt.STATE_FILES[number], offset, length))
                       for number, offset, length in spans]
+            if appended_heads:
+                pieces.append((fmt.HEADS, old.sizes[fmt.HEADS_FILE], appended_heads))
+            sizes[fmt.HEADS_FILE] = old.sizes[fmt.HEADS_FILE] + len(appended_heads)
             carried = sum(item["bytes"] for item in old.state[1:])
-            whole = carried + sum(length for _, _, length in spans) > sum(sizes.values()) // 2
+            whole = carried + sum(len(piece) for _, _, piece in pieces) > sum(sizes.values()) // 2
         if whole:
+            # the heads of every shard named whose head this link knows (a
+            # store written before heads existed has none for its older shards)
+            heads = b"".join(new_heads[uid] if uid in new_heads else self.head_records[uid]
+                             for uid in named if uid in new_heads or uid in self.head_records)
             pieces = [(number, 0, _read_range(directory / name, 0, sizes[name]))
                       for number, name in enumerate(fmt.STATE_FILES)]
+            pieces.append((fmt.HEADS, 0, heads))
+            sizes[fmt.HEADS_FILE] = len(heads)
         next_generation = 0 if old is None else old.generation + 1
         state_list = [] if whole or old is None else list(old.state)
         if whole and old is not None:
@@ -346,6 +370,7 @@ class RemoteLink:
         self.fetcher.manifest_etag = etag
         self.published_generation = generation
         self.published_local = committed
+        self.head_records.update(new_heads)
         # this writer's shards are complete local files: never fetched
         self.fetcher.remote = {uid: s for uid, s in named.items() if uid in self.fetcher.remote}
         if expired:
@@ -429,6 +454,14 @@ def committed_sizes(directory: Path, committed: Manifest) -> dict[str, int]:
     return {layout.ENTRIES_FILE: committed.record_count * layout.record_bytes(committed.config),
             layout.POOLED_FILE: min(pooled_bytes, committed.record_count * pooled.row_bytes(committed.config.pooled_width)),
             layout.SOURCES_FILE: committed.sources.bytes}
+
+
+def _local_head(path: Path, info: Any) -> bytes:
+    """The head of a complete local shard file (ShardInfo `info`): its JSON
+    header's length and its hmem_index bytes, for the state objects."""
+    (length,) = struct.unpack("<Q", _read_range(path, 0, 8).tobytes())
+    index = _read_range(path, 8 + length, (info.entries + 1) * fmt.INDEX_ROW_BYTES)
+    return fmt.encode_head(info.uid, length, index.data)
 
 
 def _read_range(path: Path, offset: int, size: int) -> np.ndarray:

@@ -39,11 +39,15 @@ class RemoteShardFile:
     """One shard's object, mirrored into a sparse local file block by block
     as reads need its bytes (the reads go through the file's memory map)."""
 
-    def __init__(self, fetcher: ShardFetcher, key: str, path: Path, size: int) -> None:
+    def __init__(self, fetcher: ShardFetcher, key: str, path: Path, size: int,
+                 head: tuple[int, bytes] | None = None) -> None:
         self.fetcher = fetcher
         self.key = key
         self.path = path
         self.size = size
+        # (data start, hmem_index bytes) from the state objects: a reader
+        # need not fetch the shard's first block (docs/format.md, "State objects")
+        self.head = head
         self.fd = _io.open_cache_file(path, size)
         self.present = np.zeros(-(-size // FETCH_BLOCK), dtype=bool)
         self.fetched_bytes = 0
@@ -65,15 +69,22 @@ class RemoteShardFile:
                 for lo, hi in zip(edges[0::2], edges[1::2])]
 
     def store(self, begin: int, data: bytes) -> int:
-        """Write fetched whole blocks from `begin`; returns the bytes newly held."""
+        """Write fetched whole blocks from `begin`; returns the bytes newly
+        held (blocks already present, fetched again between two wanted
+        ranges or by another thread meanwhile, are the same bytes: objects
+        never change)."""
         with self.lock:
             first, last = begin // FETCH_BLOCK, -(-(begin + len(data)) // FETCH_BLOCK)
-            if self.present[first:last].all():
-                return 0  # another thread fetched them meanwhile (the same bytes: objects never change)
+            new = ~self.present[first:last]
+            if not new.any():
+                return 0
             _io.write_cache_at(self.fd, self.path, begin, data)
             self.present[first:last] = True
-            self.fetched_bytes += len(data)
-            return len(data)
+            added = int(new.sum()) * FETCH_BLOCK
+            if new[-1]:  # the file's last block may be short
+                added -= last * FETCH_BLOCK - min(last * FETCH_BLOCK, self.size)
+            self.fetched_bytes += added
+            return added
 
     def ensure(self, start: int, end: int) -> None:
         """Make bytes [start, end) present in the local file."""
@@ -125,11 +136,13 @@ class ShardFetcher:
         self.directory = directory
         self.cache_bytes = cache_bytes
         self.remote: dict[str, dict[str, Any]] = {}  # uid -> {"key", "bytes"} of shards that live remotely
+        self.heads: dict[str, tuple[int, bytes]] = {}  # uid -> (data start, index bytes) from the state objects
         self._files: dict[str, RemoteShardFile] = {}
         self._bytes = 0
         self._lock = threading.RLock()
         self.on_drop: Any = None  # called with a uid whose file was dropped (the shard cache forgets its map)
         self.manifest_etag: str | None = None  # of the commit the shards were named by
+        self.coalesce_bytes = 0  # ranges of one shard this close are fetched by one GET (fetch_many)
 
     def missing(self, key: str) -> Exception:
         """The error for a shard object that is gone: the store changed
@@ -154,7 +167,8 @@ class ShardFetcher:
             if found is None:
                 path = self.directory / f"{uid}.safetensors"
                 _io.unlink(path)  # a file dropped from the cache earlier
-                found = self._files[uid] = RemoteShardFile(self, info["key"], path, info["bytes"])
+                found = self._files[uid] = RemoteShardFile(self, info["key"], path, info["bytes"],
+                                                           self.heads.get(uid))
             return found
 
     def fetched(self, nbytes: int) -> None:
@@ -174,27 +188,49 @@ class ShardFetcher:
                 self.on_drop(uid)
 
     def fetch_heads(self, uids: list[str]) -> None:
-        """The first block of each of these shards (its header and entry
-        index, which every read of a shard checks first), concurrently."""
-        files = [found for found in (self.source(uid) for uid in uids) if found is not None]
+        """The first block of each of these shards whose head the state
+        objects did not give (its header and entry index, which every read
+        of a shard checks first), concurrently."""
+        files = [found for found in (self.source(uid) for uid in uids) if found is not None and found.head is None]
         self.fetch_many([(found, 0, FETCH_BLOCK) for found in files])
 
     def fetch_many(self, spans: list[tuple[RemoteShardFile, int, int]]) -> None:
         """Make each (file, start, end) present, the missing blocks' ranged
-        GETs made concurrently (obstore waits without the GIL)."""
-        work: dict[tuple[int, int, int], RemoteShardFile] = {}
+        GETs made concurrently (obstore waits without the GIL).  Ranges of
+        one file whose blocks touch, or lie at most `coalesce_bytes` apart,
+        are fetched by one GET (the blocks between them too)."""
+        gap = self.coalesce_bytes // FETCH_BLOCK
+        by_file: dict[int, tuple[RemoteShardFile, list[tuple[int, int]]]] = {}
         for found, start, end in spans:
-            for begin, stop in found.missing_runs(start, end):
-                work[(id(found), begin, stop)] = found
+            end = min(end, found.size)
+            if end > start:
+                by_file.setdefault(id(found), (found, []))[1].append((start // FETCH_BLOCK, -(-end // FETCH_BLOCK)))
+        work: list[tuple[RemoteShardFile, int, int]] = []
+        for found, blocks in by_file.values():
+            runs: list[list[int]] = []
+            for lo, hi in sorted(blocks):
+                if runs and lo <= runs[-1][1]:
+                    runs[-1][1] = max(runs[-1][1], hi)
+                else:
+                    runs.append([lo, hi])
+            wanted: list[list[int]] = []  # the missing blocks of each run, runs at most `gap` blocks apart joined
+            for lo, hi in runs:
+                for begin, stop in found.missing_runs(lo * FETCH_BLOCK, hi * FETCH_BLOCK):
+                    first, last = begin // FETCH_BLOCK, -(-stop // FETCH_BLOCK)
+                    if wanted and first - wanted[-1][1] <= gap:
+                        wanted[-1][1] = last
+                    else:
+                        wanted.append([first, last])
+            work += [(found, first * FETCH_BLOCK, min(last * FETCH_BLOCK, found.size)) for first, last in wanted]
         if not work:
             return
         if len(work) == 1:
-            ((_, begin, stop), found), = work.items()
+            found, begin, stop = work[0]
             found.ensure(begin, stop)
             return
 
-        def fetch(item: tuple[tuple[int, int, int], RemoteShardFile]) -> int:
-            (_, begin, stop), found = item
+        def fetch(item: tuple[RemoteShardFile, int, int]) -> int:
+            found, begin, stop = item
             found.last_used = time.monotonic()
             try:
                 data = self.client.get_range(found.key, begin, stop)
@@ -202,7 +238,7 @@ class ShardFetcher:
                 raise self.missing(found.key) from None
             return found.store(begin, data)
 
-        self.fetched(sum(fetch_pool().map(fetch, work.items())))
+        self.fetched(sum(fetch_pool().map(fetch, work)))
 
     def cached_bytes(self) -> int:
         with self._lock:

@@ -46,6 +46,8 @@ from hmem.kernels import checksum as checksum_kernels
 from hmem.kernels import header_text
 
 PER_ENTRY_KINDS = ("p",)  # one tensor row per entry; the other kinds hold one row per token
+PAIR = "kv"  # the block of an entry's keys and values, adjacent: k_0, v_0, k_1, v_1, ...
+BLOCK_ORDER = (PAIR, "p", "ks", "vs")  # the blocks of each region (F32, then narrower), in file order
 
 
 class SpareSegments:
@@ -130,26 +132,63 @@ class Arena:
         current, used = mark
         self._current, self._used = current, used + [0] * (len(self._segments) - len(used))
 
-    def append(self, arrays: list[np.ndarray]) -> memoryview:
+    def append(self, arrays: list[Any]) -> memoryview:
         """Copy the arrays' bytes, back to back, after the previous ones;
         returns where they now are."""
-        n = sum(array.nbytes for array in arrays)
+        target = self.append_space(sum(array.nbytes for array in arrays))
+        at = 0
+        for array in arrays:
+            _copy_rows(array, target[at : at + array.nbytes])
+            at += array.nbytes
+        return target
+
+    def append_pairs(self, keys: list[Any], values: list[Any], n_tokens: np.ndarray, row_bytes: int) -> memoryview:
+        """Copy keys and values entry by entry (k_0, v_0, k_1, v_1, ...):
+        `keys` and `values` are either one array of every entry's rows back
+        to back or one array per entry, of `row_bytes` per token; returns
+        where they now are (docs/format.md, "Shards": a result's K and V
+        are then one byte range, one request on object storage)."""
+        count = len(n_tokens)
+        rows = int(n_tokens.sum())
+        target = self.append_space(2 * rows * row_bytes)
+        if len(keys) == count:
+            at = 0
+            for k, v in zip(keys, values):  # one array per entry already: a copy each, as append does
+                for array in (k, v):
+                    _copy_rows(array, target[at : at + array.nbytes])
+                    at += array.nbytes
+            return target
+        (k,), (v,) = keys, values  # every entry's rows in one array (a batch joined by prepare)
+        assert type(k) is np.ndarray and type(v) is np.ndarray
+        n = int(n_tokens[0])
+        if bool((n_tokens == n).all()):
+            # entries of one length (a batch of chunks): two strided copies
+            slots = np.frombuffer(target, dtype=np.uint8).reshape(count, 2, n * row_bytes)
+            slots[:, 0] = np.frombuffer(bytes_view(k), dtype=np.uint8).reshape(count, n * row_bytes)
+            slots[:, 1] = np.frombuffer(bytes_view(v), dtype=np.uint8).reshape(count, n * row_bytes)
+            return target
+        # entries of different lengths: each row goes to its entry's place,
+        # one scatter per kind (token row r of entry i lands at row r + t_i
+        # for keys, r + t_(i+1) for values, t the entries' token bounds)
+        bounds = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(n_tokens, out=bounds[1:])
+        row = np.dtype((np.void, row_bytes))
+        out = np.frombuffer(target, dtype=row)
+        base = np.arange(rows, dtype=np.int64)
+        out[base + np.repeat(bounds[:-1], n_tokens)] = np.frombuffer(bytes_view(k), dtype=row)
+        out[base + np.repeat(bounds[1:], n_tokens)] = np.frombuffer(bytes_view(v), dtype=row)
+        return target
+
+    def append_space(self, n: int) -> memoryview:
+        """`n` bytes after the previous ones, to be filled by the caller."""
         while self._current < len(self._segments) and self._used[self._current] + n > len(self._segments[self._current]):
             self._current += 1
         if self._current == len(self._segments):
             segment = self.spares.take(max(n, self.SEGMENT_BYTES))
             self._segments, self._used = [*self._segments, segment], [*self._used, 0]  # both or neither
         seg, offset = self._current, self._used[self._current]
-        target = self._segments[seg].data[offset : offset + n]
-        at = 0
-        for array in arrays:
-            if type(array) is np.ndarray:
-                target[at : at + array.nbytes] = bytes_view(array)
-            else:  # storage.WideningRows: bfloat16 words widened as they are copied
-                cast(Any, array).copy_into(target[at : at + array.nbytes])
-            at += array.nbytes
         self._used[seg] += n
-        return target
+        return self._segments[seg].data[offset : offset + n]
 
     def retire(self) -> list[np.ndarray]:
         """Its segments, given up: nothing reads them any more."""
@@ -159,15 +198,16 @@ class Arena:
 
 @dataclasses.dataclass
 class _Block:
-    """The tensors of one kind of a part's entries, in entry order."""
+    """The tensors of one kind of a part's m entries, in entry order; for
+    the PAIR block, each entry's keys then its values (2m tensors)."""
 
     dtype: np.dtype
-    # the tensors' shapes: int64 [m, rank], or made when needed from the
-    # row shape (one row per entry, or n_tokens rows) for put parts
+    # the shapes of each entry's tensors: int64 [m, rank], or made when
+    # needed from the row shape (one row per entry, or n_tokens rows) for put parts
     shapes: np.ndarray | tuple[tuple[int, ...], bool]
-    bounds: np.ndarray  # int64 [m + 1]: tensor i is bytes bounds[i] .. bounds[i + 1] of the block
+    bounds: np.ndarray  # int64 [tensors + 1]: tensor i is bytes bounds[i] .. bounds[i + 1] of the block
     data: list[Any]  # one buffer holding every tensor (puts), or one FileRange per tensor (lent)
-    crcs: np.ndarray | None  # uint32 [m], None until the shard is sealed (puts)
+    crcs: np.ndarray | None  # uint32 [tensors], None until the shard is sealed (puts)
 
     @property
     def region(self) -> int:
@@ -271,12 +311,28 @@ class ShardBuilder:
             if kind not in KINDS or array.dtype not in DTYPE_NAMES or sum(len(a) for a in arrays) != rows or any(
                     a.dtype != array.dtype or a.shape[1:] != row_shape or not _contiguous(a) for a in arrays):
                 raise AssertionError(f"bad shard tensor {kind} ({array.dtype}, {len(arrays)} pieces)")
-            bounds = (entry_bounds if per_entry else token_bounds) * (array.itemsize * math.prod(row_shape))
+            if kind == "v":
+                continue  # with the keys, below
+            row_bytes = array.itemsize * math.prod(row_shape)
+            if kind == "k":
+                # keys and values entry by entry: one block of 2 × count tensors
+                values = tensors["v"]
+                if values[0].dtype != array.dtype or values[0].shape[1:] != row_shape:
+                    raise AssertionError("keys and values of different dtypes or shapes")
+                bounds = np.zeros(2 * count + 1, dtype=np.int64)
+                np.cumsum(np.repeat(n_tokens * row_bytes, 2), out=bounds[1:])
+                data = self._arena.append_pairs(arrays, values, n_tokens, row_bytes)
+                blocks[PAIR] = _Block(array.dtype, (row_shape, False), bounds, [data], None)
+                continue
+            bounds = (entry_bounds if per_entry else token_bounds) * row_bytes
             blocks[kind] = _Block(array.dtype, (row_shape, per_entry), bounds, [self._arena.append(arrays)], None)
+        if (PAIR in blocks) != ("v" in tensors):
+            raise AssertionError("keys without values, or values without keys")
         meta = dict(meta or {})
         added = sum(int(b.bounds[-1]) for b in blocks.values()) + sum(_meta_bytes(m) for m in meta.values())
         entries, tensor_count, data_bytes = self._totals()
-        totals = (entries + count, tensor_count + count * len(blocks), data_bytes + added)
+        tensors_added = count * (len(blocks) + (PAIR in blocks))  # the pair block holds two tensors an entry
+        totals = (entries + count, tensor_count + tensors_added, data_bytes + added)
         self._parts.append(_Part(ids, n_tokens, blocks, meta, totals))  # one step: in or out, never half
 
     def add_lent_entry(self, entry_id: int, n_tokens: int,
@@ -301,11 +357,18 @@ class ShardBuilder:
         n_tokens = np.array([item[1] for item in lent], dtype=np.int64)
         blocks = {}
         for kind in lent[0][2]:
+            if kind == "v":
+                continue  # with the keys, below
             specs = [item[2][kind] for item in lent]
+            if kind == "k":
+                # keys and values entry by entry (add_entries)
+                specs = [spec for item in lent for spec in (item[2]["k"], item[2]["v"])]
+                kind = PAIR
             dtype = specs[0][0]
             if any(spec[0] != dtype for spec in specs):
                 raise AssertionError(f"lent {kind} tensors of different dtypes")
-            shapes = np.array([spec[1] for spec in specs], dtype=np.int64).reshape(len(specs), -1)
+            shapes = np.array([spec[1] for spec in specs[:: 2 if kind == PAIR else 1]],
+                              dtype=np.int64).reshape(len(lent), -1)
             bounds = np.zeros(len(specs) + 1, dtype=np.int64)
             np.cumsum([spec[2].length for spec in specs], out=bounds[1:])
             blocks[kind] = _Block(dtype, shapes, bounds, [spec[2] for spec in specs],
@@ -349,10 +412,14 @@ class ShardBuilder:
         """A tensor added by a put, as a read-only view (lent ones are not
         readable from here)."""
         part, row = self._find(entry_id)
-        block = part.blocks[kind]
+        piece = row
+        if kind in ("k", "v"):
+            block, piece = part.blocks[PAIR], 2 * row + (kind == "v")
+        else:
+            block = part.blocks[kind]
         if len(block.data) != 1:
             raise AssertionError("a lent tensor is not readable from the open shard")
-        raw = np.frombuffer(block.data[0], dtype=np.uint8)[block.bounds[row] : block.bounds[row + 1]]
+        raw = np.frombuffer(block.data[0], dtype=np.uint8)[block.bounds[piece] : block.bounds[piece + 1]]
         return raw.view(block.dtype).reshape(block.shape_of(part.n_tokens, row))
 
     def encode(self) -> tuple[list[Any], int]:
@@ -372,31 +439,34 @@ class ShardBuilder:
         crc_text: list[bytes] = []
         at = index.nbytes  # data offsets count from the start of the data, where hmem_index is
         for region in (0, 1):
-            for kind in KINDS:  # each kind's tensors together: one header-text call for all of them
-                column = KINDS.index(kind)
-                groups: dict[np.dtype, list[tuple]] = {}
+            # each kind's tensors together: one header-text call for all of them
+            members: dict[tuple[str, np.dtype], list[tuple]] = {}
+            for unit in BLOCK_ORDER:
                 for part, first in zip(self._parts, starts):
-                    block = part.blocks.get(kind)
+                    block = part.blocks.get(unit)
                     if block is None or block.region != region:
                         continue
                     if block.crcs is None:
                         block.crcs = checksum_kernels.crc32c_pieces(block.data[0], block.bounds)
                     rows = slice(1 + first, 1 + first + len(part.ids))
-                    index[rows, 2 + column] = at + block.bounds[:-1]
-                    index[rows, 7 + column] = block.crcs
-                    groups.setdefault(block.dtype, []).append((part, block, at))
+                    begins, ends = at + block.bounds[:-1], at + block.bounds[1:]
+                    shapes = block.shape_rows(part.n_tokens)
+                    # a pair block's tensors alternate: k_0, v_0, k_1, v_1, ...
+                    for kind, pick in ((("k", slice(0, None, 2)), ("v", slice(1, None, 2))) if unit == PAIR
+                                       else ((unit, slice(None)),)):
+                        column = KINDS.index(kind)
+                        index[rows, 2 + column] = begins[pick]
+                        index[rows, 7 + column] = block.crcs[pick]
+                        members.setdefault((kind, block.dtype), []).append(
+                            (part.ids, shapes, begins[pick], ends[pick], block.crcs[pick]))
                     data.extend(block.data)
                     at += int(block.bounds[-1])
+            for (kind, dtype), pieces in members.items():
                 name = f"{kind}_".encode()
-                for dtype, members in groups.items():
-                    ids = np.concatenate([part.ids for part, _, _ in members])
-                    shapes = np.concatenate([block.shape_rows(part.n_tokens) for part, block, _ in members])
-                    begins = np.concatenate([start + block.bounds[:-1] for _, block, start in members])
-                    ends = np.concatenate([start + block.bounds[1:] for _, block, start in members])
-                    crcs = np.concatenate([block.crcs for _, block, _ in members])
-                    tensor_text.append(header_text.tensor_entries(name, ids, DTYPE_NAMES[dtype].encode(), shapes,
-                                                                  begins, ends))
-                    crc_text.append(header_text.crc_entries(CRC_PREFIX.encode() + name, ids, crcs))
+                ids, shapes, begins, ends, crcs = (np.concatenate(column) for column in zip(*pieces))
+                tensor_text.append(header_text.tensor_entries(name, ids, DTYPE_NAMES[dtype].encode(), shapes,
+                                                              begins, ends))
+                crc_text.append(header_text.crc_entries(CRC_PREFIX.encode() + name, ids, crcs))
         index_crc = checksum_kernels.crc32c(bytes_view(index))
         metadata = {"format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION, "shard_uid": self.uid}
         if self.store_config:
@@ -412,6 +482,14 @@ class ShardBuilder:
         """Write the shard file durably; returns (file size, index CRC)."""
         buffers, index_crc = self.encode()
         return _io.write_file(path, buffers), index_crc
+
+
+def _copy_rows(array: Any, target: memoryview) -> None:
+    """Copy rows into `target` (exactly their bytes)."""
+    if type(array) is np.ndarray:
+        target[:] = bytes_view(array)
+    else:  # storage.WideningRows: bfloat16 words widened as they are copied
+        cast(Any, array).copy_into(target)
 
 
 def _contiguous(rows: Any) -> bool:
