@@ -42,8 +42,11 @@ their working copies under a temporary cache directory.
    = distinct shard files of the query's results (QueryResult.shard_idx).
    The GETs of the cold runs are also told apart (by wrapping
    hmem.object_store.ObjectClient.get/get_range in this process): the
-   manifest, state objects, a shard's first block (its header and entry
-   index) and its other blocks (the results' tensors).
+   manifest, state objects, a shard's block 0 (its header and entry
+   index, which the state objects carry for the shards they know: fetched
+   only when a result lies there) and its other blocks (the results'
+   tensors).  With --coalesce-bytes (default 32 MiB), the cold runs also
+   take turns with a reader given that coalesce_bytes storage option.
 3. clients: obstore, boto3 and hmem's ObjectClient (obstore, counted) on
    the same server, for the requests hmem makes: GET of the store's
    manifest.json, ranged GET of 1 MiB of a shard object, a conditional

@@ -14,7 +14,9 @@ that changed since the previous commit (a record's access count, appended
 records); the manifest lists the state objects from the last snapshot (a
 state object holding the files whole) on.  Applying them in order gives
 the files.  A writer writes a new snapshot when the list grows long, and
-at every compaction, so the list stays short.
+at every compaction, so the list stays short.  The state objects also
+carry each shard's head (its header length and entry index), so that a
+reader need not fetch a shard's first bytes before reading an entry.
 
 The manifest also carries the local format's index.json text unchanged
 (docs/format.md, "index.json"): what the store holds is described once.

@@ -80,9 +80,10 @@ class EntryReader:
     def prefetch(self, positions: np.ndarray, kinds: tuple[str, ...] | None = None) -> None:
         """On object storage, fetch what reading these records' tensors
         (`kinds`; by default their K/V) will need, all at once: first the
-        header and index of each shard not yet read, then the tensors' byte
-        ranges, the requests of each round made concurrently
-        (hmem/store/remote.py).  The reads that follow then wait for no
+        header and index of each shard not yet read whose head the state
+        objects did not give, then the tensors' byte ranges, the requests
+        of each round made concurrently (hmem/store/remote_fetch.py).  The
+        reads that follow then wait for no
         request.  Nothing for a local store; damage found here is left for
         those reads to report."""
         state = self.state
