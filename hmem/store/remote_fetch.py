@@ -197,8 +197,9 @@ class ShardFetcher:
     def fetch_many(self, spans: list[tuple[RemoteShardFile, int, int]]) -> None:
         """Make each (file, start, end) present, the missing blocks' ranged
         GETs made concurrently (obstore waits without the GIL).  Ranges of
-        one file whose blocks touch, or lie at most `coalesce_bytes` apart,
-        are fetched by one GET (the blocks between them too)."""
+        one file whose blocks touch, or lie at most `coalesce_bytes` apart
+        (in whole blocks), are fetched by one GET (the blocks between them
+        too, present or not)."""
         gap = self.coalesce_bytes // FETCH_BLOCK
         by_file: dict[int, tuple[RemoteShardFile, list[tuple[int, int]]]] = {}
         for found, start, end in spans:
@@ -224,10 +225,6 @@ class ShardFetcher:
             work += [(found, first * FETCH_BLOCK, min(last * FETCH_BLOCK, found.size)) for first, last in wanted]
         if not work:
             return
-        if len(work) == 1:
-            found, begin, stop = work[0]
-            found.ensure(begin, stop)
-            return
 
         def fetch(item: tuple[RemoteShardFile, int, int]) -> int:
             found, begin, stop = item
@@ -238,7 +235,7 @@ class ShardFetcher:
                 raise self.missing(found.key) from None
             return found.store(begin, data)
 
-        self.fetched(sum(fetch_pool().map(fetch, work)))
+        self.fetched(fetch(work[0]) if len(work) == 1 else sum(fetch_pool().map(fetch, work)))
 
     def cached_bytes(self) -> int:
         with self._lock:
