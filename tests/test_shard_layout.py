@@ -102,17 +102,19 @@ def test_the_safetensors_package_reads_the_pairs(tmp_path):
 def test_bfloat16_words_widened_into_an_f32_store_lie_side_by_side(tmp_path):
     torch = pytest.importorskip("torch", reason="a bfloat16 cache needs torch (the hf extra)")
     generator = torch.Generator().manual_seed(5)
-    # one layer of [batch 1, 2 kv heads, 700 tokens, 8]: chunks of 256, 256 and 188 tokens
-    cache = [(torch.randn(1, 2, 700, 8, generator=generator, dtype=torch.float32).to(torch.bfloat16),
-              torch.randn(1, 2, 700, 8, generator=generator, dtype=torch.float32).to(torch.bfloat16))]
+    # one layer of [batch 1, 2 kv heads, 3100 tokens, 8]: chunks of 1200, 1200 and 700 tokens, over
+    # 64 KiB each on average, so prepared one by one and widened as they are copied into the shard
+    cache = [(torch.randn(1, 2, 3100, 8, generator=generator, dtype=torch.float32).to(torch.bfloat16),
+              torch.randn(1, 2, 3100, 8, generator=generator, dtype=torch.float32).to(torch.bfloat16))]
     path = tmp_path / "s"
     with Store.create(path, embed_dim=DIM, hdc_dim=256) as store:
-        ids = store.put_cache(cache, chunk_tokens=256)[0]
+        ids = store.put_cache(cache, chunk_tokens=1200)[0]
         store.flush()
         assert len(ids) == 3
         for n, entry_id in enumerate(ids):
-            want = cache[0][0][0, :, n * 256 : (n + 1) * 256].transpose(0, 1).reshape(-1, DIM).float().numpy()
-            assert np.array_equal(store.get(entry_id).keys, want)
+            for got, tensor in zip((store.get(entry_id).keys, store.get(entry_id).values), cache[0]):
+                want = tensor[0, :, n * 1200 : (n + 1) * 1200].transpose(0, 1).reshape(-1, DIM).float().numpy()
+                assert np.array_equal(got, want)
         every = set(store.entry_ids())
     _assert_pairs_adjacent(path, every)
 
