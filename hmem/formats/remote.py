@@ -155,11 +155,12 @@ def encode_head(uid: str, header_length: int, index: bytes | memoryview) -> byte
     return _HEAD.pack(bytes.fromhex(uid), header_length, entries) + bytes(index)
 
 
-def parse_heads(data: bytes | bytearray, key: str) -> dict[str, tuple[int, bytes]]:
+def parse_heads(data: bytes | bytearray, key: str) -> dict[str, tuple[int, memoryview]]:
     """The heads in the heads pieces of a store's state: shard uid -> (data
-    start, index bytes).  The index bytes are checked by whoever uses them
-    (against the shard's index CRC in index.json), as a shard's own are."""
-    heads: dict[str, tuple[int, bytes]] = {}
+    start, index bytes, a view into `data`).  The index bytes are checked by
+    whoever uses them (against the shard's index CRC in index.json), as a
+    shard's own are."""
+    heads: dict[str, tuple[int, memoryview]] = {}
     at, view = 0, memoryview(data)
     while at < len(view):
         if at + _HEAD.size > len(view):
@@ -169,7 +170,7 @@ def parse_heads(data: bytes | bytearray, key: str) -> dict[str, tuple[int, bytes
         if entries > MAX_MANIFEST_BYTES or at + _HEAD.size + length > len(view) or header_length > 1 << 40:
             raise CorruptStoreError(f"{key}: a shard head runs past the end of the heads", hint=Hint.VERIFY)
         start = at + _HEAD.size
-        heads[uid.hex()] = (8 + header_length, bytes(view[start : start + length]))
+        heads[uid.hex()] = (8 + header_length, view[start : start + length])
         at = start + length
     return heads
 

@@ -158,7 +158,6 @@ class RemoteLink:
         self.published_generation = -1  # the local commit last published
         self.published_local: Manifest | None = None  # and what it said
         self.uploaded_bytes = 0  # shard and state objects this writer uploaded (consolidate)
-        self.head_records: dict[str, bytes] = {}  # uid -> head of each shard named (encode_head), for snapshots
         self._dirs = 0
 
     # ---- reading the committed state -------------------------------------------------
@@ -193,8 +192,6 @@ class RemoteLink:
         for key, data in zip(keys, fetch_pool().map(fetch, keys) if len(keys) > 1 else map(fetch, keys)):
             fmt.apply_state(data, files, key)
         heads = fmt.parse_heads(files[fmt.HEADS], keys[-1])
-        self.head_records = {uid: fmt.encode_head(uid, start - 8, index) for uid, (start, index) in heads.items()
-                             if uid in mf.shards}
         self._dirs += 1
         directory = self.workdir / f"store-{self._dirs}"
         _io.make_dir(directory)
@@ -298,7 +295,7 @@ class RemoteLink:
         sizes = committed_sizes(directory, committed)
         # shards: upload the new ones; retire the ones no longer named
         named: dict[str, dict[str, Any]] = {}
-        new_heads: dict[str, bytes] = {}
+        new_heads: dict[str, tuple[int, Any]] = {}  # uid -> (data start, index bytes) of the shards uploaded
         for info in shards:
             if old is not None and info.uid in old.shards:
                 named[info.uid] = old.shards[info.uid]
@@ -319,7 +316,7 @@ class RemoteLink:
         whole = (old is None or snapshot or changed is None or generation != self.published_generation + 1
                  or len(old.state) >= SNAPSHOT_AFTER
                  or any(sizes[name] < old.sizes[name] for name in fmt.STATE_FILES))
-        appended_heads = b"".join(new_heads.values())
+        appended_heads = b"".join(fmt.encode_head(uid, start - 8, index) for uid, (start, index) in new_heads.items())
         pieces: list[tuple[int, int, Any]] = []
         if not whole:
             assert old is not None and changed is not None
@@ -334,8 +331,8 @@ class RemoteLink:
         if whole:
             # the heads of every shard named whose head this link knows (a
             # store written before heads existed has none for its older shards)
-            heads = b"".join(new_heads[uid] if uid in new_heads else self.head_records[uid]
-                             for uid in named if uid in new_heads or uid in self.head_records)
+            known = {**self.fetcher.heads, **new_heads}
+            heads = b"".join(fmt.encode_head(uid, known[uid][0] - 8, known[uid][1]) for uid in named if uid in known)
             pieces = [(number, 0, _read_range(directory / name, 0, sizes[name]))
                       for number, name in enumerate(fmt.STATE_FILES)]
             pieces.append((fmt.HEADS, 0, heads))
@@ -370,7 +367,7 @@ class RemoteLink:
         self.fetcher.manifest_etag = etag
         self.published_generation = generation
         self.published_local = committed
-        self.head_records.update(new_heads)
+        self.fetcher.heads = {**self.fetcher.heads, **new_heads}
         # this writer's shards are complete local files: never fetched
         self.fetcher.remote = {uid: s for uid, s in named.items() if uid in self.fetcher.remote}
         if expired:
@@ -456,12 +453,11 @@ def committed_sizes(directory: Path, committed: Manifest) -> dict[str, int]:
             layout.SOURCES_FILE: committed.sources.bytes}
 
 
-def _local_head(path: Path, info: Any) -> bytes:
-    """The head of a complete local shard file (ShardInfo `info`): its JSON
-    header's length and its hmem_index bytes, for the state objects."""
+def _local_head(path: Path, info: Any) -> tuple[int, bytes]:
+    """The head of a complete local shard file (ShardInfo `info`): where
+    its data starts and its hmem_index bytes, for the state objects."""
     (length,) = struct.unpack("<Q", _read_range(path, 0, 8).tobytes())
-    index = _read_range(path, 8 + length, (info.entries + 1) * fmt.INDEX_ROW_BYTES)
-    return fmt.encode_head(info.uid, length, index.data)
+    return 8 + length, _read_range(path, 8 + length, (info.entries + 1) * fmt.INDEX_ROW_BYTES).tobytes()
 
 
 def _read_range(path: Path, offset: int, size: int) -> np.ndarray:

@@ -40,7 +40,7 @@ class RemoteShardFile:
     as reads need its bytes (the reads go through the file's memory map)."""
 
     def __init__(self, fetcher: ShardFetcher, key: str, path: Path, size: int,
-                 head: tuple[int, bytes] | None = None) -> None:
+                 head: tuple[int, Any] | None = None) -> None:
         self.fetcher = fetcher
         self.key = key
         self.path = path
@@ -136,7 +136,7 @@ class ShardFetcher:
         self.directory = directory
         self.cache_bytes = cache_bytes
         self.remote: dict[str, dict[str, Any]] = {}  # uid -> {"key", "bytes"} of shards that live remotely
-        self.heads: dict[str, tuple[int, bytes]] = {}  # uid -> (data start, index bytes) from the state objects
+        self.heads: dict[str, tuple[int, Any]] = {}  # uid -> (data start, index bytes) from the state objects
         self._files: dict[str, RemoteShardFile] = {}
         self._bytes = 0
         self._lock = threading.RLock()

@@ -130,7 +130,7 @@ class ShardReader:
         return data_start, index
 
     def _head_index(self, entries: int, index_crc: int, data_start: int,
-                    raw: bytes) -> tuple[int, np.ndarray] | None:
+                    raw: Any) -> tuple[int, np.ndarray] | None:
         """The index a head gives, once it checks out against the store's
         record of the shard (its CRC, entries, uid); None otherwise."""
         if len(raw) != (entries + 1) * INDEX_ROW_BYTES or data_start + len(raw) > self.size:
