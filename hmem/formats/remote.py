@@ -34,6 +34,7 @@ import numpy as np
 from hmem.errors import CorruptStoreError, Hint, NotAStoreError, UnsupportedFormatError
 from hmem.formats.pooled import POOLED_FILE
 from hmem.formats.records import ENTRIES_FILE
+from hmem.formats.shard_file import INDEX_ROW_BYTES
 from hmem.formats.sources import SOURCES_FILE
 from hmem.kernels import checksum as checksum_kernels
 
@@ -55,7 +56,6 @@ _STATE_MAGIC = b"HMEMSTAT"
 _STATE_HEAD = struct.Struct("<8sII")  # magic, version, number of pieces
 _PIECE = np.dtype([("file", "<u4"), ("zero", "<u4"), ("offset", "<u8"), ("length", "<u8")])
 _HEAD = struct.Struct("<16sQQ")  # shard uid, JSON header length, entries
-INDEX_ROW_BYTES = 96  # a row of a shard's hmem_index: 12 × i64 (hmem/formats/shard_file.py)
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "HEADS", "HEADS_FILE", "LEASE_KEY", "MANIFEST_KEY", "STATE_FILES", "Lease",
            "RemoteManifest", "apply_state", "encode_head", "encode_state", "parse_heads", "shard_key", "state_key"]
@@ -99,8 +99,7 @@ def encode_state(pieces: list[tuple[int, int, bytes | memoryview]]) -> bytes:
 def apply_state(data: bytes, files: list[bytearray], key: str) -> None:
     """Write a state object's pieces into `files` (one bytearray per
     STATE_FILES entry, then one for the shard heads, sized as the manifest
-    says); refuses a damaged
-    object or a piece outside its file."""
+    says); refuses a damaged object or a piece outside its file."""
     def bad(why: str) -> CorruptStoreError:
         return CorruptStoreError(f"state object {key} is damaged: {why}", hint=Hint.VERIFY)
 
@@ -157,7 +156,7 @@ def encode_head(uid: str, header_length: int, index: bytes | memoryview) -> byte
 
 def parse_heads(data: bytes | bytearray, key: str) -> dict[str, tuple[int, memoryview]]:
     """The heads in the heads pieces of a store's state: shard uid -> (data
-    start, index bytes, a view into `data`).  The index bytes are checked by
+    start, index bytes); the index bytes are a view into `data`, checked by
     whoever uses them (against the shard's index CRC in index.json), as a
     shard's own are."""
     heads: dict[str, tuple[int, memoryview]] = {}

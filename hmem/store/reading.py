@@ -83,9 +83,8 @@ class EntryReader:
         header and index of each shard not yet read whose head the state
         objects did not give, then the tensors' byte ranges, the requests
         of each round made concurrently (hmem/store/remote_fetch.py).  The
-        reads that follow then wait for no
-        request.  Nothing for a local store; damage found here is left for
-        those reads to report."""
+        reads that follow then wait for no request.  Nothing for a local
+        store; damage found here is left for those reads to report."""
         state = self.state
         fetcher = state.cache.fetcher
         if fetcher is None or not len(positions):
