@@ -109,13 +109,9 @@ def test_a_warm_query_makes_no_request_and_a_cold_one_few(s3_url):
         assert reader.stats().remote.requests == before  # warm: no request at all
 
 
-_MARK = np.random.default_rng(99).standard_normal(DIM).astype(np.float32) * 4
-
-
 def _far_apart_in_one_shard(s3_url: str) -> list[int]:
     """A store of one shard holding ~2 MiB of entries; returns the ids of
-    its first and last entry (their blocks lie more than 1 MiB apart),
-    whose keys share a direction no other entry has (_MARK)."""
+    its first and last entry (their blocks lie more than 1 MiB apart)."""
     with Store.create(s3_url, embed_dim=DIM, hdc_dim=512) as writer:
         ids = list(_fill(writer, range(1200), layer=0))  # 1,200 × 2 × 6 × 32 × 4 bytes = 1.8 MB
         writer.flush()
@@ -123,7 +119,12 @@ def _far_apart_in_one_shard(s3_url: str) -> list[int]:
     return [ids[0], ids[-1]]
 
 
+_MARK = np.random.default_rng(99).standard_normal(DIM).astype(np.float32) * 4
+
+
 def _fill_marked(store: Store) -> list[int]:
+    """Put 1,200 entries, the first and the last with keys that share a
+    direction no other entry has (_MARK); returns those two ids."""
     entries = [(*_kv(seed), 0) for seed in range(1200)]
     for at in (0, 1199):
         keys, values, _ = entries[at]
