@@ -335,11 +335,12 @@ def unlink_many(paths: Sequence[Path]) -> None:
         fsync_dir(paths[0].parent)
 
 
-def make_dir(path: Path) -> None:
-    """Create `path` (and missing parents) and make the new entry durable."""
+def make_dir(path: Path, mode: int = 0o777) -> None:
+    """Create `path` (and missing parents; `mode`, less the umask, for
+    `path` itself) and make the new entry durable."""
     with _errors("mkdir", path):
         existed = path.exists()
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True, mode=mode)
     if not existed:
         fsync_dir(path.parent)
 
@@ -380,6 +381,24 @@ def open_cache_file(path: Path, size: int) -> int:
 def write_cache_at(fd: int, path: Path, offset: int, data: Buffer) -> None:
     """Write fetched bytes into a cache file at `offset` (no fsync)."""
     _write_all(fd, path, [data], offset)
+
+
+def write_cache_file(path: Path, data: Buffer) -> None:
+    """Create or replace a whole cache file (no fsync): written to a
+    temporary file renamed over `path`, so another process finds the old
+    file, the new one or none, never half of one."""
+    tmp = temp_path(path)
+    fd = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        _write_all(fd, tmp, [data], 0)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    with _errors("rename", tmp):
+        os.replace(tmp, path)
 
 
 def make_private_dir(parent: Path, prefix: str) -> Path:

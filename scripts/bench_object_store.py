@@ -354,13 +354,16 @@ def bench_queries(server: Server, root: Path, local_path: str, s3_url: str, args
         queries = make_queries(probe, total, args.dim, seed=7)
     cold_q, warm_q, new_q = queries[:args.cold_runs], queries[args.cold_runs], queries[args.cold_runs + 1:]
 
-    def open_store(case: str) -> hmem.Store:
+    def open_store(case: str, host: Path | None = None) -> hmem.Store:
+        """`host`: the cache directory of a process on a host of its own
+        (fresh: nothing kept from earlier processes)."""
         if case == "local":
             return hmem.Store.open(local_path, read_only=True)
+        own = options if host is None else {**options, "cache_dir": str(host)}
         if case == "s3-coalesced":
             return hmem.Store.open(s3_url, read_only=True,
-                                   storage_options={**options, "coalesce_bytes": args.coalesce_bytes})
-        return hmem.Store.open(s3_url, read_only=True, storage_options=options)
+                                   storage_options={**own, "coalesce_bytes": args.coalesce_bytes})
+        return hmem.Store.open(s3_url, read_only=True, storage_options=own)
 
     # cold: a fresh reader, its first query
     cases = ("local", "s3", "s3-coalesced") if args.coalesce_bytes else ("local", "s3")
@@ -369,10 +372,11 @@ def bench_queries(server: Server, root: Path, local_path: str, s3_url: str, args
     for i, q in enumerate(cold_q):
         answers = {}
         for case in cases:
+            host = root / f"host-{case}-{i}"
             TRACE.clear()
             http0 = server.http_requests()
             t0 = time.perf_counter()
-            store = open_store(case)
+            store = open_store(case, host)
             t1 = time.perf_counter()
             opened = remote_requests(store) if case != "local" else (0, 0, 0)
             open_trace = list(TRACE)
@@ -383,8 +387,15 @@ def bench_queries(server: Server, root: Path, local_path: str, s3_url: str, args
             state_objects = store.stats().remote.state_objects if case != "local" else 0
             http = server.http_requests() - http0
             store.close()
+            reopen_s = reopen_requests = 0.0
+            if case != "local":  # the next process on the same host: the state objects were kept
+                t4 = time.perf_counter()
+                store = open_store(case, host)
+                reopen_s, reopen_requests = time.perf_counter() - t4, remote_requests(store)[0]
+                store.close()
             answers[case] = [(r.entry_id, round(r.score, 6)) for r in results]
             cold[case].append({
+                "reopen_s": reopen_s, "reopen_requests": reopen_requests,
                 "open_s": t1 - t0, "query_s": t3 - t2, "open_requests": opened[0],
                 "query_requests": queried[0] - opened[0], "open_bytes": opened[2],
                 "query_bytes": queried[2] - opened[2], "shards_touched": len({r.shard_idx for r in results}),
@@ -433,7 +444,8 @@ def bench_queries(server: Server, root: Path, local_path: str, s3_url: str, args
     for case in cases:
         summary[f"cold_{case}"] = {k: statistics.median(run[k] for run in cold[case])
                                    for k in ("open_s", "query_s", "open_requests", "query_requests",
-                                             "shards_touched", "open_bytes", "query_bytes")}
+                                             "shards_touched", "open_bytes", "query_bytes", "reopen_s",
+                                             "reopen_requests")}
     return summary
 
 
@@ -590,6 +602,9 @@ def report(args: argparse.Namespace, put: dict | None, queries: dict | None, cli
         if coalesced is not None:
             print(f"| s3, coalesce_bytes={args.coalesce_bytes:,} | {ms(coalesced['open_s'])} "
                   f"| {ms(coalesced['query_s'])} | — | — |")
+        print(f"\nThe next process on the same host (its state objects kept there): open {ms(cs['reopen_s'])}, "
+              f"{cs['reopen_requests']:.0f} request(s), against {ms(cs['open_s'])} and "
+              f"{cs['open_requests']:.0f} on a host new to the store (medians)")
         cold_ok = {}
         for case in [c for c in ("s3", "s3-coalesced") if c in q["cold"]]:
             print(f"\nRequests of the {case} reader, each cold run (open: manifest + state objects; first query: "

@@ -85,14 +85,19 @@ def test_round_trip_matches_a_local_store(s3_url, tmp_path):
         assert st.remote.url == s3_url and st.remote.gets >= 2 and st.remote.puts == 0
 
 
-def test_a_warm_query_makes_no_request_and_a_cold_one_few(s3_url):
+def _elsewhere(tmp_path, host: str = "reader-host") -> dict:
+    """storage_options of a process on another host: its own cache directory."""
+    return {"cache_dir": str(tmp_path / host)}
+
+
+def test_a_warm_query_makes_no_request_and_a_cold_one_few(s3_url, tmp_path):
     with Store.create(s3_url, embed_dim=DIM, hdc_dim=512, shard_max_bytes=64 << 10) as writer:
         for part in range(4):  # several shards
             _fill(writer, range(part * 30, part * 30 + 30))
             writer.flush()
         shards = len(writer.stats().shards)
     assert shards >= 4
-    with Store.open(s3_url, read_only=True) as reader:
+    with Store.open(s3_url, read_only=True, storage_options=_elsewhere(tmp_path)) as reader:
         opened = reader.stats().remote
         assert opened.requests == 1 + opened.state_objects  # the manifest, then its state objects
         results = reader.query(_kv(45)[0], 0, top_k=3)
@@ -222,7 +227,7 @@ def test_damaged_heads_are_refused(s3_server, s3_url):
         Store.open(s3_url, read_only=True)
 
 
-def test_a_closing_writer_leaves_one_state_object_for_readers(s3_url, s3_server):
+def test_a_closing_writer_leaves_one_state_object_for_readers(s3_url, s3_server, tmp_path):
     writer = Store.create(s3_url, embed_dim=DIM)
     data = {}
     for lo in range(0, 40, 10):  # a state object per flush
@@ -232,13 +237,13 @@ def test_a_closing_writer_leaves_one_state_object_for_readers(s3_url, s3_server)
     writer.close()
     listed = _manifest(s3_server, s3_url)["state"]
     assert len(listed) == 1  # one snapshot, which the session's uploads paid for many times over
-    with Store.open(s3_url, read_only=True) as reader:
+    with Store.open(s3_url, read_only=True, storage_options=_elsewhere(tmp_path)) as reader:
         assert reader.stats().remote.requests == 2  # the manifest, the snapshot
         _check_kv(reader, data)
     assert hmem.verify(s3_url, full=True).ok
 
 
-def test_a_small_session_on_a_large_store_does_not_upload_its_records_whole(s3_url, s3_server):
+def test_a_small_session_on_a_large_store_does_not_upload_its_records_whole(s3_url, s3_server, tmp_path):
     with Store.create(s3_url, embed_dim=DIM) as writer:
         data = _fill(writer, range(200))
     for seed in (1000, 1001):  # two sessions of one entry each, a flush and a close
@@ -247,8 +252,54 @@ def test_a_small_session_on_a_large_store_does_not_upload_its_records_whole(s3_u
     listed = _manifest(s3_server, s3_url)["state"]
     assert len(listed) == 3  # the snapshot of the first session, then one change per session
     assert listed[1]["bytes"] < listed[0]["bytes"] // 20
-    with Store.open(s3_url, read_only=True) as reader:
+    with Store.open(s3_url, read_only=True, storage_options=_elsewhere(tmp_path)) as reader:
         assert reader.stats().remote.requests == 4
+        _check_kv(reader, data)
+
+
+def test_state_objects_are_kept_on_the_host_for_the_next_process(s3_server, s3_url, tmp_path):
+    # each open is a new process in a shell or cron job: the second on a
+    # host fetches only the manifest, until a commit adds a state object
+    with Store.create(s3_url, embed_dim=DIM, storage_options=_elsewhere(tmp_path, "writer-host")) as writer:
+        data = _fill(writer, range(60))
+    here = _elsewhere(tmp_path)
+    with Store.open(s3_url, read_only=True, storage_options=here) as reader:
+        assert reader.stats().remote.requests == 2  # the manifest, the snapshot
+        first = [(r.entry_id, r.score) for r in reader.query(_kv(7)[0], 0, top_k=4)]
+    with Store.open(s3_url, read_only=True, storage_options=here) as reader:
+        assert reader.stats().remote.requests == 1  # the manifest: the snapshot was kept
+        assert [(r.entry_id, r.score) for r in reader.query(_kv(7)[0], 0, top_k=4)] == first
+        _check_kv(reader, data)
+    with Store.open(s3_url, storage_options=_elsewhere(tmp_path, "writer-host")) as writer:
+        data.update(_fill(writer, [500]))  # one change: a second state object (the close keeps the list)
+    listed = [item["key"] for item in _manifest(s3_server, s3_url)["state"]]
+    assert len(listed) == 2
+    with Store.open(s3_url, read_only=True, storage_options=here) as reader:
+        assert reader.stats().remote.requests == 2  # the manifest and the new state object only
+        _check_kv(reader, data)
+    kept = sorted(p.name for p in (tmp_path / "reader-host" / "state").rglob("*.bin"))
+    assert kept == sorted(key.rsplit("/", 1)[-1] for key in listed)  # only the commit last opened
+
+
+def test_a_damaged_copy_on_the_host_is_fetched_again(s3_server, s3_url, tmp_path):
+    with Store.create(s3_url, embed_dim=DIM) as writer:  # this host keeps the writer's state objects
+        data = _fill(writer, range(20))
+    (copy,) = (tmp_path / "hmem-cache" / "state").rglob("*.bin")
+    raw = bytearray(copy.read_bytes())
+    raw[30] ^= 0xFF
+    copy.write_bytes(bytes(raw))
+    with Store.open(s3_url, read_only=True) as reader:
+        assert reader.stats().remote.requests == 2  # the manifest, the state object fetched again
+        _check_kv(reader, data)
+    with Store.open(s3_url, read_only=True) as reader:
+        assert reader.stats().remote.requests == 1  # the copy was replaced by the object's bytes
+    # verify reads the objects, never this host's copies: damage on the object store is reported
+    key = _manifest(s3_server, s3_url)["state"][0]["key"]
+    remote = bytearray(s3_server.objects(_prefix(s3_url))[key])
+    remote[30] ^= 0xFF
+    s3_server.put_object(_prefix(s3_url), key, bytes(remote))
+    assert "remote.state" in {f.code for f in hmem.verify(s3_url).problems}
+    with Store.open(s3_url, read_only=True) as reader:  # while this host still has a good copy
         _check_kv(reader, data)
 
 
@@ -533,7 +584,7 @@ def test_verify_reports_damage_and_repair_keeps_what_checks_out(s3_server, s3_ur
         _check_kv(reader, kept)
 
 
-def test_a_damaged_state_object_or_manifest_is_refused(s3_server, s3_url):
+def test_a_damaged_state_object_or_manifest_is_refused(s3_server, s3_url, tmp_path):
     with Store.create(s3_url, embed_dim=DIM) as writer:
         _fill(writer, range(5))
     doc = _manifest(s3_server, s3_url)
@@ -541,8 +592,8 @@ def test_a_damaged_state_object_or_manifest_is_refused(s3_server, s3_url):
     data = bytearray(s3_server.objects(_prefix(s3_url))[key])
     data[20] ^= 0xFF
     s3_server.put_object(_prefix(s3_url), key, bytes(data))
-    with pytest.raises(CorruptStoreError, match="checksum"):
-        Store.open(s3_url, read_only=True)
+    with pytest.raises(CorruptStoreError, match="checksum"):  # a host without a copy of its own
+        Store.open(s3_url, read_only=True, storage_options=_elsewhere(tmp_path))
     assert "remote.state" in {f.code for f in hmem.verify(s3_url).problems}
     doc["generation"] += 1  # a manifest whose checksum no longer matches
     s3_server.put_object(_prefix(s3_url), "manifest.json", json.dumps(doc).encode())
@@ -736,12 +787,13 @@ def test_the_server_stopping_during_a_large_upload_leaves_old_or_new(s3_url, own
     assert not [f for f in report.problems if f.code != "remote.orphan"]
 
 
-def test_a_refresh_that_fails_keeps_the_reader_on_its_commit(s3_url, s3_server):
+def test_a_refresh_that_fails_keeps_the_reader_on_its_commit(s3_url, s3_server, tmp_path):
     server = s3_server
     writer = Store.create(s3_url, embed_dim=DIM)
     first = _fill(writer, range(4))
     writer.flush()
-    reader = Store.open(s3_url, read_only=True, storage_options=FAST)
+    # on another host than the writer, which keeps copies of its state objects
+    reader = Store.open(s3_url, read_only=True, storage_options={**FAST, **_elsewhere(tmp_path)})
     try:
         second = _fill(writer, range(4, 8))
         writer.flush()

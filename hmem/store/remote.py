@@ -45,6 +45,7 @@ from hmem.formats.manifest import Manifest, Pending
 from hmem.object_store import ConditionFailed, ObjectClient, ObjectMissing
 from hmem.store.lease import LeaseHolder
 from hmem.store.remote_fetch import ShardFetcher, fetch_pool
+from hmem.store.state_cache import StateCache
 
 CACHE_ENV = "HMEM_CACHE_DIR"
 DEFAULT_CACHE_BYTES = 1 << 30
@@ -83,10 +84,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def make_workdir(cache_dir: Any) -> Path:
-    """A private working directory for one open store; the directories of
-    processes that ended without closing theirs are removed first."""
-    root = cache_root(cache_dir)
+def make_workdir(root: Path) -> Path:
+    """A private working directory for one open store under the cache
+    directory `root`; the directories of processes that ended without
+    closing theirs are removed first."""
     _io.make_dir(root)
     for entry in os.scandir(root):
         parts = entry.name.split("-")
@@ -149,7 +150,8 @@ class RemoteLink:
         coalesce = own.get("coalesce_bytes", 0)
         if isinstance(coalesce, bool) or not isinstance(coalesce, int) or coalesce < 0:
             raise InvalidArgumentError(f"storage option coalesce_bytes must be an integer >= 0, got {coalesce!r}")
-        self.workdir = make_workdir(own.get("cache_dir"))
+        self.cache_root = cache_root(own.get("cache_dir"))
+        self.workdir = make_workdir(self.cache_root)
         self.fetcher = ShardFetcher(self.client, self.workdir / "shards", bound)
         self.fetcher.coalesce_bytes = coalesce
         self.lease: LeaseHolder | None = None
@@ -158,7 +160,16 @@ class RemoteLink:
         self.published_generation = -1  # the local commit last published
         self.published_local: Manifest | None = None  # and what it said
         self.uploaded_bytes = 0  # shard and state objects this writer uploaded (consolidate)
+        # state objects kept on this host between processes (use_state_cache);
+        # verify and repair read the objects themselves
+        self.state_cache: StateCache | None = None
         self._dirs = 0
+
+    def use_state_cache(self) -> None:
+        """Keep state objects on this host between processes, and take them
+        from there (hmem/store/state_cache.py): for stores opened to be
+        read and written, not for verify and repair, which read the objects."""
+        self.state_cache = StateCache(self.cache_root, self.url)
 
     # ---- reading the committed state -------------------------------------------------
 
@@ -188,17 +199,36 @@ class RemoteLink:
                                         f"{key} is gone)", hint=Hint.REFRESH) from None
 
         keys = [item["key"] for item in mf.state]
+        cache = self.state_cache
+        found = {key: cache.get(key) if cache is not None else None for key in keys}
+        missing = [key for key in keys if found[key] is None]
         # fetched concurrently, applied in order
-        for key, data in zip(keys, fetch_pool().map(fetch, keys) if len(keys) > 1 else map(fetch, keys)):
-            fmt.apply_state(data, files, key)
+        found.update(zip(missing, fetch_pool().map(fetch, missing) if len(missing) > 1 else map(fetch, missing)))
+        for key in keys:
+            data = found[key]
+            assert data is not None
+            try:
+                fmt.apply_state(data, files, key)  # checks it whole before it writes a byte
+            except CorruptStoreError:
+                if key in missing:
+                    raise
+                data = fetch(key)  # this host's copy is damaged: the object's own bytes
+                fmt.apply_state(data, files, key)
+                missing.append(key)
+            if cache is not None and key in missing:
+                cache.put(key, data)
+        if cache is not None:
+            cache.keep(keys)
         heads = fmt.parse_heads(files[fmt.HEADS], keys[-1])
         self._dirs += 1
         directory = self.workdir / f"store-{self._dirs}"
         _io.make_dir(directory)
-        _io.write_file(directory / layout.INDEX_FILE, [mf.index])
+        # the working copy's first files: copies of what the objects hold,
+        # gone with the process if it stops (no fsync; its own commits have theirs)
+        _io.write_cache_file(directory / layout.INDEX_FILE, mf.index)
         for name, content in zip(fmt.STATE_FILES, files):
             if content or name == layout.ENTRIES_FILE:
-                _io.write_file(directory / name, [content])
+                _io.write_cache_file(directory / name, content)
         if keep_known:
             self.fetcher.remote = {**self.fetcher.remote, **mf.shards}
             self.fetcher.heads = {**self.fetcher.heads, **heads}
@@ -341,6 +371,7 @@ class RemoteLink:
         state_list = [] if whole or old is None else list(old.state)
         if whole and old is not None:
             retired += [{"key": item["key"], "since": now} for item in old.state]
+        body = None
         if whole or pieces:  # a commit that changed none of these bytes (a close) needs no state object
             key = fmt.state_key(next_generation, lease.token[:8])
             body = fmt.encode_state(pieces)
@@ -368,6 +399,10 @@ class RemoteLink:
         self.published_generation = generation
         self.published_local = committed
         self.fetcher.heads = {**self.fetcher.heads, **new_heads}
+        if self.state_cache is not None:  # a reader on this host then finds them here
+            if body is not None:
+                self.state_cache.put(state_list[-1]["key"], body)
+            self.state_cache.keep([item["key"] for item in state_list])
         # this writer's shards are complete local files: never fetched
         self.fetcher.remote = {uid: s for uid, s in named.items() if uid in self.fetcher.remote}
         if expired:

@@ -244,6 +244,7 @@ class Store:
     @classmethod
     def _create_remote(cls, url: str, config: StoreConfig, storage_options: dict[str, Any] | None) -> Store:
         link = remote.RemoteLink(url, storage_options)
+        link.use_state_cache()
         store: Store | None = None
         try:
             link.claim_new()
@@ -264,6 +265,7 @@ class Store:
         if refresh_seconds is not None:
             refresh_seconds = validation.number(refresh_seconds, "refresh_seconds", low=0.0)
         link = remote.RemoteLink(url, storage_options)
+        link.use_state_cache()
         try:
             link.read_manifest()  # "not a store" before any lease is taken
             if read_only:
