@@ -279,6 +279,8 @@ def test_state_objects_are_kept_on_the_host_for_the_next_process(s3_server, s3_u
         _check_kv(reader, data)
     kept = sorted(p.name for p in (tmp_path / "reader-host" / "state").rglob("*.bin"))
     assert kept == sorted(key.rsplit("/", 1)[-1] for key in listed)  # only the commit last opened
+    (directory,) = (tmp_path / "reader-host" / "state").iterdir()
+    assert directory.stat().st_mode & 0o777 == 0o700  # only this user enters it
 
 
 def test_a_damaged_copy_on_the_host_is_fetched_again(s3_server, s3_url, tmp_path):
