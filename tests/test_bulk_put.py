@@ -42,7 +42,7 @@ def many_cases(draw):
     m = block_size(d) * draw(st.sampled_from([1, 1, 2]))
     rounds = draw(st.integers(1, 3))
     hdc_dim = draw(st.sampled_from([8, 64, m, m + 64, 3 * m, 2 * m + 8]))
-    tokens = draw(st.lists(st.integers(1, 5), min_size=0, max_size=11))  # partial groups of four lanes
+    tokens = draw(st.lists(st.integers(1, 5), min_size=0, max_size=19))  # partial groups of four and eight lanes
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     rows = _rows(rng, sum(tokens), d, draw(st.sampled_from(["normal", "integers", "wide"])))
     starts = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
@@ -82,7 +82,7 @@ def test_signature_many_is_bit_identical_to_one_signature_per_entry_on_every_pat
 
 def test_signature_many_at_the_store_sizes_on_every_path(on_every_cpu_path):
     rng = np.random.default_rng(5)
-    for d, hdc_dim, tokens in ((64, 4096, [4] * 9), (128, 4096, [1, 16, 3, 2, 7]), (3584, 1024, [2, 1, 3])):
+    for d, hdc_dim, tokens in ((64, 4096, [4] * 17), (128, 4096, [1, 16, 3, 2, 7]), (3584, 1024, [2, 1, 3])):
         m = block_size(d)
         signs = ref_projection.signs_table(d, m, 3, -(-hdc_dim // m))
         rows = _rows(rng, sum(tokens), d, "normal")
