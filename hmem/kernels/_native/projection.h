@@ -26,6 +26,8 @@
  * vector, where the compiler's code is slow, so the AVX2 and AVX-512 bodies
  * use hand-written versions of those two.  hm_path "portable" runs the
  * baseline, "popcnt" AVX2 when the CPU has it, "avx512-vpopcntdq" AVX-512F.
+ * Many entries at once (hm_signature_many) are taken four at a time, one
+ * per vector lane, and eight at a time on the AVX-512 path.
  */
 #ifndef HMEM_PROJECTION_H
 #define HMEM_PROJECTION_H
