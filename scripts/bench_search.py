@@ -19,7 +19,10 @@ same bytes).  One-layer cold top-5 is also timed on every CPU path.
 
 Projection: one 3584-float vector to 4096 bits, the native signature (3
 rounds; 1 and 2 for comparison) against a dense Gaussian matrix-vector
-product in numpy (float32, 4096 x 3584) plus the sign packing.
+product in numpy (float32, 4096 x 3584) plus the sign packing.  Batch
+projection: the signatures of many entries in one call (what a bulk put
+makes, one thread), per entry, on every CPU path, for entries of 1-16
+tokens of 64-1024 values, checked to give the same bytes on every path.
 
 CRC-32C: 64 MB, native (each CPU path) against zlib.crc32.
 
@@ -255,6 +258,41 @@ def bench_projection(args, log) -> list[dict]:
     return rows
 
 
+BATCH_CASES = ((4, 64), (1, 64), (16, 128), (1, 1024))  # tokens, embed_dim
+
+
+def bench_projection_batch(args, log) -> list[dict]:
+    """signature_many of a batch of entries, one thread, per CPU path."""
+    log("projection: batches of entries, " + ", ".join(f"{t} x {d}" for t, d in BATCH_CASES))
+    rng = np.random.default_rng(4)
+    rows = []
+    before = _projection.active_path()
+    try:
+        for tokens, dim in BATCH_CASES:
+            m = max(64, 1 << (dim - 1).bit_length())
+            signs = _projection.signs_table(12345, m, 3, -(-HDC_DIM // m))
+            count = 20_000 if dim <= 128 else 4_000
+            x = rng.standard_normal((count * tokens, dim)).astype(np.float32)
+            starts = np.arange(0, count * tokens + 1, tokens, dtype=np.int64)
+            out = np.zeros((count, NBYTES), dtype=np.uint8)
+            sums = np.zeros((count, dim))
+            first = None
+            for index, path in enumerate(_projection.PATH_NAMES[: _projection.best_path() + 1]):
+                _projection.select_path(index)
+                _projection.signature_many(x, starts, signs, m, 3, HDC_DIM, out, sums)
+                if first is None:
+                    first = out.copy()
+                elif not np.array_equal(out, first):
+                    raise SystemExit(f"batch signatures differ on path {path}")
+                times = time_calls(lambda i: _projection.signature_many(x, starts, signs, m, 3, HDC_DIM, out, sums),
+                                   3, args.seconds)
+                rows.append({"tokens": tokens, "embed_dim": dim, "path": path, "entries": count,
+                             "median_ns": median(times), "per_entry_ns": median(times) / count, "runs": len(times)})
+    finally:
+        _projection.select_path(before)
+    return rows
+
+
 def bench_crc(args, log) -> list[dict]:
     log(f"crc32c: {CRC_BYTES >> 20} MB")
     data = np.frombuffer(np.random.default_rng(3).bytes(CRC_BYTES), dtype=np.uint8)
@@ -391,10 +429,11 @@ def main(argv: list[str] | None = None) -> int:
 
     search = [row for total in sizes for row in bench_search(total, args, log)]
     projection = bench_projection(args, log)
+    batch = bench_projection_batch(args, log)
     crc = bench_crc(args, log)
     result = {"machine": facts, "settings": {"sizes": sizes, "min_runs": args.min_runs, "seconds": args.seconds,
                                              "hdc_dim": HDC_DIM, "layers": LAYERS, "embed_dim": EMBED_DIM},
-              "search": search, "projection": projection, "crc32c": crc, "goals": goals(search, projection)}
+              "search": search, "projection": projection, "projection_batch": batch, "crc32c": crc, "goals": goals(search, projection)}
 
     if not json_only:
         print(file=out)
@@ -403,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         print(file=out)
         print(f"Projection of one vector ({EMBED_DIM} floats -> {HDC_DIM} bits)", file=out)
         print(render(["implementation", "median"], [[r["impl"], fmt_ns(r["median_ns"])] for r in projection]), file=out)
+        print(file=out)
+        print(f"Projection of a batch of entries to {HDC_DIM} bits (one call, one thread; per entry)", file=out)
+        print(render(["tokens x dim", "path", "per entry"],
+                     [[f"{r['tokens']} x {r['embed_dim']}", r["path"], fmt_ns(r["per_entry_ns"])] for r in batch]),
+              file=out)
         print(file=out)
         print(f"CRC-32C over {CRC_BYTES >> 20} MB", file=out)
         print(render(["implementation", "median", "GB/s"],
