@@ -2,9 +2,9 @@
 
 The public names of the library; everything else is internal.  The names
 of the prefix-hit operators, verify and repair, export and copy are
-imported at their first use (``_LAZY``): every ``hmem`` command starts by
-importing this package, and most need none of them (docs/benchmarks.md,
-"Command start-up").
+imported at their first use (``_LAZY``), as is the code of stores on
+object storage: every ``hmem`` command starts by importing this package,
+and most need none of them (docs/benchmarks.md, "Command start-up").
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from hmem.errors import (
     UnsupportedFormatError,
 )
 from hmem.formats.manifest import FORMAT_VERSION
-from hmem.formats.remote import FORMAT_VERSION as OBJECT_FORMAT_VERSION
 from hmem.object_store import is_url as is_store_url
 from hmem.formats.sources import ImportedSource
 from hmem.kernels import describe as kernel_info
@@ -88,6 +87,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     **{name: ("hmem.store.copying", name) for name in ("CopyReport", "copy_store")},
     **{name: ("hmem.transfer.kv_export", name) for name in (
         "EXPORT_LAYOUTS", "check_export_path", "export_entries", "export_results", "write_kv_file")},
+    "OBJECT_FORMAT_VERSION": ("hmem.formats.remote", "FORMAT_VERSION"),
 }
 
 
@@ -119,6 +119,7 @@ if TYPE_CHECKING:  # what the names above are, for type checkers
     from hmem.store.copying import CopyReport, copy_store
     from hmem.transfer.kv_export import (EXPORT_LAYOUTS, check_export_path, export_entries, export_results,
                                          write_kv_file)
+    from hmem.formats.remote import FORMAT_VERSION as OBJECT_FORMAT_VERSION
 
 __all__ = [
     "BadFileError",

@@ -172,7 +172,8 @@ def test_a_command_line_naming_a_command_runs_it_alone_and_others_see_every_comm
 
 def test_a_command_under_json_does_not_import_rich(tmp_path):
     # Rich is imported at the first thing printed through it (start-up:
-    # hmem/cli/output.py); scripts and cron jobs run commands under --json
+    # hmem/cli/output.py); scripts and cron jobs run commands under --json.
+    # The object-store code is imported where such a store is opened.
     from safetensors.numpy import save_file
 
     store, files, empty = tmp_path / "s", tmp_path / "files", tmp_path / "empty"
@@ -189,6 +190,9 @@ def test_a_command_under_json_does_not_import_rich(tmp_path):
         imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line]
         assert "typer" in imported  # the probe sees the imports
         assert not [m for m in imported if m.split(".")[0] == "rich"], args
+        # a local store's command imports no object-store code either
+        assert not [m for m in imported if m in ("hmem.store.remote", "hmem.formats.remote",
+                                                 "hmem.store.remote_fetch", "hmem.store.lease")], args
     human = run_python("-m", "hmem", "ls", str(store))  # ... and human output still has it
     assert human.returncode == 0 and "┃ id ┃" in human.stdout and "1 entries, by id" in human.stdout
 

@@ -14,7 +14,8 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from hmem import FORMAT_VERSION, OBJECT_FORMAT_VERSION, HmemError, __version__, kernel_info
+import hmem
+from hmem import FORMAT_VERSION, HmemError, __version__, kernel_info
 from hmem.cli import signals
 from hmem.cli.exit_codes import (ABORTED, INTERNAL_ERROR, STOPPED, USAGE_ERROR, ExitCode, cli_hint, error_name,
                                   exit_code_for)
@@ -195,9 +196,9 @@ def _new_app(names: Sequence[str]) -> typer.Typer:
 
 
 def version_text() -> str:
+    remote = hmem.OBJECT_FORMAT_VERSION  # the object-store format's module is imported here only
     return (f"hmem {__version__} (store format {FORMAT_VERSION}: reads {FORMAT_VERSION}, writes {FORMAT_VERSION}; "
-            f"object-store format {OBJECT_FORMAT_VERSION}: reads {OBJECT_FORMAT_VERSION}, "
-            f"writes {OBJECT_FORMAT_VERSION}; {kernel_info()})")
+            f"object-store format {remote}: reads {remote}, writes {remote}; {kernel_info()})")
 
 
 def _version(value: bool) -> None:

@@ -1,6 +1,8 @@
 """The public verify and repair: a store directory (hmem/recovery/verify.py,
 hmem/recovery/repair.py) or a store on object storage
-(hmem/recovery/remote.py), told apart by its name."""
+(hmem/recovery/remote.py), told apart by its name.  The object-store
+side is imported when a URL is given: `hmem verify DIR` starts without it
+(docs/benchmarks.md, "Command start-up")."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ from typing import Any
 
 from hmem.errors import InvalidArgumentError
 from hmem.object_store import is_url
-from hmem.recovery import remote
 from hmem.recovery import repair as local_repair
 from hmem.recovery import verify as local_verify
 from hmem.recovery.repair import RepairReport
@@ -23,6 +24,8 @@ def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | No
     others and against its checksums; `full` also reads every tensor.
     Nothing is written.  docs/reliability.md lists the finding codes."""
     if is_url(path):
+        from hmem.recovery import remote
+
         return remote.verify_remote(str(path), full=full, subset=subset, max_seconds=max_seconds,
                                     storage_options=storage_options)
     _local_only(storage_options)
@@ -35,6 +38,8 @@ def repair(path: str | Path, *, lock_wait: float = 0.0, storage_options: dict[st
     or a URL s3://bucket/prefix, as the writer (waiting up to `lock_wait`
     seconds for the lock or lease)."""
     if is_url(path):
+        from hmem.recovery import remote
+
         return remote.repair_remote(str(path), lock_wait=lock_wait, storage_options=storage_options)
     _local_only(storage_options)
     return local_repair.repair(path, lock_wait=lock_wait)

@@ -21,7 +21,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,7 +42,7 @@ from hmem.formats.sources import ImportedSource
 from hmem.formats.layout import is_store
 from hmem.formats.manifest import Manifest
 from hmem.formats.records import EVICTED
-from hmem.store import caches, listing, lock, prepare, remote, rewrite
+from hmem.store import caches, listing, lock, prepare, rewrite
 from hmem.store.bridge import AugmentedKV, augmented_kv
 from hmem.store.compaction import Compaction
 from hmem.store.eviction import Eviction
@@ -66,6 +66,12 @@ from hmem.store.listing import ENTRY_SORTS, EntryListing
 from hmem.store.state import StoreState, load_records
 from hmem.store.prepare import Entry
 from hmem.store.writer import Writer
+
+if TYPE_CHECKING:
+    # imported where a store on object storage is opened: a local store's
+    # commands start without the object-store code (docs/benchmarks.md,
+    # "Command start-up")
+    from hmem.store.remote import RemoteLink
 
 _READ_RETRIES = 5
 
@@ -102,13 +108,13 @@ class Store:
         self._release_unclosed = (weakref.finalize(self, state.writer.release)
                                   if state.writer is not None else None)
         # a store on object storage: the link to its objects (hmem/store/remote.py)
-        self._remote: remote.RemoteLink | None = None
+        self._remote: RemoteLink | None = None
         self.location: str = str(state.path)  # what the store was opened as: a directory or a URL
         self._refresh_seconds: float | None = None
         self._refreshed = time.monotonic()
         self._refresh_lock = threading.Lock()  # one refresh at a time
 
-    def _attach(self, link: remote.RemoteLink) -> None:
+    def _attach(self, link: RemoteLink) -> None:
         """Tie this store (a working copy) to the objects of `link`."""
         self._remote = link
         self.location = link.url
@@ -243,7 +249,9 @@ class Store:
 
     @classmethod
     def _create_remote(cls, url: str, config: StoreConfig, storage_options: dict[str, Any] | None) -> Store:
-        link = remote.RemoteLink(url, storage_options)
+        from hmem.store.remote import RemoteLink  # here, not at the top: see the TYPE_CHECKING import
+
+        link = RemoteLink(url, storage_options)
         link.use_state_cache()
         store: Store | None = None
         try:
@@ -264,7 +272,9 @@ class Store:
                      storage_options: dict[str, Any] | None, refresh_seconds: float | None) -> Store:
         if refresh_seconds is not None:
             refresh_seconds = validation.number(refresh_seconds, "refresh_seconds", low=0.0)
-        link = remote.RemoteLink(url, storage_options)
+        from hmem.store.remote import RemoteLink  # here, not at the top: see the TYPE_CHECKING import
+
+        link = RemoteLink(url, storage_options)
         link.use_state_cache()
         try:
             link.read_manifest()  # "not a store" before any lease is taken
@@ -754,7 +764,7 @@ def _local_only(storage_options: Any) -> None:
         raise InvalidArgumentError("storage_options apply to stores on object storage (s3://...) only")
 
 
-def _release_all(writer: Any, link: remote.RemoteLink) -> None:
+def _release_all(writer: Any, link: RemoteLink) -> None:
     if writer is not None:
         writer.release()
     link.close()
