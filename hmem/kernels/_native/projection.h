@@ -707,10 +707,8 @@ void hm_signature_lanes8_avx512_body(const float *const *rows, const size_t *n, 
             t[i * HM_LANES8 + l] = s[l * m + i];
     size_t blocks = (hdc_dim + m - 1) / m;
     for (size_t b = 0; b < blocks; b++) {
-        for (size_t r = 0; r < rounds; r++)
+        for (size_t r = 0; r < rounds; r++) /* rounds >= 1: the callers check it */
             hm_lanes8_round_avx512(v, r == 0 ? t : v, signs + (b * rounds + r) * m / 8, m);
-        if (rounds == 0)
-            memcpy(v, t, m * HM_LANES8 * sizeof(double));
         size_t nbits = hdc_dim - b * m < m ? hdc_dim - b * m : m;
         hm_lanes8_pack_avx512(out, b * m, lanes, v, nbits);
     }
