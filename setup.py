@@ -24,7 +24,7 @@ extensions = [
         include_dirs=["hmem/kernels/_native"],
         extra_compile_args=COMPILE_ARGS,
     )
-    for name in ("_bitops", "_checksum", "_header_text", "_hamming", "_projection", "_quantize")
+    for name in ("_bitops", "_checksum", "_entries", "_header_text", "_hamming", "_projection", "_quantize")
 ]
 
 setup(

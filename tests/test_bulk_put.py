@@ -1,6 +1,7 @@
 """The bulk put path (docs/architecture.md, "Writing"): the batch kernels
 against their pure-Python twins on every CPU path (signatures of many
-entries, CRC-32C of many pieces, a shard header's text), and put_many of
+entries, CRC-32C of many pieces, a shard header's text, the scan and join
+of a batch's entries), and put_many of
 many entries against one put per entry: the same signatures, records and
 K/V, shards that any safetensors reader opens, and bad entries named and
 refused with the store unchanged."""
@@ -18,7 +19,9 @@ from hypothesis import strategies as st
 import hmem
 from hmem.formats import safetensors
 from hmem.kernels._native import _checksum, _header_text, _projection
+from hmem.kernels._native import _entries as native_entries
 from hmem.kernels.reference import checksum as ref_checksum
+from hmem.kernels.reference import entries as ref_entries
 from hmem.kernels.reference import header_text as ref_header_text
 from hmem.kernels.reference import projection as ref_projection
 from hmem.store.projection import Projector, block_size
@@ -195,6 +198,138 @@ def test_header_text_refuses_names_that_would_break_the_json(module):
         module.crc_entries(b"k\\", one, np.zeros(1, np.uint32))
     with pytest.raises(ValueError, match="one row per tensor"):
         module.tensor_entries(b"k_", one, b"F32", np.zeros((2, 1), np.int64), one, one)
+
+
+# ---- the scan and join of a batch's entries ------------------------------------
+
+U32_MAX, F32_MAX = hmem.validation.U32_MAX, hmem.validation.F32_MAX
+
+# What an entry can be instead of the common form (each makes the scan stop there).
+_DEFECTS = {
+    "entry": lambda k, v, l, w: hmem.Entry(k, v, l, w),
+    "list": lambda k, v, l, w: [k, v, l, w],
+    "short tuple": lambda k, v, l, w: (k, v, l),
+    "float64 keys": lambda k, v, l, w: (k.astype(np.float64), v, l, w),
+    "big-endian values": lambda k, v, l, w: (k, v.astype(">f4"), l, w),
+    "not C order": lambda k, v, l, w: (np.asfortranarray(np.concatenate([k, k])), np.concatenate([v, v]), l, w)
+                                     if k.shape[0] == 1 else (k[::-1], v, l, w),
+    "a row view of a wider array": lambda k, v, l, w: (np.concatenate([k, k], axis=1)[:, : k.shape[1]], v, l, w),
+    "1-D keys": lambda k, v, l, w: (k.ravel(), v.ravel(), l, w),
+    "shapes differ": lambda k, v, l, w: (k, np.concatenate([v, v]), l, w),
+    "no rows": lambda k, v, l, w: (k[:0], v[:0], l, w),
+    "a subclass": lambda k, v, l, w: (k.view(_Sub), v, l, w),
+    "numpy layer": lambda k, v, l, w: (k, v, np.int64(l), w),
+    "bool layer": lambda k, v, l, w: (k, v, True, w),
+    "negative layer": lambda k, v, l, w: (k, v, -1, w),
+    "layer too large": lambda k, v, l, w: (k, v, U32_MAX + 1, w),
+    "int importance": lambda k, v, l, w: (k, v, l, 1),
+    "nan importance": lambda k, v, l, w: (k, v, l, float("nan")),
+    "negative importance": lambda k, v, l, w: (k, v, l, -0.5),
+    "importance too large": lambda k, v, l, w: (k, v, l, 1e39),
+    "not an array": lambda k, v, l, w: (k.tolist(), v, l, w),
+}
+
+
+class _Sub(np.ndarray):
+    pass
+
+
+@st.composite
+def entry_lists(draw):
+    dim = draw(st.sampled_from([1, 3, 16]))
+    count = draw(st.integers(0, 12))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    items = []
+    for i in range(count):
+        n = int(rng.integers(1, 4))
+        k, v = (rng.standard_normal((n, dim)).astype(np.float32) for _ in range(2))
+        item = (k, v, int(rng.integers(0, 5)), float(rng.random() * 4))
+        if draw(st.integers(0, 5)) == 0:
+            item = _DEFECTS[draw(st.sampled_from(sorted(_DEFECTS)))](*item)
+        items.append(item)
+    return items, dim
+
+
+def _scan(module, items, dim):
+    tokens, layers, weights = np.full(len(items), -7), np.full(len(items), -7), np.full(len(items), -7.0)
+    first = module.scan_entries(items, dim, U32_MAX, U32_MAX, F32_MAX, tokens, layers, weights)
+    return first, tokens[:first].tolist(), layers[:first].tolist(), weights[:first].tolist()
+
+
+@settings(max_examples=150)
+@given(case=entry_lists())
+def test_scan_and_join_of_entries_match_the_reference(case):
+    items, dim = case
+    native, reference = _scan(native_entries, items, dim), _scan(ref_entries, items, dim)
+    assert native == reference
+    first, tokens, layers, weights = native
+    # the scan stops exactly at the first entry not in the common form
+    if first < len(items):
+        assert _scan(ref_entries, [items[first]], dim)[0] == 0
+    for i in range(first):
+        k, v, layer, weight = items[i]
+        assert (tokens[i], layers[i], weights[i]) == (k.shape[0], layer, weight)
+    starts = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
+    joined = {}
+    for module in (native_entries, ref_entries):
+        k_out = np.full((int(starts[-1]), dim), np.nan, np.float32)
+        v_out = np.full_like(k_out, np.nan)
+        module.join_rows(items[:first], starts, k_out, v_out)
+        joined[module] = (k_out.tobytes(), v_out.tobytes())
+    want_k = np.concatenate([items[i][0] for i in range(first)] or [np.zeros((0, dim), np.float32)])
+    want_v = np.concatenate([items[i][1] for i in range(first)] or [np.zeros((0, dim), np.float32)])
+    assert joined[native_entries] == joined[ref_entries] == (want_k.tobytes(), want_v.tobytes())
+
+
+@pytest.mark.parametrize("defect", sorted(_DEFECTS))
+def test_the_scan_stops_at_each_entry_not_in_the_common_form(defect):
+    rng = np.random.default_rng(2)
+    items = [(rng.standard_normal((2, 8)).astype(np.float32), rng.standard_normal((2, 8)).astype(np.float32), 1, 0.5)
+             for _ in range(4)]
+    items[2] = _DEFECTS[defect](*items[2])
+    for module in (native_entries, ref_entries):
+        assert _scan(module, items, 8)[0] == 2, module
+
+
+@pytest.mark.parametrize("module", [native_entries, ref_entries], ids=["native", "reference"])
+def test_join_rows_refuses_entries_changed_since_the_scan_and_bad_offsets(module):
+    rows = np.ones((2, 4), np.float32)
+    items = [(rows, rows, 0, 1.0), (rows, rows, 0, 1.0)]
+    starts = np.array([0, 2, 4], np.int64)
+    k_out, v_out = np.zeros((4, 4), np.float32), np.zeros((4, 4), np.float32)
+    changed = [items[0], (rows[:1], rows[:1], 0, 1.0)]
+    with pytest.raises(ValueError, match="entry 1 is not as scan_entries found it"):
+        module.join_rows(changed, starts, k_out, v_out)
+    assert not k_out.any() and not v_out.any()  # nothing copied
+    with pytest.raises(ValueError, match="from 0 to the output's row count"):
+        module.join_rows(items, np.array([0, 2, 3], np.int64), k_out, v_out)
+    with pytest.raises(ValueError, match="len\\(items\\) \\+ 1 offsets"):
+        module.join_rows(items, np.array([0, 4], np.int64), k_out, v_out)
+    with pytest.raises(ValueError, match="must hold 2 values each"):
+        module.scan_entries(items, 4, U32_MAX, U32_MAX, F32_MAX, np.zeros(1, np.int64), np.zeros(2, np.int64),
+                            np.zeros(2))
+
+
+def test_every_form_of_an_entry_stores_the_same(store_factory):
+    # put_many scans a batch of plain tuples natively (hmem/store/prepare.py,
+    # _common_form) and takes any other batch entry by entry: the same store.
+    rng = np.random.default_rng(12)
+    entries = _entries(rng, 40, 16)
+    forms = {
+        "tuples": entries,
+        "Entry": [hmem.Entry(*e) for e in entries],
+        "a generator": (e for e in entries),
+        "one list among tuples": entries[:20] + [list(entries[20])] + entries[21:],
+    }
+    stored = {}
+    for name, batch in forms.items():
+        store = store_factory(name, embed_dim=16)
+        ids = store.put_many(batch)
+        store.flush()
+        stored[name] = [(store.get(i).keys.tobytes(), store.get(i).values.tobytes(), store.get(i).info.layer_idx,
+                         store.get(i).info.importance, store.get(i).info.n_tokens) for i in ids]
+        stored[name].append([r.entry_id for r in store.query(entries[3][0], 1, top_k=5)])
+    assert all(value == stored["tuples"] for value in stored.values())
 
 
 # ---- put_many as a whole -------------------------------------------------------

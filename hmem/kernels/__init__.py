@@ -78,6 +78,7 @@ _MODULES: list[_KernelModule] = []
 
 bitops: Any = _KernelModule("bitops")
 checksum: Any = _KernelModule("checksum")
+entries: Any = _KernelModule("entries")
 header_text: Any = _KernelModule("header_text")
 hamming: Any = _KernelModule("hamming")
 projection: Any = _KernelModule("projection")

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hmem import memory, validation
+from hmem import kernels, memory, validation
 from hmem.errors import InvalidArgumentError, InvalidTensorError
 from hmem.formats import shard_file
 from hmem.store import storage as storage_codec
@@ -74,9 +74,17 @@ LARGE_ENTRY_BYTES = 64 << 10
 
 def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: bool = False) -> PreparedBatch:
     """Every entry checked and converted; the first bad one raises, naming
-    it (unless `single`: the one entry of a put).  Per entry, Python only
-    unpacks it and checks types and shapes; values are checked and
+    it (unless `single`: the one entry of a put).  A batch of small entries
+    all in the common form (plain tuples of float32 rows) is scanned and
+    joined natively (_common_form); otherwise, per entry, Python only
+    unpacks it and checks types and shapes.  Values are checked and
     converted for the whole batch at once."""
+    if not single:
+        items = entries if type(entries) is list else list(entries)
+        batch = _common_form(state, items)
+        if batch is not None:
+            return batch
+        entries = items
     dim = state.config.embed_dim
     keys: list[np.ndarray] = []
     values: list[np.ndarray] = []
@@ -130,6 +138,38 @@ def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: 
         raise
 
 
+def _common_form(state: StoreState, items: list) -> PreparedBatch | None:
+    """The batch prepared, when every entry is a plain tuple (keys, values,
+    layer_idx, importance) of C-contiguous float32 rows [n, embed_dim], an
+    int layer and a float importance, all in range, and the entries are
+    small: the scan and the join of the rows are one native call each
+    (hmem.kernels entries), with no Python step per entry.  None otherwise:
+    the general path then takes the batch (and names what is wrong)."""
+    n, dim = len(items), state.config.embed_dim
+    if not n:
+        return None
+    tokens = np.empty(n, dtype=np.int64)
+    layers = np.empty(n, dtype=np.int64)
+    weights = np.empty(n, dtype=np.float64)
+    if kernels.entries.scan_entries(items, dim, validation.U32_MAX, validation.U32_MAX, validation.F32_MAX,
+                                    tokens, layers, weights) != n:
+        return None
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(tokens, out=starts[1:])
+    total = int(starts[-1])
+    if total * dim * 4 >= LARGE_ENTRY_BYTES * n:
+        return None  # large entries are taken one by one, without joining (_one_by_one)
+    buffers: list[np.ndarray] = []
+    try:
+        k_rows, v_rows = _pool_rows(total, dim, buffers), _pool_rows(total, dim, buffers)
+        kernels.entries.join_rows(items, starts, k_rows, v_rows)
+        return _from_joined(state, k_rows, v_rows, tokens, starts, layers, weights, {}, buffers, False)
+    except BaseException:
+        for buffer in buffers:
+            memory.POOL.give(buffer)
+        raise
+
+
 def _converted(state: StoreState, keys: list[np.ndarray], values: list[np.ndarray], n_tokens: np.ndarray,
                layers: list[int], weights: list[float], metas: dict[int, str], buffers: list[np.ndarray],
                single: bool, words: bool = False) -> PreparedBatch:
@@ -149,6 +189,16 @@ def _converted(state: StoreState, keys: list[np.ndarray], values: list[np.ndarra
         values = [v.widened() if type(v) is storage_codec.Bf16Rows else v for v in values]
     k_rows = _joined(keys, int(starts[-1]), dim, buffers)
     v_rows = _joined(values, int(starts[-1]), dim, buffers)
+    return _from_joined(state, k_rows, v_rows, n_tokens, starts, layers, weights, metas, buffers, single)
+
+
+def _from_joined(state: StoreState, k_rows: np.ndarray, v_rows: np.ndarray, n_tokens: np.ndarray,
+                 starts: np.ndarray, layers: Any, weights: Any, metas: dict[int, str],
+                 buffers: list[np.ndarray], single: bool) -> PreparedBatch:
+    """The batch whose rows are joined (entry e's at starts[e] ..
+    starts[e + 1] - 1): values checked and encoded, signatures and pooled
+    keys computed."""
+    dim = state.config.embed_dim
     rows = {}
     for kind, joined, what in (("k", k_rows, "keys"), ("v", v_rows, "values")):
         bad = _first_nonfinite_row(joined)
@@ -313,12 +363,17 @@ def _checked_rows(keys: Any, values: Any, dim: int) -> tuple[np.ndarray, np.ndar
     return k, v
 
 
+def _pool_rows(count: int, dim: int, buffers: list[np.ndarray]) -> np.ndarray:
+    """A C-contiguous float32 [count, dim] array in a pool buffer (appended to `buffers`)."""
+    buffer = memory.POOL.take(count * dim * 4)
+    buffers.append(buffer)
+    return buffer[: count * dim * 4].view(np.float32).reshape(count, dim)
+
+
 def _joined(parts: list[np.ndarray], count: int, dim: int, buffers: list[np.ndarray]) -> np.ndarray:
     """The `count` rows of every entry back to back, in a C-contiguous
     float32 array of a pool buffer (appended to `buffers`)."""
-    buffer = memory.POOL.take(count * dim * 4)
-    buffers.append(buffer)
-    out = buffer[: count * dim * 4].view(np.float32).reshape(count, dim)
+    out = _pool_rows(count, dim, buffers)
     if parts:
         np.concatenate(parts, axis=0, out=out)  # into `out`: C order whatever the inputs' order
     return out
