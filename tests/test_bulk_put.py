@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -206,7 +207,8 @@ U32_MAX, F32_MAX = hmem.validation.U32_MAX, hmem.validation.F32_MAX
 
 # What an entry can be instead of the common form (each makes the scan stop there).
 _DEFECTS = {
-    "entry": lambda k, v, l, w: hmem.Entry(k, v, l, w),
+    "entry with meta": lambda k, v, l, w: hmem.Entry(k, v, l, w, {"chunk": 1}),
+    "another named tuple": lambda k, v, l, w: _Other(k, v, l, w),
     "list": lambda k, v, l, w: [k, v, l, w],
     "short tuple": lambda k, v, l, w: (k, v, l),
     "float64 keys": lambda k, v, l, w: (k.astype(np.float64), v, l, w),
@@ -234,6 +236,13 @@ class _Sub(np.ndarray):
     pass
 
 
+class _Other(NamedTuple):
+    keys: Any
+    values: Any
+    layer: int
+    importance: float
+
+
 @st.composite
 def entry_lists(draw):
     dim = draw(st.sampled_from([1, 3, 16]))
@@ -246,13 +255,15 @@ def entry_lists(draw):
         item = (k, v, int(rng.integers(0, 5)), float(rng.random() * 4))
         if draw(st.integers(0, 5)) == 0:
             item = _DEFECTS[draw(st.sampled_from(sorted(_DEFECTS)))](*item)
+        elif draw(st.booleans()):
+            item = hmem.Entry(*item)  # without meta: the common form too
         items.append(item)
     return items, dim
 
 
 def _scan(module, items, dim):
     tokens, layers, weights = np.full(len(items), -7), np.full(len(items), -7), np.full(len(items), -7.0)
-    first = module.scan_entries(items, dim, U32_MAX, U32_MAX, F32_MAX, tokens, layers, weights)
+    first = module.scan_entries(items, dim, U32_MAX, U32_MAX, F32_MAX, tokens, layers, weights, hmem.Entry)
     return first, tokens[:first].tolist(), layers[:first].tolist(), weights[:first].tolist()
 
 
@@ -267,14 +278,14 @@ def test_scan_and_join_of_entries_match_the_reference(case):
     if first < len(items):
         assert _scan(ref_entries, [items[first]], dim)[0] == 0
     for i in range(first):
-        k, v, layer, weight = items[i]
+        k, v, layer, weight = items[i][:4]
         assert (tokens[i], layers[i], weights[i]) == (k.shape[0], layer, weight)
     starts = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
     joined = {}
     for module in (native_entries, ref_entries):
         k_out = np.full((int(starts[-1]), dim), np.nan, np.float32)
         v_out = np.full_like(k_out, np.nan)
-        module.join_rows(items[:first], starts, k_out, v_out)
+        module.join_rows(items[:first], starts, k_out, v_out, hmem.Entry)
         joined[module] = (k_out.tobytes(), v_out.tobytes())
     want_k = np.concatenate([items[i][0] for i in range(first)] or [np.zeros((0, dim), np.float32)])
     want_v = np.concatenate([items[i][1] for i in range(first)] or [np.zeros((0, dim), np.float32)])
@@ -311,7 +322,7 @@ def test_join_rows_refuses_entries_changed_since_the_scan_and_bad_offsets(module
 
 
 def test_every_form_of_an_entry_stores_the_same(store_factory):
-    # put_many scans a batch of plain tuples natively (hmem/store/prepare.py,
+    # put_many scans a batch of tuples and Entry without meta natively (hmem/store/prepare.py,
     # _common_form) and takes any other batch entry by entry: the same store.
     rng = np.random.default_rng(12)
     entries = _entries(rng, 40, 16)
@@ -320,6 +331,7 @@ def test_every_form_of_an_entry_stores_the_same(store_factory):
         "Entry": [hmem.Entry(*e) for e in entries],
         "a generator": (e for e in entries),
         "one list among tuples": entries[:20] + [list(entries[20])] + entries[21:],
+        "one Entry with meta": entries[:20] + [hmem.Entry(*entries[20], meta={"chunk": 3})] + entries[21:],
     }
     stored = {}
     for name, batch in forms.items():

@@ -75,7 +75,7 @@ LARGE_ENTRY_BYTES = 64 << 10
 def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: bool = False) -> PreparedBatch:
     """Every entry checked and converted; the first bad one raises, naming
     it (unless `single`: the one entry of a put).  A batch of small entries
-    all in the common form (plain tuples of float32 rows) is scanned and
+    all in the common form (tuples or Entry of float32 rows) is scanned and
     joined natively (_common_form); otherwise, per entry, Python only
     unpacks it and checks types and shapes.  Values are checked and
     converted for the whole batch at once."""
@@ -140,8 +140,9 @@ def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: 
 
 def _common_form(state: StoreState, items: list) -> PreparedBatch | None:
     """The batch prepared, when every entry is a plain tuple (keys, values,
-    layer_idx, importance) of C-contiguous float32 rows [n, embed_dim], an
-    int layer and a float importance, all in range, and the entries are
+    layer_idx, importance) or an Entry without meta, of C-contiguous
+    float32 rows [n, embed_dim], an int layer and a float importance, all
+    in range, and the entries are
     small: the scan and the join of the rows are one native call each
     (hmem.kernels entries), with no Python step per entry.  None otherwise:
     the general path then takes the batch (and names what is wrong)."""
@@ -152,7 +153,7 @@ def _common_form(state: StoreState, items: list) -> PreparedBatch | None:
     layers = np.empty(n, dtype=np.int64)
     weights = np.empty(n, dtype=np.float64)
     if kernels.entries.scan_entries(items, dim, validation.U32_MAX, validation.U32_MAX, validation.F32_MAX,
-                                    tokens, layers, weights) != n:
+                                    tokens, layers, weights, Entry) != n:
         return None
     starts = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(tokens, out=starts[1:])
@@ -162,7 +163,7 @@ def _common_form(state: StoreState, items: list) -> PreparedBatch | None:
     buffers: list[np.ndarray] = []
     try:
         k_rows, v_rows = _pool_rows(total, dim, buffers), _pool_rows(total, dim, buffers)
-        kernels.entries.join_rows(items, starts, k_rows, v_rows)
+        kernels.entries.join_rows(items, starts, k_rows, v_rows, Entry)
         return _from_joined(state, k_rows, v_rows, tokens, starts, layers, weights, {}, buffers, False)
     except BaseException:
         for buffer in buffers:

@@ -9,8 +9,10 @@ entry are joined with the GIL released.  hmem.kernels.reference.entries is
 the twin: the same answers, in Python.
 
 - scan_entries(items, dim, max_tokens, max_layer, max_importance, tokens,
-  layers, weights): walks the list `items` while each is a plain tuple
-  (keys, values, layer_idx, importance) whose keys and values are
+  layers, weights, entry_type=None): walks the list `items` while each is
+  a plain tuple (keys, values, layer_idx, importance), or an instance of
+  the tuple subclass `entry_type` (keys, values, layer_idx, importance,
+  meta) whose meta is None, and its keys and values are
   numpy.ndarray objects of native float32, C-contiguous, of shape
   [n, dim] with 0 < n <= max_tokens (both the same shape), layer_idx an
   int in [0, max_layer] and importance a float in [0, max_importance].
@@ -18,7 +20,7 @@ the twin: the same answers, in Python.
   returns the index of the first entry that is not of that form, or
   len(items).  Entries not of the form are for the caller's general path,
   which converts them or says what is wrong.
-- join_rows(items, starts, k_out, v_out): copies the keys of entry e
+- join_rows(items, starts, k_out, v_out, entry_type=None): copies the keys of entry e
   (scanned as above) into rows starts[e] .. starts[e + 1] - 1 of k_out, its
   values into those of v_out.
 """
@@ -69,8 +71,16 @@ cdef int _rows_view(object array, Py_ssize_t dim, Py_ssize_t max_tokens, Py_buff
     return 1
 
 
+cdef inline bint _common(object item, object entry_type):
+    """A plain 4-tuple, or an entry_type 5-tuple without meta."""
+    if type(item) is tuple:
+        return len(<tuple>item) == 4
+    return (entry_type is not None and type(item) is entry_type and len(<tuple>item) == 5
+            and (<tuple>item)[4] is None)
+
+
 def scan_entries(list items, Py_ssize_t dim, Py_ssize_t max_tokens, object max_layer, double max_importance,
-                 int64_t[::1] tokens, int64_t[::1] layers, double[::1] weights):
+                 int64_t[::1] tokens, int64_t[::1] layers, double[::1] weights, object entry_type=None):
     cdef Py_ssize_t n = len(items), i
     cdef Py_buffer kview, vview
     cdef double weight
@@ -79,9 +89,9 @@ def scan_entries(list items, Py_ssize_t dim, Py_ssize_t max_tokens, object max_l
         raise ValueError(f"tokens, layers and weights must hold {n} values each")
     for i in range(n):
         item = items[i]
-        if type(item) is not tuple or len(<tuple>item) != 4:
+        if not _common(item, entry_type):
             return i
-        keys, values, layer, importance = <tuple>item
+        keys, values, layer, importance = (<tuple>item)[0], (<tuple>item)[1], (<tuple>item)[2], (<tuple>item)[3]
         if type(layer) is not int or not 0 <= layer <= max_layer:
             return i
         if type(importance) is not float:
@@ -105,7 +115,8 @@ def scan_entries(list items, Py_ssize_t dim, Py_ssize_t max_tokens, object max_l
     return n
 
 
-def join_rows(list items, const int64_t[::1] starts, float[:, ::1] k_out, float[:, ::1] v_out):
+def join_rows(list items, const int64_t[::1] starts, float[:, ::1] k_out, float[:, ::1] v_out,
+              object entry_type=None):
     cdef Py_ssize_t n = len(items), dim = k_out.shape[1], i, held = 0, count
     cdef Py_buffer *views
     cdef char *k_base
@@ -128,7 +139,7 @@ def join_rows(list items, const int64_t[::1] starts, float[:, ::1] k_out, float[
         for i in range(n):
             item = items[i]
             count = starts[i + 1] - starts[i]
-            if type(item) is not tuple or len(<tuple>item) != 4:
+            if not _common(item, entry_type):
                 raise ValueError(f"entry {i} is not as scan_entries found it")
             if not _rows_view((<tuple>item)[0], dim, count, &views[2 * i]):
                 raise ValueError(f"entry {i} is not as scan_entries found it")

@@ -27,8 +27,16 @@ def _rows(array: object, dim: int, max_tokens: int) -> bool:
             and array.flags.c_contiguous)
 
 
+def _common(item: object, entry_type: type | None) -> bool:
+    """A plain 4-tuple, or an entry_type 5-tuple without meta."""
+    if type(item) is tuple:
+        return len(item) == 4
+    return (entry_type is not None and type(item) is entry_type and isinstance(item, tuple) and len(item) == 5
+            and item[4] is None)
+
+
 def scan_entries(items: list, dim: int, max_tokens: int, max_layer: int, max_importance: float,
-                 tokens: np.ndarray, layers: np.ndarray, weights: np.ndarray) -> int:
+                 tokens: np.ndarray, layers: np.ndarray, weights: np.ndarray, entry_type: type | None = None) -> int:
     """The index of the first entry not of the common form, or len(items);
     tokens, layers and weights of the entries before it filled."""
     if type(items) is not list:
@@ -37,9 +45,9 @@ def scan_entries(items: list, dim: int, max_tokens: int, max_layer: int, max_imp
     if len(tokens) < n or len(layers) < n or len(weights) < n:
         raise ValueError(f"tokens, layers and weights must hold {n} values each")
     for i, item in enumerate(items):
-        if type(item) is not tuple or len(item) != 4:
+        if not _common(item, entry_type):
             return i
-        keys, values, layer, importance = item
+        keys, values, layer, importance = item[:4]
         if type(layer) is not int or not 0 <= layer <= max_layer:
             return i
         if type(importance) is not float or not 0.0 <= importance <= max_importance:
@@ -54,7 +62,8 @@ def scan_entries(items: list, dim: int, max_tokens: int, max_layer: int, max_imp
     return n
 
 
-def join_rows(items: list, starts: np.ndarray, k_out: np.ndarray, v_out: np.ndarray) -> None:
+def join_rows(items: list, starts: np.ndarray, k_out: np.ndarray, v_out: np.ndarray,
+              entry_type: type | None = None) -> None:
     """Entry e's keys into rows starts[e] .. starts[e + 1] - 1 of k_out, its values into v_out's."""
     if type(items) is not list:
         raise TypeError("items must be a list")
@@ -65,7 +74,7 @@ def join_rows(items: list, starts: np.ndarray, k_out: np.ndarray, v_out: np.ndar
         raise ValueError("starts must run from 0 to the output's row count")
     for i, item in enumerate(items):
         count = int(starts[i + 1] - starts[i])
-        if (type(item) is not tuple or len(item) != 4 or not _rows(item[0], dim, count)
+        if (not _common(item, entry_type) or not _rows(item[0], dim, count)
                 or not _rows(item[1], dim, count) or item[0].shape[0] != count or item[1].shape[0] != count):
             raise ValueError(f"entry {i} is not as scan_entries found it")
     for i, item in enumerate(items):
