@@ -139,13 +139,13 @@ def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: 
 
 
 def _common_form(state: StoreState, items: list) -> PreparedBatch | None:
-    """The batch prepared, when every entry is a plain tuple (keys, values,
-    layer_idx, importance) or an Entry without meta, of C-contiguous
-    float32 rows [n, embed_dim], an int layer and a float importance, all
-    in range, and the entries are
-    small: the scan and the join of the rows are one native call each
-    (hmem.kernels entries), with no Python step per entry.  None otherwise:
-    the general path then takes the batch (and names what is wrong)."""
+    """The batch prepared when its entries are small and every one is a
+    plain tuple (keys, values, layer_idx, importance) or an Entry without
+    meta, of C-contiguous float32 rows [n, embed_dim], an int layer and a
+    float importance, all in range: the scan and the join of the rows are
+    one native call each (the entries kernels), with no Python step per
+    entry.  None otherwise: the general path then takes the batch (and
+    names what is wrong)."""
     n, dim = len(items), state.config.embed_dim
     if not n:
         return None
