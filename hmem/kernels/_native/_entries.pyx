@@ -75,8 +75,8 @@ cdef inline bint _common(object item, object entry_type):
     """A plain 4-tuple, or an entry_type 5-tuple without meta."""
     if type(item) is tuple:
         return len(<tuple>item) == 4
-    return (entry_type is not None and type(item) is entry_type and len(<tuple>item) == 5
-            and (<tuple>item)[4] is None)
+    return (entry_type is not None and type(item) is entry_type and isinstance(item, tuple)
+            and len(<tuple>item) == 5 and (<tuple>item)[4] is None)
 
 
 def scan_entries(list items, Py_ssize_t dim, Py_ssize_t max_tokens, object max_layer, double max_importance,
