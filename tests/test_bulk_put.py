@@ -252,6 +252,8 @@ def entry_lists(draw):
     for i in range(count):
         n = int(rng.integers(1, 4))
         k, v = (rng.standard_normal((n, dim)).astype(np.float32) for _ in range(2))
+        if draw(st.booleans()):
+            k.flags.writeable = False  # read-only rows (a file's memory map) are of the common form too
         item = (k, v, int(rng.integers(0, 5)), float(rng.random() * 4))
         if draw(st.integers(0, 5)) == 0:
             item = _DEFECTS[draw(st.sampled_from(sorted(_DEFECTS)))](*item)
