@@ -304,6 +304,15 @@ def test_the_scan_stops_at_each_entry_not_in_the_common_form(defect):
         assert _scan(module, items, 8)[0] == 2, module
 
 
+def test_the_common_form_takes_read_only_rows_entries_and_ranges_edges():
+    rows = np.ones((3, 8), np.float32)
+    frozen = rows.copy()
+    frozen.flags.writeable = False
+    items = [(frozen, frozen, 0, 0.0), hmem.Entry(rows, rows, U32_MAX, F32_MAX), (rows[1:], rows[1:], 7, 2.5)]
+    for module in (native_entries, ref_entries):
+        assert _scan(module, items, 8) == (3, [3, 3, 2], [0, U32_MAX, 7], [0.0, F32_MAX, 2.5])
+
+
 @pytest.mark.parametrize("module", [native_entries, ref_entries], ids=["native", "reference"])
 def test_join_rows_refuses_entries_changed_since_the_scan_and_bad_offsets(module):
     rows = np.ones((2, 4), np.float32)
