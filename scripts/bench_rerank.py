@@ -44,12 +44,13 @@ EMBED_DIM = 16
 HDC_DIM = 4096
 BUILD_BATCH = 10_000
 GOAL = 1.3
+CONFIG = hmem.StoreConfig(embed_dim=EMBED_DIM, hdc_dim=HDC_DIM)
 
 
 def build(path: Path, entries: int, log) -> None:
     rng = np.random.default_rng(8)
     t0 = time.perf_counter()
-    with hmem.Store.create(path, embed_dim=EMBED_DIM, hdc_dim=HDC_DIM) as store:
+    with hmem.Store.create(path, CONFIG) as store:
         for lo in range(0, entries, BUILD_BATCH):
             m = min(BUILD_BATCH, entries - lo)
             keys = rng.standard_normal((m, 1, EMBED_DIM), dtype=np.float32)
@@ -62,9 +63,12 @@ def build(path: Path, entries: int, log) -> None:
 def open_pair(root: Path, entries: int, log) -> tuple[hmem.Store, hmem.Store]:
     """A reader that uses pooled.bin and one opened while it was away."""
     path = root / f"rerank-{entries}"
-    if not (path / "index.json").exists():
+
+    def build_here() -> None:
         log(f"building {path} ({entries:,} entries over {LAYERS} layers) ...")
         build(path, entries, log)
+
+    benchlib.kept_store(path, CONFIG, build_here, log)
     pooled = path / "pooled.bin"
     if not pooled.exists():
         raise SystemExit(f"{path} has no pooled.bin: remove the store so that it is built again")

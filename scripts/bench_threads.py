@@ -54,14 +54,18 @@ TOP_K = 10
 
 def open_store(root: Path, log) -> Path:
     path = root / f"threads-{ENTRIES}"
-    if not (path / "index.json").exists():
+    config = hmem.StoreConfig(embed_dim=EMBED_DIM, hdc_dim=4096)
+
+    def build() -> None:
         log(f"building {path} ...")
         rng = np.random.default_rng(4)
-        with hmem.Store.create(path, embed_dim=EMBED_DIM, hdc_dim=4096) as store:
+        with hmem.Store.create(path, config) as store:
             for lo in range(0, ENTRIES, 10_000):
                 keys = rng.standard_normal((10_000, 1, EMBED_DIM), dtype=np.float32)
                 store.put_many(hmem.Entry(k, k, 0) for k in keys)
                 store.flush()
+
+    benchlib.kept_store(path, config, build, log)
     return path
 
 

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: machine facts and timing."""
+"""Helpers shared by the benchmark scripts: machine facts, timing, and the
+stores a benchmark builds once and keeps."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import datetime as _dt
 import gc
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import hmem
 
@@ -142,3 +145,26 @@ def fmt_seconds(seconds: float) -> str:
 
 def fmt_rate(nbytes: float, seconds: float) -> str:
     return f"{nbytes / seconds / 1e6:,.0f} MB/s"
+
+
+def kept_store(path: Path, config: hmem.StoreConfig, build: Callable[[], object], log: Callable[[str], None]
+               ) -> float | None:
+    """A store that a benchmark builds once and keeps at `path` (a directory
+    of the benchmark's own): built by `build` when absent, and built again
+    when the kept one has other settings than `config`, what `build` makes
+    today. A store kept from before a default changed would otherwise
+    measure the old setting (the kept stores of 2026-12-01 mapped 4 shards
+    at once, while new stores map 256). Returns the seconds `build` took,
+    or None when the kept store was used."""
+    if (path / "index.json").exists():
+        with hmem.Store.open(path, read_only=True) as kept:
+            old = kept.config
+        if old == config:
+            return None
+        changed = ", ".join(f"{name} {getattr(old, name)!r} (now {getattr(config, name)!r})"
+                            for name in config.__dataclass_fields__ if getattr(old, name) != getattr(config, name))
+        log(f"{path} was built with {changed}: building it again")
+        shutil.rmtree(path)
+    start = time.perf_counter()
+    build()
+    return time.perf_counter() - start
