@@ -403,7 +403,11 @@ class Store:
 
     def put_many(self, entries: Iterable[Entry | tuple]) -> list[int]:
         """Store many entries; returns their ids in order.  Every entry is
-        checked before any is stored, so one bad entry stores nothing."""
+        checked before any is stored, so one bad entry stores nothing.  A
+        batch whose entries are all plain (keys, values, layer_idx,
+        importance) tuples or Entry without meta, of C-contiguous float32
+        [n, embed_dim] arrays, is checked in one native pass
+        (hmem/store/prepare.py); others are unpacked entry by entry."""
         self._state.check_writable()
         batch = prepare.prepare_all(self._state, entries)  # before the lock, as in put
         try:
