@@ -32,26 +32,9 @@ from libc.string cimport memcpy, strcmp
 
 import numpy as np
 
-PATH_NAMES = ("portable", "popcnt", "avx512-vpopcntdq")
-_path = len(PATH_NAMES) - 1
+include "one_path.pxi"
 
 _NDARRAY = np.ndarray
-
-
-def best_path():
-    return len(PATH_NAMES) - 1
-
-
-def select_path(int limit):
-    # The scan is the same on every path: the switch is kept so that
-    # hmem.kernels can treat every module alike.
-    global _path
-    _path = max(0, min(limit, len(PATH_NAMES) - 1))
-    return _path
-
-
-def active_path():
-    return _path
 
 
 cdef int _rows_view(object array, Py_ssize_t dim, Py_ssize_t max_tokens, Py_buffer *view):

@@ -17,24 +17,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
-PATH_NAMES = ("portable", "popcnt", "avx512-vpopcntdq")
-_path = len(PATH_NAMES) - 1
-
-
-def best_path():
-    return len(PATH_NAMES) - 1
-
-
-def select_path(int limit):
-    # Formatting is the same on every path: the switch is kept so that
-    # hmem.kernels can treat every module alike.
-    global _path
-    _path = max(0, min(limit, len(PATH_NAMES) - 1))
-    return _path
-
-
-def active_path():
-    return _path
+include "one_path.pxi"
 
 
 cdef inline Py_ssize_t _put_int(char *out, int64_t value) noexcept nogil:

@@ -18,24 +18,7 @@ cdef extern from "quantize.h" nogil:
     void hm_quantize_rows(const float *rows, size_t n, size_t d, int8_t *q, float *scales)
     void hm_dequantize_rows(const int8_t *q, const float *scales, size_t n, size_t d, float *out)
 
-PATH_NAMES = ("portable", "popcnt", "avx512-vpopcntdq")
-_path = len(PATH_NAMES) - 1
-
-
-def best_path():
-    return len(PATH_NAMES) - 1
-
-
-def select_path(int limit):
-    # One loop serves every path: the compiler vectorises it at the portable
-    # baseline and its cost is memory traffic, not popcount.
-    global _path
-    _path = max(0, min(limit, len(PATH_NAMES) - 1))
-    return _path
-
-
-def active_path():
-    return _path
+include "one_path.pxi"
 
 
 def quantize_rows(const float[:, ::1] rows, int8_t[:, ::1] q, float[::1] scales):
