@@ -413,6 +413,26 @@ def test_ids_handed_out_before_a_crash_are_never_reused(tmp_path, run_python, le
         assert store.put(k, k) > more[1]
 
 
+def test_a_bulk_import_reserves_ids_in_few_commits(tmp_path):
+    """Each id reservation is a commit of index.json (two fsyncs): 100,000
+    entries in batches of 1,000 take a handful of them, their number
+    growing with the log of the ids handed out, not one per batch or two."""
+    k = np.ones((1, 16), np.float32)
+    with Store.create(tmp_path / "s", embed_dim=16, hdc_dim=128) as store:
+        before = store.stats().generation
+        ids: list[int] = []
+        for _ in range(100):
+            ids += store.put_many([(k, k, 0, 1.0)] * 1000)
+        commits = store.stats().generation - before
+        reserved = store.stats().next_entry_id
+        assert ids == list(range(ids[0], ids[0] + 100_000))
+    assert commits <= 6  # room 4096, then as many again as handed out (20 commits before)
+    assert reserved > ids[-1]
+    with Store.open(tmp_path / "s") as store:
+        assert store.stats().next_entry_id == ids[-1] + 1  # a clean close gives back the spare ids
+        assert store.stats().entries == 100_000
+
+
 # ---- signatures -------------------------------------------------------------------------
 
 
