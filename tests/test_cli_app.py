@@ -54,6 +54,24 @@ def test_no_arguments_prints_help_with_usage_code():
     assert "prefix-hit" in result.output
 
 
+def test_help_lists_each_command_in_one_sentence_and_wraps_at_the_terminal_width():
+    # Rich help keeps the line breaks it is given: each command's summary (the
+    # first paragraph of its help) is one line, and its paragraphs are one
+    # line each, for the terminal to wrap, not the source's hard wrapping.
+    for info in app.registered_commands:
+        summary, *rest = app_module.help_text(info.callback.__doc__).split("\n\n")
+        assert "\n" not in summary and len(summary) <= 100, (info.name, summary)
+        assert all("\n" not in p for p in rest), info.name
+    result = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == 0
+    listed = [line for line in result.output.splitlines() if line.startswith("│ stats ")]
+    assert len(listed) == 1 and "Show what a store holds: entries, layers, shards, bytes, health." in listed[0]
+    result = CliRunner().invoke(app, ["show", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    # the second paragraph, four lines in the source, runs on past the source's first break
+    assert any(line.strip().startswith("The metadata: layer,") and "source file and token range." in line
+               for line in result.output.splitlines()), result.output
+
+
 def test_exit_codes_are_stable():
     # Scripts depend on these numbers: changing one is a breaking change.
     assert {c.name: c.value for c in ExitCode} == {

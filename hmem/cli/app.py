@@ -4,6 +4,7 @@ registration of one module per command."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -191,8 +192,18 @@ def _new_app(names: Sequence[str]) -> typer.Typer:
     built.callback()(_global_options)
     for name, module, function in COMMANDS:
         if name in names:
-            built.command(name)(getattr(importlib.import_module(f"hmem.cli.{module}"), function))
+            command = getattr(importlib.import_module(f"hmem.cli.{module}"), function)
+            built.command(name, help=help_text(command.__doc__ or ""))(command)
     return built
+
+
+def help_text(docstring: str) -> str:
+    """A command's docstring as its help: each paragraph on one line, for
+    Rich to wrap at the terminal's width.  Rich help keeps every line break
+    it is given, so the source's wrapping would cut lines short (and the
+    command list, which shows the first paragraph, mid-sentence)."""
+    paragraphs = inspect.cleandoc(docstring).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines() if line.strip()) for p in paragraphs)
 
 
 def version_text() -> str:

@@ -21,8 +21,9 @@ def copy(
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """Copy a store, byte for byte, between a directory and object storage
-    (either way, or between two of either): ids, access counts and the
+    """Copy a store, byte for byte, between a directory and object storage.
+
+    Either way, or between two of either: ids, access counts and the
     import registry come along.  The source's writer lock (or lease) is held
     while it is read; the copy becomes a store only at its last step."""
     out = Output(json_mode=json_output, quiet=quiet)

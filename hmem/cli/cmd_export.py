@@ -23,8 +23,9 @@ def export(
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """Write the keys and values of entries, exactly as stored, to a
-    safetensors file: k_{id} and v_{id} in the store's dtype (F32, F16 or
+    """Write the keys and values of entries, exactly as stored, to a safetensors file.
+
+    The tensors are k_{id} and v_{id} in the store's dtype (F32, F16 or
     BF16, bit-exact; 'hmem put' reads them back), or, from an INT8 store,
     I8 with F32 row scales k_scale_{id} and v_scale_{id} (not importable).
 

@@ -38,8 +38,10 @@ def ls(
                                         "(for millions of entries).")] = False,
     quiet: QuietOption = False,
 ) -> None:
-    """List the entries of a store: id, layer, tokens, importance, accesses,
-    eviction score, age, shard and bytes in the shard.
+    """List the entries of a store, one row each.
+
+    Each row: id, layer, tokens, importance, accesses, eviction score, age,
+    shard and bytes in the shard.
 
     Only reads: takes no lock and counts no access.
     """

@@ -20,10 +20,12 @@ def show(
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """Show one entry: its metadata (layer, tokens, importance, accesses,
-    eviction score, time put, shard, bytes, and the meta 'hmem put' recorded,
-    such as the source file and token range) and its keys and values: shape,
-    stored dtype, mean and largest row L2 norm, largest absolute value.
+    """Show one entry: its metadata and a summary of its keys and values.
+
+    The metadata: layer, tokens, importance, accesses, eviction score, time
+    put, shard, bytes, and the meta 'hmem put' recorded, such as the source
+    file and token range. The keys and values: shape, stored dtype, mean
+    and largest row L2 norm, largest absolute value.
 
     Only reads: takes no lock and counts no access. An id the store does
     not hold exits with code 1.

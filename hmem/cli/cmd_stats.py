@@ -20,8 +20,10 @@ def stats(
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """Show entries, layers, shards, bytes on disk, what compaction would free, and
-    whether every shard file is there with its recorded size (the health line)."""
+    """Show what a store holds: entries, layers, shards, bytes, health.
+
+    Also what compaction would free, and whether every shard file is there
+    with its recorded size (the health line)."""
     out = Output(json_mode=json_output, quiet=quiet)
     with Store.open(store, read_only=True) as s:
         st = s.stats()
