@@ -38,6 +38,8 @@ class StoreConfig:
                      useful entries are evicted to make room)
     max_disk_bytes   bytes on disk at most, 0 = unlimited
     shard_max_bytes  size at which a shard file is sealed and a new one begun
+                     (a bulk put holds up to two in memory: the open shard
+                     and a full one whose file is being made durable)
     max_open_shards  shard files kept memory-mapped at once (a map costs
                      address space, not memory; mapping a shard again for
                      a read costs about 0.1 ms)

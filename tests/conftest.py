@@ -425,8 +425,9 @@ def probe_store():
 # Everything else in the tests reads a store through its public API
 # (Store.entry_ids, get, entries, stats, query) or reads the on-disk format
 # with hmem.formats.  What these helpers check, no public API exposes: how
-# many shard files are memory-mapped at once, and a writer that vanishes
-# (as a killed process would) without flushing or closing.  They are the one
+# many shard files are memory-mapped at once, a put failing after it has
+# sealed shards, and a writer that vanishes (as a killed process would)
+# without flushing or closing.  They are the one
 # place that names the Store's private attributes: update them here when
 # those attributes move.
 
@@ -476,6 +477,25 @@ class _StoreInternals:
         return batch.joined
 
     @staticmethod
+    @contextmanager
+    def failing_records_growth(store) -> Iterator[None]:
+        """Within the block, the put that next grows the store's records
+        raises MemoryError there: after it has sealed its shards, before it
+        is in (hmem/store/writer.py, insert).  No public input fails a put
+        that late."""
+        state = store._state  # private: the records' growth has no public hook
+
+        def fail(count: int) -> None:
+            del state.grow  # once: back to the class's method
+            raise MemoryError("no memory for the records (injected)")
+
+        state.grow = fail
+        try:
+            yield
+        finally:
+            state.__dict__.pop("grow", None)
+
+    @staticmethod
     def abandon_writer(store) -> None:
         """The writer vanishes as a killed process would: its lock is
         released, nothing is flushed, and the object is closed without
@@ -486,7 +506,8 @@ class _StoreInternals:
 @pytest.fixture(scope="session")
 def store_internals() -> _StoreInternals:
     """``store_internals.open_shard_maps(store)``, ``.shard_map_limit(store)``,
-    ``.watch_shard_maps(store)`` (a context manager), ``.prepared_joined(store, entries)`` and
+    ``.watch_shard_maps(store)`` (a context manager), ``.prepared_joined(store, entries)``,
+    ``.failing_records_growth(store)`` (a context manager) and
     ``.abandon_writer(store)``: the only checks that reach past the Store's
     public API (see the comment above _StoreInternals)."""
     return _StoreInternals()

@@ -8,8 +8,11 @@ refused with the store unchanged."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import struct
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -18,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmem
+from hmem import _io
 from hmem.formats import safetensors
 from hmem.kernels._native import _checksum, _header_text, _projection
 from hmem.kernels._native import _entries as native_entries
@@ -476,3 +480,159 @@ def test_put_many_takes_other_float_dtypes_and_layouts(store_factory):
     assert store.get(ids[0]).values.tobytes() == np.ascontiguousarray(values).tobytes()
     assert store.get(ids[1]).keys.tobytes() == half.astype(np.float32).tobytes()
     assert store.get(ids[2]).keys.tobytes() == keys[::-1].astype(np.float32).tobytes()
+
+
+# ---- shards sealed in the background ----------------------------------------------------------
+
+
+class _SealThreadHook:
+    """A fault hook (hmem/_io.py) acting only in the thread that finishes a
+    put's seal ("hmem-seal"): it holds the fsync there until released, or
+    fails it with EIO (`fail` times)."""
+
+    def __init__(self, *, hold: bool = False, fail: int = 0) -> None:
+        self.release = threading.Event()
+        self.held = threading.Event()
+        self.hold, self.fail = hold, fail
+        self.seal_ops: list[tuple[str, str]] = []
+
+    def __call__(self, op: str, path: str) -> None:
+        if threading.current_thread().name != "hmem-seal":
+            return
+        self.seal_ops.append((op, os.path.basename(path)))
+        if op != "fsync" or not os.path.basename(path).startswith(_io.TEMP_PREFIX):
+            return
+        if self.hold:
+            self.held.set()
+            assert self.release.wait(30)
+        if self.fail:
+            self.fail -= 1
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+
+@pytest.fixture
+def seal_hook():
+    hooks: list[_SealThreadHook] = []
+
+    def install(**kwargs: Any) -> _SealThreadHook:
+        hook = _SealThreadHook(**kwargs)
+        hooks.append(hook)
+        _io.set_fault_hook(hook)
+        return hook
+
+    yield install
+    for hook in hooks:
+        hook.release.set()
+    _io.set_fault_hook(None)
+
+
+def test_a_shard_sealed_in_the_background_is_read_from_memory_until_its_file_is_durable(tmp_path, seal_hook):
+    rng = np.random.default_rng(11)
+    entries = _entries(rng, 30, 16, max_tokens=8)
+    hook = seal_hook(hold=True)
+    path = tmp_path / "s"
+    with hmem.Store.create(path, embed_dim=16, hdc_dim=256, shard_max_bytes=32 << 10) as store:
+        ids = store.put_many(entries)  # fills shard 0 (sealed in the background) and begins shard 1
+        assert hook.held.wait(30)  # the seal's fsync is held: the put returned before it
+        assert not (path / "shard_0000.safetensors").exists()
+        for entry_id, (keys, values, _, _) in zip(ids, entries):
+            got = store.get(entry_id)  # shard 0's from the sealing builder's memory
+            assert got.keys.tobytes() == keys.tobytes() and got.values.tobytes() == values.tobytes()
+        found = store.query(entries[0][0], layer_idx=entries[0][2], top_k=1)
+        assert found[0].entry_id == ids[0] and found[0].keys.tobytes() == entries[0][0].tobytes()
+        stats = store.stats()
+        assert stats.health.ok, stats.health.problems  # a shard being sealed is not a missing one
+        assert stats.unflushed == 30 and [sh.entries for sh in stats.shards][0] < 30
+        hook.release.set()
+        store.flush()  # waits for the seal, then commits
+        assert [op for op, _ in hook.seal_ops] == ["fsync", "rename", "open", "fsync"]  # file, then directory
+        assert (path / "shard_0000.safetensors").exists()
+        assert not [p for p in path.iterdir() if p.name.startswith(_io.TEMP_PREFIX)]
+    assert hmem.verify(path, full=True).ok
+    with hmem.Store.open(path, read_only=True) as store:
+        assert store.stats().entries == 30
+        got = store.get(ids[0])
+        assert got.keys.tobytes() == entries[0][0].tobytes()
+
+
+@pytest.mark.parametrize("failures", [1, 2], ids=["once", "twice"])
+def test_a_background_seal_that_fails_is_written_again_from_memory(tmp_path, seal_hook, failures):
+    """A failed fsync may leave the bytes off the disk: the flush writes the
+    whole file again from the builder's memory.  When that fails too, the
+    flush raises, nothing is committed, and the next flush succeeds."""
+    rng = np.random.default_rng(12)
+    entries = _entries(rng, 30, 16, max_tokens=8)
+    path = tmp_path / "s"
+    hmem.Store.create(path, embed_dim=16, hdc_dim=256, shard_max_bytes=32 << 10).close()
+    store = hmem.Store.open(path)
+    try:
+        hook = seal_hook(fail=1)
+        ids = store.put_many(entries)  # the put itself succeeds: shard 0's seal fails on its thread
+        if failures == 2:
+            real = hook
+
+            def fail_the_rewrite(op: str, file: str) -> None:
+                real(op, file)
+                if op == "fsync" and os.path.basename(file).startswith(_io.TEMP_PREFIX + "shard_0000"):
+                    raise OSError(errno.EIO, os.strerror(errno.EIO), file)
+
+            _io.set_fault_hook(fail_the_rewrite)
+            with pytest.raises(hmem.StorageError) as caught:
+                store.flush()
+            assert caught.value.errno == errno.EIO and "shard_0000.safetensors" in str(caught.value)
+            with hmem.Store.open(path, read_only=True) as reader:
+                assert reader.stats().entries == 0  # nothing committed
+            assert store.get(ids[0]).keys.tobytes() == entries[0][0].tobytes()  # still there, in memory
+            _io.set_fault_hook(None)
+        store.flush()
+        assert hook.fail == 0 and hook.seal_ops[0][0] == "fsync"  # the seal's thread did fail
+        assert store.stats().health.ok
+    finally:
+        _io.set_fault_hook(None)
+        store.close()
+    assert hmem.verify(path, full=True).ok
+    with hmem.Store.open(path, read_only=True) as store:
+        assert store.stats().entries == 30
+        for entry_id, (keys, values, _, _) in zip(ids, entries):
+            got = store.get(entry_id)
+            assert got.keys.tobytes() == keys.tobytes() and got.values.tobytes() == values.tobytes()
+
+
+def test_closing_waits_for_a_background_seal(tmp_path, seal_hook):
+    rng = np.random.default_rng(13)
+    entries = _entries(rng, 30, 16, max_tokens=8)
+    hook = seal_hook(hold=True)
+    path = tmp_path / "s"
+    store = hmem.Store.create(path, embed_dim=16, hdc_dim=256, shard_max_bytes=32 << 10)
+    store.put_many(entries)
+    assert hook.held.wait(30)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive()  # close waits for the seal (it flushes)
+    hook.release.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert hmem.verify(path, full=True).ok
+    with hmem.Store.open(path, read_only=True) as reader:
+        assert reader.stats().entries == 30
+
+
+def test_a_put_that_fails_after_a_background_seal_takes_its_shard_back(tmp_path, seal_hook, store_internals):
+    rng = np.random.default_rng(14)
+    entries = _entries(rng, 30, 16, max_tokens=8)
+    hook = seal_hook(hold=True)
+    path = tmp_path / "s"
+    with hmem.Store.create(path, embed_dim=16, hdc_dim=256, shard_max_bytes=32 << 10) as store:
+        threading.Timer(0.3, hook.release.set).start()  # the undo waits for the held seal
+        with store_internals.failing_records_growth(store), pytest.raises(MemoryError):
+            store.put_many(entries)
+        assert hook.held.is_set() and hook.release.is_set()
+        assert store.stats().entries == 0 and store.stats().unflushed == 0 and not store.stats().shards
+        assert not [p.name for p in path.iterdir() if p.name.startswith(("shard_", _io.TEMP_PREFIX))]
+        _io.set_fault_hook(None)
+        ids = store.put_many(entries)  # the store goes on as if the failed put never came
+    assert hmem.verify(path, full=True).ok
+    with hmem.Store.open(path, read_only=True) as store:
+        assert store.stats().entries == 30
+        assert store.get(ids[-1]).values.tobytes() == entries[-1][1].tobytes()

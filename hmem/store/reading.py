@@ -1,5 +1,6 @@
-"""Reading an entry's tensors: from the open shard while it is in memory,
-else from its shard file through the bounded cache of memory maps, each
+"""Reading an entry's tensors: from the open shard (or a full one whose
+file is being sealed) while it is in memory, else from its shard file
+through the bounded cache of memory maps, each
 tensor's CRC-32C checked the first time it is read (docs/format.md); and
 the cheap health check of stats(): which shard files are missing or of the
 wrong size (docs/reliability.md, "Degraded reads")."""
@@ -17,6 +18,7 @@ from hmem.errors import CorruptStoreError, Hint, HmemError, StoreChangedError
 from hmem.formats import layout, shard_file
 from hmem.store import storage as storage_codec
 from hmem.store.results import StoreHealth
+from hmem.store.shard_builder import ShardBuilder
 from hmem.store.shard_reader import ShardReader
 from hmem.store.state import StoreState
 
@@ -33,8 +35,7 @@ class EntryReader:
         state = self.state
         storage = state.config.storage_dtype
         entry_id, shard_idx, n_tokens = state.records[["entry_id", "shard_idx", "n_tokens"]][pos].tolist()
-        builder = state.builder  # read once: a flush beside this read may seal it
-        if storage == "int8" or (builder is not None and shard_idx == builder.index):
+        if storage == "int8" or self._in_memory(shard_idx) is not None:
             stored = self.stored(pos, check=check)
             rows = [storage_codec.decode(stored[kind], stored.get(kind + "s"), storage) for kind in ("k", "v")]
             return rows[0], rows[1]
@@ -62,8 +63,8 @@ class EntryReader:
         state = self.state
         row = state.records[pos]
         entry_id, shard_idx = int(row["entry_id"]), int(row["shard_idx"])
-        builder = state.builder  # read once: a flush beside this read may seal it
-        if builder is not None and shard_idx == builder.index:
+        builder = self._in_memory(shard_idx)
+        if builder is not None:
             text = builder.meta(entry_id)
         else:
             text = self.shard(shard_idx).meta(entry_id)
@@ -117,8 +118,8 @@ class EntryReader:
         state = self.state
         row = state.records[pos]
         entry_id, shard_idx = int(row["entry_id"]), int(row["shard_idx"])
-        builder = state.builder  # read once: a flush beside this read may seal it
-        if builder is not None and shard_idx == builder.index:
+        builder = self._in_memory(shard_idx)
+        if builder is not None:
             # The open shard's memory is reused after it is sealed: copy.
             return builder.get(entry_id, kind).copy()
         reader = self.shard(shard_idx)
@@ -130,6 +131,21 @@ class EntryReader:
             raise CorruptStoreError(f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} "
                                     "fails its checksum", hint=Hint.VERIFY_FULL)
         return array
+
+    def _in_memory(self, shard_idx: int) -> ShardBuilder | None:
+        """The builder holding shard `shard_idx` in memory, if one does: the
+        open shard, or a full one whose file a put's seal is still making
+        durable (StoreState.sealing).  Each is read once: a put or flush
+        beside this read may seal the open shard, or finish the sealing
+        one, whose file is then in place."""
+        state = self.state
+        builder = state.builder
+        if builder is not None and builder.index == shard_idx:
+            return builder
+        sealing = state.sealing
+        if sealing is not None and sealing.builder.index == shard_idx:
+            return sealing.builder
+        return None
 
     def shard(self, shard_idx: int) -> ShardReader:
         """The reader of a sealed shard, telling a store changed by a writer
@@ -174,7 +190,10 @@ class EntryReader:
         shard_of = state.records["shard_idx"][: state.n]
         fetcher = state.cache.fetcher  # a store on object storage: shards not fetched are there
         remote = fetcher.remote if fetcher is not None else {}
+        sealing = state.sealing
         for idx, info in enumerate(state.shards):
+            if sealing is not None and idx == sealing.builder.index:
+                continue  # its file is being made durable (StoreState.sealing); not yet committed
             size = remote[info.uid]["bytes"] if info.uid in remote else self._file_size(info.file)
             if size == info.bytes:
                 continue

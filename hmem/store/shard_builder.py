@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import threading
 import weakref
 from pathlib import Path
 from typing import Any, cast
@@ -482,6 +483,58 @@ class ShardBuilder:
         """Write the shard file durably; returns (file size, index CRC)."""
         buffers, index_crc = self.encode()
         return _io.write_file(path, buffers), index_crc
+
+
+class SealInFlight:
+    """A full shard sealed by a put: its file's bytes written (under a
+    temporary name) by the put itself, made durable and given its name on
+    a thread of its own, while the put goes on copying the next entries.
+
+    Until the writer has waited for it (Writer.settle, before its next
+    write of any file and before any commit), the shard is read from the
+    builder's memory, which this keeps, as it was while the shard was open
+    (hmem/store/reading.py).  If the fsync or the rename fails, the bytes
+    may never reach the disk: the writer writes the whole file again from
+    that memory, synchronously, and raises if that fails too."""
+
+    def __init__(self, builder: ShardBuilder, path: Path) -> None:
+        """Write the file's bytes (any failure here is the put's, raised
+        now); start() then finishes it on its own thread."""
+        self.builder = builder
+        self.path = path
+        buffers, self.index_crc = builder.encode()
+        self._file = _io.WrittenFile(path, buffers)
+        self.size = self._file.size
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._finish, name="hmem-seal")
+        self._thread.start()
+
+    def _finish(self) -> None:
+        try:
+            self._file.finish()
+        except BaseException as exc:  # reported by wait(), in the writer's thread
+            self.error = exc
+
+    def wait(self) -> BaseException | None:
+        """Wait until the file is durable under its name, or has failed (the
+        error, returned).  One never started (an interrupt came between
+        sealing and starting) is started here."""
+        if self._thread is None:
+            self.start()
+        assert self._thread is not None
+        self._thread.join()
+        return self.error
+
+    def write_again(self) -> None:
+        """The file, written again, synchronously, from the builder's memory
+        (after a failed finish): the same bytes, as the shard's listed
+        size and index CRC say."""
+        size, index_crc = self.builder.seal(self.path)
+        assert (size, index_crc) == (self.size, self.index_crc), "a shard's bytes changed between two writes"
+        self.error = None
 
 
 def _copy_rows(array: Any, target: memoryview) -> None:

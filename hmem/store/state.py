@@ -9,7 +9,9 @@ given explicitly.  It holds:
   ascending id order, with mutable fields newer than the file's
   (``dirty`` lists the committed ones changed since the last flush);
 - the shards: the committed ones, then those sealed since, and the open
-  shard (``builder``) whose tensors are still in memory;
+  shard (``builder``) whose tensors are still in memory; a full shard a
+  put sealed is also read from memory (``sealing``) until its file is
+  durable under its name;
 - the search index over the live records' signatures, the bounded cache of
   memory-mapped shard files, the map of pooled.bin, and the write lock
   (None for a reader).
@@ -40,7 +42,7 @@ from hmem.store.rwlock import ReadWriteLock
 from hmem.store.projection import Projector, SpanProjector
 from hmem.store.results import LimitActivity
 from hmem.store.search import SearchIndex
-from hmem.store.shard_builder import ShardBuilder, SpareSegments
+from hmem.store.shard_builder import SealInFlight, ShardBuilder, SpareSegments
 from hmem.store.shard_reader import ShardCache
 
 
@@ -85,6 +87,8 @@ class StoreState:
         self.next_id = committed.next_entry_id
         self.id_limit = committed.next_entry_id  # ids below this are reserved in index.json
         self.builder: ShardBuilder | None = None
+        # a full shard a put sealed, its file still being made durable (writer.py, settle)
+        self.sealing: SealInFlight | None = None
         self.builder_dead = DeadBytes()
         self.limits = LimitActivity()  # what the limits made puts do (StoreStats.limits)
         self.imports = ImportRegistry(path)  # sources.jsonl (hmem/store/imported.py)
@@ -182,6 +186,9 @@ class StoreState:
     def shut(self) -> None:
         """Mark the state closed, drop the memory maps and let the lock go."""
         self.closed = True
+        sealing, self.sealing = self.sealing, None
+        if sealing is not None:
+            sealing.wait()  # no file is renamed into the store once its lock is let go
         self.cache.drop()
         self.pooled.drop()
         self.builder = None  # its arena's segments go to the spares when it is freed (now, as nothing reads)

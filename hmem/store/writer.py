@@ -3,7 +3,9 @@ flushing (docs/format.md, "The write protocol").
 
 ``insert`` keeps each entry's tensors in the open shard (in memory) and its
 record in memory; when the open shard would pass shard_max_bytes it is
-sealed into its file.  ``flush`` makes everything durable in this order,
+sealed into its file, made durable on a thread of its own while the put
+goes on (``settle`` waits for it before any other file is written and
+before any commit).  ``flush`` makes everything durable in this order,
 each step fsynced before the next:
 
   1. seal the open shard into shard_NNNN.safetensors;
@@ -36,7 +38,7 @@ from hmem.formats import sources as source_registry
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.formats.sources import SourcesInfo
 from hmem.store.search import SearchIndex
-from hmem.store.shard_builder import Arena, ShardBuilder
+from hmem.store.shard_builder import Arena, SealInFlight, ShardBuilder
 from hmem.store.prepare import PreparedBatch
 from hmem.store.state import DeadBytes, StoreState
 
@@ -70,7 +72,7 @@ class Writer:
         if len(plan) > 1 or plan[0][2]:
             # Seal what came before, so every shard sealed below holds
             # entries of this batch only and a failure can take them back.
-            self.seal_open_shard()
+            self.seal_open_shard(background=True)
             plan = self._plan_shards(sizes)
         builder = state.builder
         undo = (len(state.shards), builder, builder.mark() if builder is not None else None, _index_mark(state.index))
@@ -78,7 +80,7 @@ class Writer:
             shard_of = np.zeros(count, dtype=np.uint32)
             for n, (lo, hi, _) in enumerate(plan):
                 if n:
-                    self.seal_open_shard()
+                    self.seal_open_shard(background=True)
                 b = self._open_shard()
                 b.add_entries(ids[lo:hi], batch.n_tokens[lo:hi], _part_tensors(batch, lo, hi),
                               {int(ids[p]): t for p, t in batch.meta.items() if lo <= p < hi})
@@ -138,6 +140,10 @@ class Writer:
         entries in the open shard from before it (`builder`, which the batch
         sealed nothing of), and the shards sealed for it (not yet committed)."""
         state = self.state
+        sealing = state.sealing
+        if sealing is not None and sealing.builder.index >= shards_mark:
+            sealing.wait()  # a shard of the batch: its file goes below with the others
+            state.sealing = None
         _index_rollback(state.index, index_mark)
         if builder is not None and builder_mark is not None:
             builder.rollback(builder_mark)
@@ -174,19 +180,46 @@ class Writer:
                                          Arena(state.spares))
         return state.builder
 
-    def seal_open_shard(self) -> None:
-        """Write the open shard into its file (not yet committed)."""
+    def seal_open_shard(self, *, background: bool = False) -> None:
+        """Write the open shard into its file (not yet committed).  With
+        `background` (a put whose entries fill the shard), the file is
+        written here and made durable on a thread of its own while the put
+        goes on (SealInFlight, hmem/store/shard_builder.py): a bulk put's
+        fsyncs then overlap its work on the next entries."""
+        self.settle()
         state = self.state
         b = state.builder
         if b is None or not b.entries:
             return
         name = layout.shard_file(b.index)
-        size, index_crc = b.seal(state.path / name)
+        sealing = None
+        if background:
+            sealing = SealInFlight(b, state.path / name)
+            size, index_crc = sealing.size, sealing.index_crc
+        else:
+            size, index_crc = b.seal(state.path / name)
         dead = state.builder_dead
         info = ShardInfo(file=name, bytes=size, uid=b.uid, entries=b.entries, index_crc=index_crc,
                          dead_entries=dead.entries, dead_bytes=dead.bytes)
         # One assignment: an interrupt leaves the shard listed and closed, or open and unlisted.
-        state.shards, state.builder, state.builder_dead = [*state.shards, info], None, DeadBytes()
+        state.shards, state.builder, state.builder_dead, state.sealing = \
+            [*state.shards, info], None, DeadBytes(), sealing
+        if sealing is not None:
+            sealing.start()
+
+    def settle(self) -> None:
+        """Wait for the shard a put sealed in the background to be durable
+        under its name; if that failed, write its file again from memory
+        (raising if that fails too: the next settle tries again).  Every
+        write of a file and every commit waits here first, so the writer's
+        I/O happens in the same order as if the seal had run in the put."""
+        state = self.state
+        sealing = state.sealing
+        if sealing is None:
+            return
+        if sealing.wait() is not None:
+            sealing.write_again()
+        state.sealing = None  # its file is there: readers read it (hmem/store/reading.py)
 
     # ---- flushing ---------------------------------------------------------------------
 
@@ -200,6 +233,7 @@ class Writer:
         add meanwhile are taken whole, each record with its own checksum,
         under state.counts_lock, by this flush or the next."""
         state = self.state
+        self.settle()
         new = state.n - state.committed_n
         next_id = state.next_id if exact_ids else state.id_limit
         if not new and not state.dirty and state.builder is None and state.shards == state.committed.shards \
@@ -284,6 +318,7 @@ class Writer:
 
     def commit(self, mf: Manifest) -> None:
         """Write index.json: `mf` becomes the committed state."""
+        self.settle()  # no commit may name a shard file not yet durable
         state = self.state
         state.manifest_bytes = manifest.write(state.path, mf)
         state.committed = mf
