@@ -9,6 +9,7 @@ refused with the store unchanged."""
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import struct
@@ -636,3 +637,21 @@ def test_a_put_that_fails_after_a_background_seal_takes_its_shard_back(tmp_path,
     with hmem.Store.open(path, read_only=True) as store:
         assert store.stats().entries == 30
         assert store.get(ids[-1]).values.tobytes() == entries[-1][1].tobytes()
+
+
+def test_a_writer_dropped_unclosed_lets_its_lock_go_only_after_a_background_seal(tmp_path, seal_hook):
+    rng = np.random.default_rng(15)
+    entries = _entries(rng, 30, 16, max_tokens=8)
+    hook = seal_hook(hold=True)
+    path = tmp_path / "s"
+    store = hmem.Store.create(path, embed_dim=16, hdc_dim=256, shard_max_bytes=32 << 10)
+    store.put_many(entries)
+    assert hook.held.wait(30)
+    threading.Timer(0.3, hook.release.set).start()
+    del store  # never closed: its lock goes back when it is collected
+    gc.collect()
+    assert hook.release.is_set()  # the lock went back only once the seal had finished
+    _io.set_fault_hook(None)
+    with hmem.Store.open(path) as again:  # nothing was committed; the next writer removes the leftovers
+        assert again.stats().entries == 0
+    assert not [p.name for p in path.iterdir() if p.name.startswith(("shard_", _io.TEMP_PREFIX))]

@@ -508,6 +508,11 @@ class SealInFlight:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
+    def discard(self) -> None:
+        """Give the file up before it was started (the shard stays open)."""
+        assert self._thread is None
+        self._file.discard()
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._finish, name="hmem-seal")
         self._thread.start()

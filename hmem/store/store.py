@@ -105,8 +105,8 @@ class Store:
         # A store dropped unclosed lets its lock go when collected.  A finalizer
         # (not __del__) so that a closed store runs no Python code when
         # collected: a signal arriving then would be lost in a destructor.
-        self._release_unclosed = (weakref.finalize(self, state.writer.release)
-                                  if state.writer is not None else None)
+        self._release_unclosed: weakref.finalize[[], Store] | None = (
+            weakref.finalize(self, lambda: _release_writer(state)) if state.writer is not None else None)
         # a store on object storage: the link to its objects (hmem/store/remote.py)
         self._remote: RemoteLink | None = None
         self.location: str = str(state.path)  # what the store was opened as: a directory or a URL
@@ -122,8 +122,8 @@ class Store:
         link.fetcher.on_drop = self._state.cache.drop_uid
         if self._release_unclosed is not None:  # an unclosed writer also gives its lease back
             self._release_unclosed.detach()
-            writer = self._state.writer
-            self._release_unclosed = weakref.finalize(self, lambda: _release_all(writer, link))
+            state = self._state
+            self._release_unclosed = weakref.finalize(self, lambda: _release_all(state, link))
         else:
             self._release_unclosed = weakref.finalize(self, link.close)
 
@@ -768,9 +768,20 @@ def _local_only(storage_options: Any) -> None:
         raise InvalidArgumentError("storage_options apply to stores on object storage (s3://...) only")
 
 
-def _release_all(writer: Any, link: RemoteLink) -> None:
-    if writer is not None:
-        writer.release()
+def _release_writer(state: StoreState) -> None:
+    """An unclosed writer's lock goes back.  A shard a put was still making
+    durable is waited for first: no file is renamed into the store once
+    another writer may have it (the shard itself is not committed)."""
+    sealing = state.sealing
+    if sealing is not None:
+        sealing.wait()
+    assert state.writer is not None
+    state.writer.release()
+
+
+def _release_all(state: StoreState, link: RemoteLink) -> None:
+    if state.writer is not None:
+        _release_writer(state)
     link.close()
 
 

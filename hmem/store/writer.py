@@ -202,10 +202,15 @@ class Writer:
         info = ShardInfo(file=name, bytes=size, uid=b.uid, entries=b.entries, index_crc=index_crc,
                          dead_entries=dead.entries, dead_bytes=dead.bytes)
         # One assignment: an interrupt leaves the shard listed and closed, or open and unlisted.
-        state.shards, state.builder, state.builder_dead, state.sealing = \
-            [*state.shards, info], None, DeadBytes(), sealing
+        try:
+            state.shards, state.builder, state.builder_dead, state.sealing = \
+                [*state.shards, info], None, DeadBytes(), sealing
+        except BaseException:
+            if sealing is not None and state.sealing is not sealing:
+                sealing.discard()  # still open: sealed again later
+            raise
         if sealing is not None:
-            sealing.start()
+            sealing.start()  # (an interrupt before this: settle starts it)
 
     def settle(self) -> None:
         """Wait for the shard a put sealed in the background to be durable
