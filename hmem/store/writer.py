@@ -198,11 +198,11 @@ class Writer:
             size, index_crc = sealing.size, sealing.index_crc
         else:
             size, index_crc = b.seal(state.path / name)
-        dead = state.builder_dead
-        info = ShardInfo(file=name, bytes=size, uid=b.uid, entries=b.entries, index_crc=index_crc,
-                         dead_entries=dead.entries, dead_bytes=dead.bytes)
-        # One assignment: an interrupt leaves the shard listed and closed, or open and unlisted.
         try:
+            dead = state.builder_dead
+            info = ShardInfo(file=name, bytes=size, uid=b.uid, entries=b.entries, index_crc=index_crc,
+                             dead_entries=dead.entries, dead_bytes=dead.bytes)
+            # One assignment: an interrupt leaves the shard listed and closed, or open and unlisted.
             state.shards, state.builder, state.builder_dead, state.sealing = \
                 [*state.shards, info], None, DeadBytes(), sealing
         except BaseException:
