@@ -3,8 +3,8 @@
 Hypothesis profiles (pick one with HYPOTHESIS_PROFILE=<name>):
 
 - ``ci`` (default): no deadline (shared 2-core runners stall), no example
-  database (runs do not depend on earlier runs), a moderate example count
-  that keeps the whole suite well under a minute;
+  database (runs do not depend on earlier runs), 100 examples a test
+  (Hypothesis's own default), within the suite's 10-minute budget;
 - ``dev``: fewer examples, for a quick edit-test loop;
 - ``thorough``: many examples, for a soak run before a release.
 
@@ -30,7 +30,7 @@ _COMMON = dict(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
-settings.register_profile("ci", max_examples=150, database=None, **_COMMON)
+settings.register_profile("ci", max_examples=100, database=None, **_COMMON)
 settings.register_profile("dev", max_examples=20, **_COMMON)
 settings.register_profile("thorough", max_examples=2000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
