@@ -599,14 +599,20 @@ def test_a_background_seal_that_fails_is_written_again_from_memory(tmp_path, sea
             assert got.keys.tobytes() == keys.tobytes() and got.values.tobytes() == values.tobytes()
 
 
-def test_closing_waits_for_a_background_seal(tmp_path, seal_hook):
-    rng = np.random.default_rng(13)
-    entries = _entries(rng, 30, 16, max_tokens=8)
+def _a_put_whose_seal_is_held(tmp_path, seal_hook, seed: int) -> tuple[hmem.Store, Any, _SealThreadHook]:
+    """A new store (left open) after a put of 30 entries whose full shard's
+    seal is held at its fsync."""
+    entries = _entries(np.random.default_rng(seed), 30, 16, max_tokens=8)
     hook = seal_hook(hold=True)
     path = tmp_path / "s"
     store = hmem.Store.create(path, embed_dim=16, hdc_dim=256, shard_max_bytes=32 << 10)
     store.put_many(entries)
     assert hook.held.wait(30)
+    return store, path, hook
+
+
+def test_closing_waits_for_a_background_seal(tmp_path, seal_hook):
+    store, path, hook = _a_put_whose_seal_is_held(tmp_path, seal_hook, seed=13)
     closer = threading.Thread(target=store.close)
     closer.start()
     closer.join(0.5)
@@ -640,13 +646,7 @@ def test_a_put_that_fails_after_a_background_seal_takes_its_shard_back(tmp_path,
 
 
 def test_a_writer_dropped_unclosed_lets_its_lock_go_only_after_a_background_seal(tmp_path, seal_hook):
-    rng = np.random.default_rng(15)
-    entries = _entries(rng, 30, 16, max_tokens=8)
-    hook = seal_hook(hold=True)
-    path = tmp_path / "s"
-    store = hmem.Store.create(path, embed_dim=16, hdc_dim=256, shard_max_bytes=32 << 10)
-    store.put_many(entries)
-    assert hook.held.wait(30)
+    store, path, hook = _a_put_whose_seal_is_held(tmp_path, seal_hook, seed=15)
     threading.Timer(0.3, hook.release.set).start()
     del store  # never closed: its lock goes back when it is collected
     gc.collect()
