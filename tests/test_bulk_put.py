@@ -494,6 +494,7 @@ class _SealThreadHook:
     def __init__(self, *, hold: bool = False, fail: int = 0) -> None:
         self.release = threading.Event()
         self.held = threading.Event()
+        self.failed = threading.Event()
         self.hold, self.fail = hold, fail
         self.seal_ops: list[tuple[str, str]] = []
 
@@ -508,6 +509,7 @@ class _SealThreadHook:
             assert self.release.wait(30)
         if self.fail:
             self.fail -= 1
+            self.failed.set()
             raise OSError(errno.EIO, os.strerror(errno.EIO), path)
 
 
@@ -569,6 +571,7 @@ def test_a_background_seal_that_fails_is_written_again_from_memory(tmp_path, sea
     try:
         hook = seal_hook(fail=1)
         ids = store.put_many(entries)  # the put itself succeeds: shard 0's seal fails on its thread
+        assert hook.failed.wait(30)
         if failures == 2:
             real = hook
 

@@ -505,32 +505,37 @@ class SealInFlight:
         buffers, self.index_crc = builder.encode()
         self._file = _io.WrittenFile(path, buffers)
         self.size = self._file.size
-        self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        # finished once, by whichever thread claims it first: the seal's own,
+        # or one waiting for it (a signal may cut start() short anywhere)
+        self._claim = threading.Lock()
+        self._done = threading.Event()
 
     def discard(self) -> None:
         """Give the file up before it was started (the shard stays open)."""
-        assert self._thread is None
-        self._file.discard()
+        if self._claim.acquire(blocking=False):
+            self._file.discard()
+            self._done.set()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._finish, name="hmem-seal")
-        self._thread.start()
+        threading.Thread(target=self._finish, name="hmem-seal").start()
 
     def _finish(self) -> None:
+        if not self._claim.acquire(blocking=False):
+            return  # another thread finishes it (or has)
         try:
             self._file.finish()
         except BaseException as exc:  # reported by wait(), in the writer's thread
             self.error = exc
+        finally:
+            self._done.set()
 
     def wait(self) -> BaseException | None:
         """Wait until the file is durable under its name, or has failed (the
-        error, returned).  One never started (an interrupt came between
-        sealing and starting) is started here."""
-        if self._thread is None:
-            self.start()
-        assert self._thread is not None
-        self._thread.join()
+        error, returned).  One whose thread never started (a signal came
+        between sealing and starting, or inside start) is finished here."""
+        self._finish()
+        self._done.wait()
         return self.error
 
     def write_again(self) -> None:
