@@ -9,7 +9,10 @@ Hypothesis profiles (pick one with HYPOTHESIS_PROFILE=<name>):
 - ``thorough``: many examples, for a soak run before a release.
 
 Tests run with ``--import-mode=importlib``, so they cannot import each other or
-this file; shared helpers are fixtures.
+this file; shared helpers are fixtures.  They run on one worker process per
+CPU (pytest-xdist, pyproject.toml's addopts), so a test must not depend on
+another having run in its process, nor on a fixed path or port of its own
+outside its tmp_path.
 """
 
 from __future__ import annotations
