@@ -25,7 +25,7 @@ import itertools
 import os
 import re
 import stat
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -287,14 +287,18 @@ def _discard(path: Path) -> None:
         os.unlink(path)
 
 
-def write_at(path: Path, offset: int, buffers: Sequence[Buffer], *, create: bool = False) -> None:
-    """Write the buffers at `offset` of an existing file (or a new one when
-    `create`) and fsync it."""
+def write_at(path: Path, offset: int, buffers: Iterable[Buffer], *, create: bool = False) -> None:
+    """Write the buffers back to back from `offset` of an existing file (or
+    a new one when `create`), then fsync it.  Each buffer is written before
+    the next is asked for, so a generator may make them one at a time in
+    one reused buffer (a flush writes its new records so)."""
     flags = os.O_WRONLY | (os.O_CREAT if create else 0)
     existed = path.exists()
     fd = _open(path, flags)
     try:
-        _write_all(fd, path, buffers, offset)
+        at = offset
+        for buffer in buffers:
+            at += _write_all(fd, path, [buffer], at)
         _fsync(fd, path)
     finally:
         os.close(fd)

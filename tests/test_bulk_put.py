@@ -658,3 +658,55 @@ def test_a_writer_dropped_unclosed_lets_its_lock_go_only_after_a_background_seal
     with hmem.Store.open(path) as again:  # nothing was committed; the next writer removes the leftovers
         assert again.stats().entries == 0
     assert not [p.name for p in path.iterdir() if p.name.startswith(("shard_", _io.TEMP_PREFIX))]
+
+
+def test_a_flush_writes_its_new_records_a_batch_at_a_time(tmp_path, monkeypatch):
+    """A flush seals and writes its new records and pooled.bin rows
+    ROWS_PER_WRITE at a time in one buffer; a write failing part way
+    commits nothing, and the next flush writes them all."""
+    from hmem.store import writer
+    # Private knob (65,536 rows at a time): lowered so that a small store's
+    # flush takes many batches, some of them crossing the puts' boundaries.
+    monkeypatch.setattr(writer, "ROWS_PER_WRITE", 40)
+    rng = np.random.default_rng(16)
+    entries = _entries(rng, 250, 16, max_tokens=4)
+    path = tmp_path / "s"
+    writes: dict[str, int] = {}
+    failing = {"at": 4}
+
+    def count_writes(op: str, file: str) -> None:
+        name = os.path.basename(file)
+        if op == "write" and name in ("entries.bin", "pooled.bin"):
+            writes[name] = writes.get(name, 0) + 1
+            if name == "entries.bin" and writes[name] == failing["at"]:
+                raise OSError(errno.EIO, os.strerror(errno.EIO), file)
+
+    hmem.Store.create(path, embed_dim=16, hdc_dim=256).close()
+    store = hmem.Store.open(path)
+    try:
+        ids = [i for lo in range(0, 250, 90) for i in store.put_many(entries[lo : lo + 90])]  # puts of 90, 90, 70
+        _io.set_fault_hook(count_writes)
+        with pytest.raises(hmem.StorageError) as caught:
+            store.flush()
+        assert caught.value.errno == errno.EIO and "entries.bin" in str(caught.value)
+        with hmem.Store.open(path, read_only=True) as reader:
+            assert reader.stats().entries == 0  # nothing committed
+        failing["at"] = 0
+        writes.clear()
+        store.flush()
+        # 250 records in batches of 40; pooled rows put by put: 40 + 40 + 10, twice, then 40 + 30
+        assert writes == {"entries.bin": 7, "pooled.bin": 8}
+    finally:
+        _io.set_fault_hook(None)
+        store.close()
+    assert hmem.verify(path, full=True).ok
+    with hmem.Store.open(path, read_only=True) as store:
+        assert store.stats().entries == 250
+        for entry_id, (keys, values, layer, _) in zip(ids, entries):
+            got = store.get(entry_id)
+            assert got.keys.tobytes() == keys.tobytes() and got.values.tobytes() == values.tobytes()
+            assert got.info.layer_idx == layer
+        # the re-rank reads each entry's pooled key from pooled.bin: a row
+        # out of place would rank another entry first
+        for entry_id, (keys, _, layer, _) in list(zip(ids, entries))[::25]:
+            assert store.query(keys, layer_idx=layer, top_k=1, shortlist_factor=50)[0].entry_id == entry_id

@@ -55,9 +55,11 @@ def _checksums(rows: np.ndarray) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def make_rows(entry_ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """Sealed rows for these entries (keys: float32 [n, embed_dim])."""
-    rows = memory.filled_soon((len(entry_ids),), row_dtype(keys.shape[1]))
+def make_rows(entry_ids: np.ndarray, keys: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Sealed rows for these entries (keys: float32 [n, embed_dim]), made
+    in `out` when given (rows of row_dtype, as many as the entries)."""
+    rows = memory.filled_soon((len(entry_ids),), row_dtype(keys.shape[1])) if out is None else out
+    assert rows.dtype == row_dtype(keys.shape[1]) and len(rows) == len(entry_ids) == len(keys)
     rows["entry_id"] = entry_ids
     rows["key"] = keys
     if len(rows):

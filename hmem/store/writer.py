@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -42,6 +43,7 @@ from hmem.store.shard_builder import Arena, SealInFlight, ShardBuilder
 from hmem.store.prepare import PreparedBatch
 from hmem.store.state import DeadBytes, StoreState
 
+ROWS_PER_WRITE = 1 << 16  # records (and pooled.bin rows) a flush seals and writes at a time
 ID_LEASE = 4096  # ids reserved per index.json write, at least
 ID_LEASE_MAX = 1 << 24  # and at most, past those a batch needs (_reserve_ids)
 
@@ -261,11 +263,6 @@ class Writer:
         state = self.state
         start, end = state.committed_n, state.n
         with state.counts_lock:
-            # One moment's access counts, sealed: queries go on counting.
-            fresh = memory.filled_soon((end - start,), state.records.dtype)
-            fresh[:] = state.records[start:end]
-            records.seal(fresh)
-            state.records["checksum"][start:end] = fresh["checksum"]
             dirty = np.array(sorted(p for p in taken if p < start), dtype=np.int64)
             touched = state.records[dirty]
             records.seal(touched)
@@ -273,14 +270,12 @@ class Writer:
             changed = records.updates_for(state.records, dirty)
         entries_path = state.path / layout.ENTRIES_FILE
         if new:
-            _io.write_at(entries_path, start * state.record_size, [fresh.view(np.uint8).data], create=True)
+            _io.write_at(entries_path, start * state.record_size, self._sealed_records(start, end), create=True)
             # over whatever rows a failed flush left past the commit: a
             # committed record's row is always its own (hmem/formats/pooled.py)
-            keys = state.fresh_pooled[0] if len(state.fresh_pooled) == 1 else np.concatenate(state.fresh_pooled)
-            assert len(keys) == new
-            rows = pooled.make_rows(fresh["entry_id"], keys)
+            assert sum(len(keys) for keys in state.fresh_pooled) == new
             _io.write_at(state.path / pooled.POOLED_FILE, start * pooled.row_bytes(state.config.pooled_width),
-                         [rows.view(np.uint8).data], create=True)
+                         self._pooled_rows(start), create=True)
         _io.crash_point("flush.records_written")
         sources_info = self._append_sources()
         # Updates a failed earlier flush could not write in place go again.
@@ -308,6 +303,44 @@ class Writer:
         _io.write_pieces(entries_path, records.update_pieces(updates, state.record_size))
         _io.crash_point("flush.updates_written")
         state.committed.pending = Pending()  # applied; the next commit need not repeat them
+
+    def _sealed_records(self, start: int, end: int) -> Iterator[memoryview]:
+        """Records [start, end) sealed, ROWS_PER_WRITE at a time, each batch
+        in the same reused buffer (a copy of every new record would map
+        552 MB for a million: seconds on a virtual machine, hmem/memory.py).
+        Each batch is one moment's access counts: queries go on counting."""
+        state = self.state
+        buffer = memory.POOL.take(min(end - start, ROWS_PER_WRITE) * state.record_size)
+        try:
+            for lo in range(start, end, ROWS_PER_WRITE):
+                hi = min(end, lo + ROWS_PER_WRITE)
+                rows = buffer[: (hi - lo) * state.record_size].view(state.records.dtype)
+                with state.counts_lock:
+                    rows[:] = state.records[lo:hi]
+                    records.seal(rows)
+                    state.records["checksum"][lo:hi] = rows["checksum"]
+                yield rows.view(np.uint8).data
+        finally:
+            memory.POOL.give(buffer)
+
+    def _pooled_rows(self, start: int) -> Iterator[memoryview]:
+        """pooled.bin's rows of the records from `start` on (the puts'
+        pooled keys, in order), ROWS_PER_WRITE at a time in one reused buffer."""
+        state = self.state
+        dtype = pooled.row_dtype(state.config.pooled_width)
+        most = max((len(keys) for keys in state.fresh_pooled), default=0)
+        buffer = memory.POOL.take(min(most, ROWS_PER_WRITE) * dtype.itemsize)
+        try:
+            at = start
+            for keys in state.fresh_pooled:
+                for lo in range(0, len(keys), ROWS_PER_WRITE):
+                    part = keys[lo : lo + ROWS_PER_WRITE]
+                    rows = buffer[: len(part) * dtype.itemsize].view(dtype)
+                    pooled.make_rows(state.records["entry_id"][at : at + len(part)], part, out=rows)
+                    at += len(part)
+                    yield rows.view(np.uint8).data
+        finally:
+            memory.POOL.give(buffer)
 
     def _append_sources(self) -> SourcesInfo:
         """Append the import registry's new records past its committed
