@@ -172,10 +172,7 @@ def write_file(path: Path, parts: Sequence[Buffer | FileRange]) -> int:
 class WrittenFile:
     """write_file in two steps: the constructor writes the bytes under a
     temporary name; ``finish`` (fsync, rename over the final name,
-    directory fsync) may run on another thread, so that the caller goes on
-    while the disk catches up (a bulk put sealing a full shard,
-    hmem/store/shard_builder.py).  Until it is finished nothing names the
-    file: no commit may name it before (the writer waits for it first)."""
+    directory fsync) makes them the file.  Nothing names the file before."""
 
     def __init__(self, path: Path, parts: Sequence[Buffer | FileRange]) -> None:
         self.path = path

@@ -21,7 +21,9 @@ serving process holds it). Cases, each answering the same 200 queries:
 
 Each case is run --repeat times, taking turns; medians.  A single query's
 scan already runs on both cores (hmem/threads.py), so "1 thread" uses them
-too.
+too: the script prints how busy it kept them (the process's CPU time over
+the wall time), and from that the most any number of threads could gain
+over it at the same CPU per query (cores / busy cores).
 
 Goals (the issue "Concurrent reads"): 2 threads sharing one Store >= 1.6x
 the throughput of 1 thread; with the writer, >= 70% of the figure without.
@@ -43,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 import hmem
+from hmem import threads as hmem_threads
 
 import benchlib
 
@@ -192,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             run_threads([s], queries[:10], args.search)  # warm: maps, prefix matrices
         times: dict[str, list[float]] = {"1 thread": [], "2 threads, one Store": [], "2 threads, own Stores": [],
                                          "2 processes, own Stores": [], "2 threads, one Store, writer": []}
+        one_thread_cpu: list[float] = []  # process CPU seconds of the "1 thread" case, every thread counted
         for _ in range(args.repeat):
+            cpu0 = time.process_time()
             times["1 thread"].append(run_threads([shared], queries, args.search))
+            one_thread_cpu.append(time.process_time() - cpu0)
             times["2 threads, one Store"].append(run_threads([shared, shared], queries, args.search))
             times["2 threads, own Stores"].append(run_threads(own, queries, args.search))
             times["2 processes, own Stores"].append(run_processes(path, args.search))
@@ -217,6 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nthe writer put and flushed {writes} rounds of 100 entries during the last case "
           f"(pause {args.writer_pause} s), {writes / writer_wall:,.0f} a second, its thread busy on a core "
           f"{writer_cpu / writer_wall:.0%} of the time")
+    # The most any sharing of the work can gain: one thread's queries take
+    # C seconds of CPU (its scans on every core) in T seconds; with every
+    # core busy and the same CPU a query, N cores answer them in C / N.
+    cores = hmem_threads.cores()  # the cores this process may run on
+    busy = statistics.median(one_thread_cpu) / base
+    ceiling = cores / busy
+    print(f"1 thread kept {busy:.2f} of the {cores} cores busy (CPU time / wall time): at the same CPU per "
+          f"query, no number of threads can pass {ceiling:.2f}x it on this machine")
     shared_gain = base / med["2 threads, one Store"]
     with_writer = med["2 threads, one Store"] / med["2 threads, one Store, writer"]
     goals = [("2 threads sharing one Store >= 1.6x 1 thread", shared_gain >= 1.6, f"{shared_gain:.2f}x"),
@@ -226,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'holds' if ok else 'MISSED'}: {text} ({detail})")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": facts, "seconds": med, "writer_rounds": writes,
+                                               "one_thread_busy_cores": busy, "ceiling": ceiling,
                                                "writer_cpu_share": writer_cpu / writer_wall,
                                                "search": args.search}, indent=2))
     return 0 if all(ok for _, ok, _ in goals) else 1

@@ -489,28 +489,29 @@ def test_put_many_takes_other_float_dtypes_and_layouts(store_factory):
 class _SealThreadHook:
     """A fault hook (hmem/_io.py) acting only in the thread that finishes a
     put's seal ("hmem-seal"): it holds the fsync there until released, or
-    fails it with EIO (`fail` times)."""
+    fails `fail_op` on the temporary file with `fail_errno` (`fail` times)."""
 
-    def __init__(self, *, hold: bool = False, fail: int = 0) -> None:
+    def __init__(self, *, hold: bool = False, fail: int = 0, fail_op: str = "fsync",
+                 fail_errno: int = errno.EIO) -> None:
         self.release = threading.Event()
         self.held = threading.Event()
         self.failed = threading.Event()
-        self.hold, self.fail = hold, fail
+        self.hold, self.fail, self.fail_op, self.fail_errno = hold, fail, fail_op, fail_errno
         self.seal_ops: list[tuple[str, str]] = []
 
     def __call__(self, op: str, path: str) -> None:
         if threading.current_thread().name != "hmem-seal":
             return
         self.seal_ops.append((op, os.path.basename(path)))
-        if op != "fsync" or not os.path.basename(path).startswith(_io.TEMP_PREFIX):
+        if not os.path.basename(path).startswith(_io.TEMP_PREFIX):
             return
-        if self.hold:
+        if self.hold and op == "fsync":
             self.held.set()
             assert self.release.wait(30)
-        if self.fail:
+        if self.fail and op == self.fail_op:
             self.fail -= 1
             self.failed.set()
-            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+            raise OSError(self.fail_errno, os.strerror(self.fail_errno), path)
 
 
 @pytest.fixture
@@ -548,7 +549,8 @@ def test_a_shard_sealed_in_the_background_is_read_from_memory_until_its_file_is_
         assert stats.unflushed == 30 and [sh.entries for sh in stats.shards][0] < 30
         hook.release.set()
         store.flush()  # waits for the seal, then commits
-        assert [op for op, _ in hook.seal_ops] == ["fsync", "rename", "open", "fsync"]  # file, then directory
+        # all on the seal's thread: the file written, synced, renamed, then its directory synced
+        assert [op for op, _ in hook.seal_ops] == ["open", "write", "fsync", "rename", "open", "fsync"]
         assert (path / "shard_0000.safetensors").exists()
         assert not [p for p in path.iterdir() if p.name.startswith(_io.TEMP_PREFIX)]
     assert hmem.verify(path, full=True).ok
@@ -559,17 +561,20 @@ def test_a_shard_sealed_in_the_background_is_read_from_memory_until_its_file_is_
 
 
 @pytest.mark.parametrize("failures", [1, 2], ids=["once", "twice"])
-def test_a_background_seal_that_fails_is_written_again_from_memory(tmp_path, seal_hook, failures):
-    """A failed fsync may leave the bytes off the disk: the flush writes the
-    whole file again from the builder's memory.  When that fails too, the
-    flush raises, nothing is committed, and the next flush succeeds."""
+@pytest.mark.parametrize("fail_op, fail_errno", [("fsync", errno.EIO), ("write", errno.ENOSPC)],
+                         ids=["fsync-EIO", "write-ENOSPC"])
+def test_a_background_seal_that_fails_is_written_again_from_memory(tmp_path, seal_hook, failures, fail_op,
+                                                                   fail_errno):
+    """A failed write or fsync may leave the bytes off the disk: the flush
+    writes the whole file again from the builder's memory.  When that fails
+    too, the flush raises, nothing is committed, and the next flush succeeds."""
     rng = np.random.default_rng(12)
     entries = _entries(rng, 30, 16, max_tokens=8)
     path = tmp_path / "s"
     hmem.Store.create(path, embed_dim=16, hdc_dim=256, shard_max_bytes=32 << 10).close()
     store = hmem.Store.open(path)
     try:
-        hook = seal_hook(fail=1)
+        hook = seal_hook(fail=1, fail_op=fail_op, fail_errno=fail_errno)
         ids = store.put_many(entries)  # the put itself succeeds: shard 0's seal fails on its thread
         assert hook.failed.wait(30)
         if failures == 2:
@@ -577,19 +582,22 @@ def test_a_background_seal_that_fails_is_written_again_from_memory(tmp_path, sea
 
             def fail_the_rewrite(op: str, file: str) -> None:
                 real(op, file)
-                if op == "fsync" and os.path.basename(file).startswith(_io.TEMP_PREFIX + "shard_0000"):
-                    raise OSError(errno.EIO, os.strerror(errno.EIO), file)
+                if op == fail_op and os.path.basename(file).startswith(_io.TEMP_PREFIX + "shard_0000"):
+                    raise OSError(fail_errno, os.strerror(fail_errno), file)
 
             _io.set_fault_hook(fail_the_rewrite)
             with pytest.raises(hmem.StorageError) as caught:
                 store.flush()
-            assert caught.value.errno == errno.EIO and "shard_0000.safetensors" in str(caught.value)
+            assert caught.value.errno == fail_errno and "shard_0000.safetensors" in str(caught.value)
             with hmem.Store.open(path, read_only=True) as reader:
                 assert reader.stats().entries == 0  # nothing committed
             assert store.get(ids[0]).keys.tobytes() == entries[0][0].tobytes()  # still there, in memory
             _io.set_fault_hook(None)
         store.flush()
-        assert hook.fail == 0 and hook.seal_ops[0][0] == "fsync"  # the seal's thread did fail
+        # the seal's thread failed at fail_op, and its temporary file went
+        ops = ["open", "write", "fsync"]
+        assert hook.fail == 0 and [op for op, _ in hook.seal_ops] == ops[: ops.index(fail_op) + 1]
+        assert not [p.name for p in path.iterdir() if p.name.startswith(_io.TEMP_PREFIX)]
         assert store.stats().health.ok
     finally:
         _io.set_fault_hook(None)

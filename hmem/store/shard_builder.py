@@ -486,25 +486,28 @@ class ShardBuilder:
 
 
 class SealInFlight:
-    """A full shard sealed by a put: its file's bytes written (under a
-    temporary name) by the put itself, made durable and given its name on
-    a thread of its own, while the put goes on copying the next entries.
+    """A full shard sealed by a put: its bytes encoded by the put itself,
+    then written (under a temporary name), made durable and given its name
+    on a thread of its own, while the put goes on with the next entries.
 
     Until the writer has waited for it (Writer.settle, before its next
     write of any file and before any commit), the shard is read from the
     builder's memory, which this keeps, as it was while the shard was open
     (hmem/store/reading.py).  If the fsync or the rename fails, the bytes
     may never reach the disk: the writer writes the whole file again from
-    that memory, synchronously, and raises if that fails too."""
+    that memory, synchronously, and raises if that fails too.  The same
+    holds for a write that fails (a full disk): the put that sealed the
+    shard has returned by then, and the flush (or the put) that waits for
+    it raises, its entries still in memory, as with a failed fsync."""
 
     def __init__(self, builder: ShardBuilder, path: Path) -> None:
-        """Write the file's bytes (any failure here is the put's, raised
-        now); start() then finishes it on its own thread."""
+        """Encode the file (its size and index CRC are listed at once);
+        start() then writes it and makes it durable on its own thread."""
         self.builder = builder
         self.path = path
-        buffers, self.index_crc = builder.encode()
-        self._file = _io.WrittenFile(path, buffers)
-        self.size = self._file.size
+        self._buffers, self.index_crc = builder.encode()
+        self.size = sum(part.length if isinstance(part, _io.FileRange) else memoryview(part).nbytes
+                        for part in self._buffers)
         self.error: BaseException | None = None
         # finished once, by whichever thread claims it first: the seal's own,
         # or one waiting for it (a signal may cut start() short anywhere)
@@ -512,9 +515,10 @@ class SealInFlight:
         self._done = threading.Event()
 
     def discard(self) -> None:
-        """Give the file up before it was started (the shard stays open)."""
+        """Give the file up before it was started (the shard stays open):
+        nothing was written yet."""
         if self._claim.acquire(blocking=False):
-            self._file.discard()
+            self._buffers = []
             self._done.set()
 
     def start(self) -> None:
@@ -524,10 +528,12 @@ class SealInFlight:
         if not self._claim.acquire(blocking=False):
             return  # another thread finishes it (or has)
         try:
-            self._file.finish()
+            size = _io.write_file(self.path, self._buffers)
+            assert size == self.size, "a shard's file is not the size listed for it"
         except BaseException as exc:  # reported by wait(), in the writer's thread
             self.error = exc
         finally:
+            self._buffers = []  # the builder's memory stays: reads and write_again use it
             self._done.set()
 
     def wait(self) -> BaseException | None:

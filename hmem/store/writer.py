@@ -185,9 +185,10 @@ class Writer:
     def seal_open_shard(self, *, background: bool = False) -> None:
         """Write the open shard into its file (not yet committed).  With
         `background` (a put whose entries fill the shard), the file is
-        written here and made durable on a thread of its own while the put
-        goes on (SealInFlight, hmem/store/shard_builder.py): a bulk put's
-        fsyncs then overlap its work on the next entries."""
+        encoded here, then written and made durable on a thread of its own
+        while the put goes on (SealInFlight, hmem/store/shard_builder.py): a
+        bulk put's writes and fsyncs then overlap its work on the next
+        entries."""
         self.settle()
         state = self.state
         b = state.builder
