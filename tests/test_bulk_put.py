@@ -487,8 +487,8 @@ def test_put_many_takes_other_float_dtypes_and_layouts(store_factory):
 
 
 class _SealThreadHook:
-    """A fault hook (hmem/_io.py) acting only in the thread that finishes a
-    put's seal ("hmem-seal"): it holds the fsync there until released, or
+    """A fault hook (hmem/_io.py) acting only in the thread that writes and
+    finishes a put's seal ("hmem-seal"): it holds the fsync there until released, or
     fails `fail_op` on the temporary file with `fail_errno` (`fail` times)."""
 
     def __init__(self, *, hold: bool = False, fail: int = 0, fail_op: str = "fsync",
