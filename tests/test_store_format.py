@@ -511,9 +511,18 @@ def test_a_failing_disk_during_flush_keeps_the_committed_state(tmp_path, op):
     assert len(outcomes) >= 2
 
 
+def _shard_files_cannot_be_written(op: str, path: str) -> None:
+    """A disk full for shard files: every write of one fails with ENOSPC."""
+    if op == "write" and os.path.basename(path).startswith(_io.TEMP_PREFIX + "shard_"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
 def test_a_failing_disk_during_put_rollover_loses_nothing_acknowledged(tmp_path):
-    # a put that seals the open shard hits a full disk: the put fails, the
-    # store stays consistent, and puts after the disk recovers work
+    # A put that seals the open shard hits a full disk: the shard's file is
+    # written on the seal's thread, which fails; the next put that must
+    # wait for it writes it again from memory, fails too and raises (its
+    # own entry not stored).  The store stays consistent, and once the disk
+    # recovers the next put writes the shard and everything is flushed.
     path = tmp_path / "s"
     rng = np.random.default_rng(8)
     store = Store.create(path, embed_dim=EMBED, hdc_dim=HDC, shard_max_bytes=1400)
@@ -523,12 +532,13 @@ def test_a_failing_disk_during_put_rollover_loses_nothing_acknowledged(tmp_path)
             k = gauss(rng, 2)
             stored[store.put(k, k)] = k
         k = gauss(rng, 2)
-        _io.set_fault_hook(_Fault("write", 1))
+        _io.set_fault_hook(_shard_files_cannot_be_written)
         try:
-            with pytest.raises(OSError):
-                for _ in range(5):  # one of these seals the first shard
+            with pytest.raises(OSError) as caught:
+                for _ in range(5):  # one of these seals the first shard, a later one waits for it
                     k = gauss(rng, 2)
                     stored[store.put(k, k)] = k
+            assert caught.value.errno == errno.ENOSPC
         finally:
             _io.set_fault_hook(None)
         for _ in range(3):
@@ -563,10 +573,14 @@ def test_a_failing_disk_during_a_put_many_rollover_leaves_no_orphan_tensors(tmp_
         k = gauss(rng, 2)
         stored = {store.put(k, k): k}
         batch = [gauss(rng, 2) for _ in range(6)]
-        _io.set_fault_hook(_Fault("write", 1))
+        # The batch seals the open shard (its file fails on the seal's
+        # thread), then a shard of its own, which waits for the first: its
+        # file written again fails too, and the batch is taken back.
+        _io.set_fault_hook(_shard_files_cannot_be_written)
         try:
-            with pytest.raises(OSError):
-                store.put_many([(b, b) for b in batch])  # seals the open shard part way through
+            with pytest.raises(OSError) as caught:
+                store.put_many([(b, b) for b in batch])
+            assert caught.value.errno == errno.ENOSPC
         finally:
             _io.set_fault_hook(None)
         assert store.stats().entries == 1
