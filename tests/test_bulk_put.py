@@ -514,6 +514,18 @@ class _SealThreadHook:
             raise OSError(self.fail_errno, os.strerror(self.fail_errno), path)
 
 
+def _holds_exactly(path, ids: list[int], entries: list[tuple]) -> None:
+    """The store at `path` verifies clean and holds exactly these entries,
+    each with its K/V bit for bit and its layer."""
+    assert hmem.verify(path, full=True).ok
+    with hmem.Store.open(path, read_only=True) as store:
+        assert store.stats().entries == len(entries)
+        for entry_id, (keys, values, layer, _) in zip(ids, entries, strict=True):
+            got = store.get(entry_id)
+            assert got.keys.tobytes() == keys.tobytes() and got.values.tobytes() == values.tobytes()
+            assert got.info.layer_idx == layer
+
+
 @pytest.fixture
 def seal_hook():
     hooks: list[_SealThreadHook] = []
@@ -602,12 +614,7 @@ def test_a_background_seal_that_fails_is_written_again_from_memory(tmp_path, sea
     finally:
         _io.set_fault_hook(None)
         store.close()
-    assert hmem.verify(path, full=True).ok
-    with hmem.Store.open(path, read_only=True) as store:
-        assert store.stats().entries == 30
-        for entry_id, (keys, values, _, _) in zip(ids, entries):
-            got = store.get(entry_id)
-            assert got.keys.tobytes() == keys.tobytes() and got.values.tobytes() == values.tobytes()
+    _holds_exactly(path, ids, entries)
 
 
 def _a_put_whose_seal_is_held(tmp_path, seal_hook, seed: int) -> tuple[hmem.Store, Any, _SealThreadHook]:
@@ -707,13 +714,8 @@ def test_a_flush_writes_its_new_records_a_batch_at_a_time(tmp_path, monkeypatch)
     finally:
         _io.set_fault_hook(None)
         store.close()
-    assert hmem.verify(path, full=True).ok
+    _holds_exactly(path, ids, entries)
     with hmem.Store.open(path, read_only=True) as store:
-        assert store.stats().entries == 250
-        for entry_id, (keys, values, layer, _) in zip(ids, entries):
-            got = store.get(entry_id)
-            assert got.keys.tobytes() == keys.tobytes() and got.values.tobytes() == values.tobytes()
-            assert got.info.layer_idx == layer
         # the re-rank reads each entry's pooled key from pooled.bin: a row
         # out of place would rank another entry first
         for entry_id, (keys, _, layer, _) in list(zip(ids, entries))[::25]:
