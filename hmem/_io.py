@@ -163,62 +163,34 @@ def temp_path(final: Path) -> Path:
 def write_file(path: Path, parts: Sequence[Buffer | FileRange]) -> int:
     """Create or replace `path` atomically and durably with the parts' bytes
     (buffers, and ranges of other files): a reader sees the old file or the
-    whole new one.  Returns the size."""
-    written = WrittenFile(path, parts)
-    written.finish()
-    return written.size
-
-
-class WrittenFile:
-    """write_file in two steps: the constructor writes the bytes under a
-    temporary name; ``finish`` (fsync, rename over the final name,
-    directory fsync) makes them the file.  Nothing names the file before."""
-
-    def __init__(self, path: Path, parts: Sequence[Buffer | FileRange]) -> None:
-        self.path = path
-        self.tmp = temp_path(path)
-        self._fd: int | None = _open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        try:
-            size = 0
-            run: list[Buffer] = []
-            for part in parts:
-                if isinstance(part, FileRange):
-                    size += _write_all(self._fd, self.tmp, run) + _copy_range(self._fd, self.tmp, part)
-                    run = []
-                else:
-                    run.append(part)
-            size += _write_all(self._fd, self.tmp, run)
-        except BaseException:
-            self.discard()
-            raise
-        self.size = size
-
-    def finish(self) -> None:
-        """fsync the file, rename it over its final name, fsync the directory;
-        on failure, the temporary file is removed."""
-        fd = self._fd
-        assert fd is not None, "finished or discarded already"
-        try:
-            _fsync(fd, self.tmp)
-        except BaseException:
-            self.discard()
-            raise
-        self._fd = None
+    whole new one.  Written under a temporary name, fsynced, renamed over
+    `path`, then the directory fsynced; on failure the temporary file is
+    removed.  Returns the size."""
+    tmp = temp_path(path)
+    fd = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    open_fd = True
+    try:
+        size = 0
+        run: list[Buffer] = []
+        for part in parts:
+            if isinstance(part, FileRange):
+                size += _write_all(fd, tmp, run) + _copy_range(fd, tmp, part)
+                run = []
+            else:
+                run.append(part)
+        size += _write_all(fd, tmp, run)
+        _fsync(fd, tmp)
+        open_fd = False
         os.close(fd)
-        try:
-            with _errors("rename", self.tmp):
-                os.replace(self.tmp, self.path)
-        except BaseException:
-            _discard(self.tmp)
-            raise
-        fsync_dir(self.path.parent)
-
-    def discard(self) -> None:
-        """Give the file up unfinished: close it and remove it."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
+        with _errors("rename", tmp):
+            os.replace(tmp, path)
+    except BaseException:
+        if open_fd:
             os.close(fd)
-            _discard(self.tmp)
+        _discard(tmp)
+        raise
+    fsync_dir(path.parent)
+    return size
 
 
 _COPY_BLOCK = 8 << 20
