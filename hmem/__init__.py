@@ -13,7 +13,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from hmem._version import __version__
-from hmem.prefix_hit.bitmap import Bitmap
 from hmem.config import StoreConfig
 from hmem.errors import (
     AmbiguousLayoutError,
@@ -40,9 +39,13 @@ from hmem.errors import (
     UnsupportedFormatError,
 )
 from hmem.formats.manifest import FORMAT_VERSION
-from hmem.object_store import is_url as is_store_url
 from hmem.formats.sources import ImportedSource
 from hmem.kernels import describe as kernel_info
+from hmem.object_store import is_url as is_store_url
+from hmem.prefix_hit.bitmap import Bitmap
+from hmem.store.caches import cache_tensors
+from hmem.store.layouts import LAYOUTS
+from hmem.store.listing import ENTRY_SORTS, EntryListing
 from hmem.store.results import (
     CompactionPlan,
     CompactionReport,
@@ -60,15 +63,18 @@ from hmem.store.results import (
     StoreHealth,
     StoreStats,
 )
-from hmem.store.listing import ENTRY_SORTS, EntryListing
-from hmem.store.caches import cache_tensors
-from hmem.store.layouts import LAYOUTS
 from hmem.store.store import Entry, Store, is_store
 from hmem.transfer.importing import FileResult, ImportReport, import_files
 from hmem.transfer.kv_import import (
     BadFileError,
+)
+from hmem.transfer.kv_import import (
     find_files as find_kv_files,
+)
+from hmem.transfer.kv_import import (
     read_entries as read_kv_file,
+)
+from hmem.transfer.kv_import import (
     read_tensor as read_tensor_file,
 )
 
@@ -76,17 +82,35 @@ from hmem.transfer.kv_import import (
 _LAZY: dict[str, tuple[str, str]] = {
     **{name: ("hmem.prefix_hit.explain", name) for name in ("GroupHit", "PrefixHitReport", "explain_prefix_hit")},
     **{name: ("hmem.prefix_hit.grouped", name) for name in ("fold_grouped", "fold_unfold_grouped", "unfold_grouped")},
-    **{name: ("hmem.prefix_hit.operators", name) for name in (
-        "FULL_ATTENTION_WINDOW", "Layout", "TrimPolicy", "chunks_present", "fold", "fold_unfold",
-        "fold_unfold_ranked", "group_rows", "highest_set_bit", "merge_bitmaps", "presence_bits", "presence_map",
-        "select_retained", "unfold", "unfold_range")},
+    **{
+        name: ("hmem.prefix_hit.operators", name)
+        for name in (
+            "FULL_ATTENTION_WINDOW",
+            "Layout",
+            "TrimPolicy",
+            "chunks_present",
+            "fold",
+            "fold_unfold",
+            "fold_unfold_ranked",
+            "group_rows",
+            "highest_set_bit",
+            "merge_bitmaps",
+            "presence_bits",
+            "presence_map",
+            "select_retained",
+            "unfold",
+            "unfold_range",
+        )
+    },
     **{name: ("hmem.store.bridge", name) for name in ("AugmentedKV", "Segment")},
     **{name: ("hmem.recovery.checks", name) for name in ("repair", "verify")},
     "RepairReport": ("hmem.recovery.repair", "RepairReport"),
     **{name: ("hmem.recovery.verify", name) for name in ("Finding", "VerifyReport")},
     **{name: ("hmem.store.copying", name) for name in ("CopyReport", "copy_store")},
-    **{name: ("hmem.transfer.kv_export", name) for name in (
-        "EXPORT_LAYOUTS", "check_export_path", "export_entries", "export_results", "write_kv_file")},
+    **{
+        name: ("hmem.transfer.kv_export", name)
+        for name in ("EXPORT_LAYOUTS", "check_export_path", "export_entries", "export_results", "write_kv_file")
+    },
     "OBJECT_FORMAT_VERSION": ("hmem.formats.remote", "FORMAT_VERSION"),
 }
 
@@ -106,20 +130,32 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what the names above are, for type checkers
+    from hmem.formats.remote import FORMAT_VERSION as OBJECT_FORMAT_VERSION
     from hmem.prefix_hit.explain import GroupHit, PrefixHitReport, explain_prefix_hit
     from hmem.prefix_hit.grouped import fold_grouped, fold_unfold_grouped, unfold_grouped
-    from hmem.prefix_hit.operators import (FULL_ATTENTION_WINDOW, Layout, TrimPolicy, chunks_present, fold,
-                                           fold_unfold, fold_unfold_ranked, group_rows, highest_set_bit,
-                                           merge_bitmaps, presence_bits, presence_map, select_retained, unfold,
-                                           unfold_range)
+    from hmem.prefix_hit.operators import (
+        FULL_ATTENTION_WINDOW,
+        Layout,
+        TrimPolicy,
+        chunks_present,
+        fold,
+        fold_unfold,
+        fold_unfold_ranked,
+        group_rows,
+        highest_set_bit,
+        merge_bitmaps,
+        presence_bits,
+        presence_map,
+        select_retained,
+        unfold,
+        unfold_range,
+    )
     from hmem.recovery.checks import repair, verify
     from hmem.recovery.repair import RepairReport
     from hmem.recovery.verify import Finding, VerifyReport
     from hmem.store.bridge import AugmentedKV, Segment
     from hmem.store.copying import CopyReport, copy_store
-    from hmem.transfer.kv_export import (EXPORT_LAYOUTS, check_export_path, export_entries, export_results,
-                                         write_kv_file)
-    from hmem.formats.remote import FORMAT_VERSION as OBJECT_FORMAT_VERSION
+    from hmem.transfer.kv_export import EXPORT_LAYOUTS, check_export_path, export_entries, export_results, write_kv_file
 
 __all__ = [
     "BadFileError",

@@ -48,6 +48,7 @@ class FileRange(NamedTuple):
     length: int
     check: Callable[[memoryview], None] | None = None
 
+
 _fault_hook: Callable[[str, str], None] | None = None
 _crash_hits: dict[str, int] = {}
 _temp_counter = itertools.count()
@@ -75,7 +76,7 @@ def _errors(op: str, path: Path) -> Iterator[None]:
         raise
     except OSError as exc:
         name, verb = path.name, _VERBS.get(op, op)
-        if name.startswith(TEMP_PREFIX) and (m := re.fullmatch(r"(.+)\.\d+\.\d+", name[len(TEMP_PREFIX):])):
+        if name.startswith(TEMP_PREFIX) and (m := re.fullmatch(r"(.+)\.\d+\.\d+", name[len(TEMP_PREFIX) :])):
             name, verb = m.group(1), "write"  # temp_path's name: the error is the write of its final file
         raise storage_error(exc, verb, path.with_name(name), writing=op != "read") from exc
 
@@ -105,17 +106,22 @@ def _open(path: Path, flags: int, mode: int = 0o644) -> int:
             fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
         except OSError:
             if os.path.islink(path) or (os.path.lexists(path) and not os.path.isfile(path)):
-                raise UnsafeFileError(f"{path.name} in {path.parent} is a symbolic link or not a regular file; "
-                                      "hmem writes no file through a link", hint=Hint.VERIFY) from None
+                raise UnsafeFileError(
+                    f"{path.name} in {path.parent} is a symbolic link or not a regular file; "
+                    "hmem writes no file through a link",
+                    hint=Hint.VERIFY,
+                ) from None
             raise
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
         os.close(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeFileError(f"{path.name} in {path.parent} is not a regular file", hint=Hint.VERIFY)
-        raise UnsafeFileError(f"{path.name} in {path.parent} has {st.st_nlink} names (hard links); hmem writes "
-                              "no file in place that another name shares",
-                              hint="copy the store directory and use the copy, whose files are its own")
+        raise UnsafeFileError(
+            f"{path.name} in {path.parent} has {st.st_nlink} names (hard links); hmem writes "
+            "no file in place that another name shares",
+            hint="copy the store directory and use the copy, whose files are its own",
+        )
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return fd
 

@@ -120,15 +120,27 @@ class StorageError(HmemError, OSError):
     so ``except OSError`` still catches it.  A store keeps its last commit
     (docs/reliability.md, "OS errors")."""
 
-    def __init__(self, message: str, *, path: str | None = None, errno: int | None = None,
-                 strerror: str | None = None, hint: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        errno: int | None = None,
+        strerror: str | None = None,
+        hint: str | None = None,
+    ) -> None:
         super().__init__(message, hint=hint)
         self.path = path
         self.errno, self.strerror, self.filename = errno, strerror, path
 
     def __reduce__(self) -> tuple:  # OSError's own would rebuild it from (errno, strerror, filename)
-        state = {"hint": self.hint, "path": self.path, "errno": self.errno, "strerror": self.strerror,
-                 "filename": self.filename}
+        state = {
+            "hint": self.hint,
+            "path": self.path,
+            "errno": self.errno,
+            "strerror": self.strerror,
+            "filename": self.filename,
+        }
         return type(self), (self.message,), state
 
 
@@ -182,8 +194,7 @@ def _storage_hint(code: int | None, path: str, writing: bool) -> str:
     }.get(code or 0, "check the disk and the file system, then retry" + (f"; {_KEPT}" if writing else ""))
 
 
-def storage_error(exc: OSError, operation: str, path: str | _os.PathLike[str], *,
-                  writing: bool = True) -> StorageError:
+def storage_error(exc: OSError, operation: str, path: str | _os.PathLike[str], *, writing: bool = True) -> StorageError:
     """`exc` as the StorageError of its errno, with the message "cannot
     {operation} {path}: {strerror}" and what to do next.  A StorageError is
     returned as it is.  hmem/_io.py (writes) and the readers of a store's
@@ -193,7 +204,19 @@ def storage_error(exc: OSError, operation: str, path: str | _os.PathLike[str], *
     shown = _os.fspath(path)
     strerror = exc.strerror or str(exc) or type(exc).__name__
     code = exc.errno
-    cls = (PermissionDeniedError if code in _PERMISSION else NoSpaceError if code in _NO_SPACE
-           else PathError if code in _PATH else StorageError)
-    return cls(f"cannot {operation} {shown}: {strerror}", path=shown, errno=code, strerror=strerror,
-               hint=_storage_hint(code, shown, writing))
+    cls = (
+        PermissionDeniedError
+        if code in _PERMISSION
+        else NoSpaceError
+        if code in _NO_SPACE
+        else PathError
+        if code in _PATH
+        else StorageError
+    )
+    return cls(
+        f"cannot {operation} {shown}: {strerror}",
+        path=shown,
+        errno=code,
+        strerror=strerror,
+        hint=_storage_hint(code, shown, writing),
+    )

@@ -26,8 +26,9 @@ def open_regular(path: Path) -> int:
         fd = os.open(path, os.O_RDONLY | _NO_FOLLOW | _NON_BLOCK | _CLOSE_ON_EXEC)
     except OSError as exc:
         if os.path.islink(path):
-            raise UnsafeFileError(f"{path.name} in {path.parent} is a symbolic link; hmem opens no file "
-                                  "through a link", hint=Hint.VERIFY) from None
+            raise UnsafeFileError(
+                f"{path.name} in {path.parent} is a symbolic link; hmem opens no file through a link", hint=Hint.VERIFY
+            ) from None
         raise exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -41,8 +42,11 @@ def read_regular(path: Path, limit: int) -> bytes:
     try:
         size = os.fstat(fd).st_size
         if size > limit:
-            raise UnsafeFileError(f"{path.name} in {path.parent} is {size} bytes, more than the {limit} a store "
-                                  "file of its kind can hold", hint=Hint.VERIFY)
+            raise UnsafeFileError(
+                f"{path.name} in {path.parent} is {size} bytes, more than the {limit} a store "
+                "file of its kind can hold",
+                hint=Hint.VERIFY,
+            )
         with os.fdopen(os.dup(fd), "rb") as f:
             # The file's size, not the bound: read(n) reserves n bytes before
             # it reads (the bound of index.json is 1 GiB).

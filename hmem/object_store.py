@@ -28,8 +28,17 @@ from hmem.errors import InvalidArgumentError, ObjectStoreError, PermissionDenied
 
 SCHEMES = ("s3://",)
 # storage_options hmem understands; anything else is refused by name
-OPTION_NAMES = ("endpoint", "access_key_id", "secret_access_key", "session_token", "region",
-                "allow_http", "timeout", "connect_timeout", "max_retries")
+OPTION_NAMES = (
+    "endpoint",
+    "access_key_id",
+    "secret_access_key",
+    "session_token",
+    "region",
+    "allow_http",
+    "timeout",
+    "connect_timeout",
+    "max_retries",
+)
 _DEFAULT_TIMEOUT = 30.0  # seconds per request
 _DEFAULT_CONNECT_TIMEOUT = 5.0
 _DEFAULT_RETRIES = 3
@@ -77,7 +86,7 @@ class Location:
 def parse_url(url: str) -> Location:
     if not is_url(url):
         raise InvalidArgumentError(f"{url!r} is not an object-store URL", hint="give s3://bucket/prefix")
-    rest = url[len("s3://"):]
+    rest = url[len("s3://") :]
     bucket, _, prefix = rest.partition("/")
     prefix = prefix.strip("/")
     if not bucket or "//" in prefix or any(part in (".", "..") for part in prefix.split("/") if prefix):
@@ -104,25 +113,32 @@ class ObjectClient:
         options = dict(storage_options or {})
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
-            raise InvalidArgumentError(f"unknown storage option(s): {', '.join(unknown)}",
-                                       hint="storage options are " + ", ".join(OPTION_NAMES))
+            raise InvalidArgumentError(
+                f"unknown storage option(s): {', '.join(unknown)}",
+                hint="storage options are " + ", ".join(OPTION_NAMES),
+            )
         try:
             import obstore
             from obstore.store import S3Store
         except ImportError:
-            raise InvalidArgumentError("stores on object storage need the obstore package",
-                                       hint="install it with pip install 'hmem[s3]'") from None
+            raise InvalidArgumentError(
+                "stores on object storage need the obstore package", hint="install it with pip install 'hmem[s3]'"
+            ) from None
         self._obstore = obstore
         env = os.environ
         endpoint = options.get("endpoint", env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
         config: dict[str, Any] = {}
-        for name, variable in (("access_key_id", "AWS_ACCESS_KEY_ID"), ("secret_access_key", "AWS_SECRET_ACCESS_KEY"),
-                               ("session_token", "AWS_SESSION_TOKEN")):
+        for name, variable in (
+            ("access_key_id", "AWS_ACCESS_KEY_ID"),
+            ("secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+            ("session_token", "AWS_SESSION_TOKEN"),
+        ):
             value = options.get(name, env.get(variable))
             if value:
                 config[name] = str(value)
-        config["region"] = str(options.get("region", env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-                                           or "us-east-1"))
+        config["region"] = str(
+            options.get("region", env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1")
+        )
         if endpoint:
             config["endpoint"] = str(endpoint)
         allow_http = options.get("allow_http", bool(endpoint) and str(endpoint).startswith("http://"))
@@ -136,12 +152,20 @@ class ObjectClient:
             self._store = S3Store(
                 self.location.bucket,
                 prefix=self.location.prefix or None,
-                client_options={"allow_http": bool(allow_http), "timeout": datetime.timedelta(seconds=timeout),
-                                "connect_timeout": datetime.timedelta(seconds=connect)},
-                retry_config={"max_retries": retries,
-                              "retry_timeout": datetime.timedelta(seconds=timeout * (retries + 1)),
-                              "backoff": {"init_backoff": datetime.timedelta(milliseconds=100),
-                                          "max_backoff": datetime.timedelta(seconds=2), "base": 2}},
+                client_options={
+                    "allow_http": bool(allow_http),
+                    "timeout": datetime.timedelta(seconds=timeout),
+                    "connect_timeout": datetime.timedelta(seconds=connect),
+                },
+                retry_config={
+                    "max_retries": retries,
+                    "retry_timeout": datetime.timedelta(seconds=timeout * (retries + 1)),
+                    "backoff": {
+                        "init_backoff": datetime.timedelta(milliseconds=100),
+                        "max_backoff": datetime.timedelta(seconds=2),
+                        "base": 2,
+                    },
+                },
                 **config,
             )
         except Exception as exc:  # a malformed endpoint or option, from the client
@@ -173,10 +197,16 @@ class ObjectClient:
             first = first[:300] + "..."
         where = f"{self.url}/{key}"
         if isinstance(exc, (obx.PermissionDeniedError, obx.UnauthenticatedError)):
-            return PermissionDeniedError(f"cannot {operation} {where}: {first}", path=where,
-                                         hint="check the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
-        return ObjectStoreError(f"cannot {operation} {where}: {first}", path=where,
-                                hint=f"check that {self.endpoint} is reachable, then try again")
+            return PermissionDeniedError(
+                f"cannot {operation} {where}: {first}",
+                path=where,
+                hint="check the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)",
+            )
+        return ObjectStoreError(
+            f"cannot {operation} {where}: {first}",
+            path=where,
+            hint=f"check that {self.endpoint} is reachable, then try again",
+        )
 
     # ---- reads -----------------------------------------------------------------------
 
@@ -200,8 +230,10 @@ class ObjectClient:
             raise self._fail(exc, "read", key) from None
         self._count("gets", fetched=len(data))
         if len(data) != end - start:
-            raise ObjectStoreError(f"{self.url}/{key} is shorter than expected: asked {end - start} bytes "
-                                   f"from {start}, got {len(data)}", hint="check the store with hmem verify")
+            raise ObjectStoreError(
+                f"{self.url}/{key} is shorter than expected: asked {end - start} bytes from {start}, got {len(data)}",
+                hint="check the store with hmem verify",
+            )
         return data
 
     def list(self, prefix: str = "") -> list[tuple[str, int]]:
@@ -235,8 +267,9 @@ class ObjectClient:
         multipart = mode == "overwrite" and size > PART_BYTES
         requests = -(-size // PART_BYTES) + 2 if multipart else 1
         try:
-            result = self._obstore.put(self._store, key, data, mode=mode, use_multipart=multipart,
-                                       chunk_size=PART_BYTES)
+            result = self._obstore.put(
+                self._store, key, data, mode=mode, use_multipart=multipart, chunk_size=PART_BYTES
+            )
         except Exception as exc:
             self._count("puts")
             raise self._fail(exc, "write", key) from None

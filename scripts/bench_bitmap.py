@@ -53,10 +53,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from benchlib import machine_facts
+
 import hmem
 from hmem import Bitmap, Layout
 from hmem.kernels.reference import bitops as ref
-from benchlib import machine_facts
 
 WINDOWS = (-1, -1, -1, -1, 4, 4, 8, 1)
 
@@ -323,8 +324,9 @@ def grouped_mismatch(fill: Fill, layout: Layout, message: str) -> None:
     raise SystemExit(1)
 
 
-def check_grouped(fill: Fill, layout: Layout, rows: list[Bitmap], windows_per_row: tuple[int, ...],
-                  found: Bitmap) -> int:
+def check_grouped(
+    fill: Fill, layout: Layout, rows: list[Bitmap], windows_per_row: tuple[int, ...], found: Bitmap
+) -> int:
     """The hit both forms agree on; exit 1 when they or the fill's expected hit differ."""
     C, R = GROUPED_CHUNKS, GROUPED_RANKS
     flat_hit, mask = hmem.fold_unfold_ranked(found, C, R, WINDOWS, layout)
@@ -338,7 +340,8 @@ def check_grouped(fill: Fill, layout: Layout, rows: list[Bitmap], windows_per_ro
         if len(a) != len(b) or a.to_bytes() != b.to_bytes():
             g, r = divmod(i, R)
             grouped_mismatch(
-                fill, layout,
+                fill,
+                layout,
                 f"retain row of group {g} rank {r}: grouped keeps {a.runs()}, flat keeps {b.runs()}",
             )
     return hit
@@ -363,22 +366,24 @@ def run_grouped(fill: Fill, args, log) -> list[GroupedRow]:
         split = Timing.of(time_call(hmem.group_rows, (mask, C, R, WINDOWS, layout), runs, seconds))
         fb = flat.median_ns + build.median_ns
         fbs = fb + split.median_ns
-        out.append(GroupedRow(
-            fill=fill.name,
-            layout=layout.value,
-            keys=len(WINDOWS) * C * R,
-            hit=hits[layout],
-            grouped=grouped,
-            flat=flat,
-            build=build,
-            split=split,
-            flat_build_ns=fb,
-            flat_build_split_ns=fbs,
-            grouped_vs_flat_build=grouped.median_ns / fb,
-            grouped_vs_flat_build_split=grouped.median_ns / fbs,
-            grouped_vs_flat=grouped.median_ns / flat.median_ns,
-            goal_holds=grouped.median_ns <= fb,
-        ))
+        out.append(
+            GroupedRow(
+                fill=fill.name,
+                layout=layout.value,
+                keys=len(WINDOWS) * C * R,
+                hit=hits[layout],
+                grouped=grouped,
+                flat=flat,
+                build=build,
+                split=split,
+                flat_build_ns=fb,
+                flat_build_split_ns=fbs,
+                grouped_vs_flat_build=grouped.median_ns / fb,
+                grouped_vs_flat_build_split=grouped.median_ns / fbs,
+                grouped_vs_flat=grouped.median_ns / flat.median_ns,
+                goal_holds=grouped.median_ns <= fb,
+            )
+        )
         log(
             f"  done: grouped, {fill.name}, {layout.value}: grouped {fmt_ns(grouped.median_ns)}, "
             f"flat {fmt_ns(flat.median_ns)}, build {fmt_ns(build.median_ns)}, split {fmt_ns(split.median_ns)}"
@@ -438,8 +443,21 @@ def columns(header: tuple[str, ...], body: Sequence[tuple[str, ...]], right: set
 
 
 def render_grouped_table(rows: list[GroupedRow]) -> str:
-    header = ("fill", "flat layout", "hit", "grouped", "grouped p90", "flat", "flat p90", "build", "split",
-              "flat + build", "flat + build + split", "grouped / (flat + build)", "grouped / flat")
+    header = (
+        "fill",
+        "flat layout",
+        "hit",
+        "grouped",
+        "grouped p90",
+        "flat",
+        "flat p90",
+        "build",
+        "split",
+        "flat + build",
+        "flat + build + split",
+        "grouped / (flat + build)",
+        "grouped / flat",
+    )
     body = [
         (
             r.fill,
@@ -471,8 +489,7 @@ def grouped_summary(rows: list[GroupedRow]) -> list[str]:
         return []
     failed = [r for r in rows if not r.goal_holds]
     verdict = (
-        "FAILS on " + ", ".join(f"{r.fill} ({r.layout})" for r in failed)
-        if failed else f"holds ({len(rows)} rows)"
+        "FAILS on " + ", ".join(f"{r.fill} ({r.layout})" for r in failed) if failed else f"holds ({len(rows)} rows)"
     )
     return [
         f"goal: grouped <= flat + build at 262,144 keys (same run): {verdict}; grouped takes "
@@ -486,9 +503,11 @@ def grouped_summary(rows: list[GroupedRow]) -> list[str]:
 
 def summary(rows: list[Row]) -> list[str]:
     lines = []
-    checks = [(f"full pipeline at 262,144 keys <= {GOAL_US_AT_262K:g} us", f"<= {GOAL_US_AT_262K:g} us"),
-              (f"full pipeline at 4M keys <= {GOAL_US_AT_4M:g} us", f"<= {GOAL_US_AT_4M:g} us"),
-              (f">= {GOAL_SPEEDUP:g}x faster than the reference (same run)", f">= {GOAL_SPEEDUP:g}x")]
+    checks = [
+        (f"full pipeline at 262,144 keys <= {GOAL_US_AT_262K:g} us", f"<= {GOAL_US_AT_262K:g} us"),
+        (f"full pipeline at 4M keys <= {GOAL_US_AT_4M:g} us", f"<= {GOAL_US_AT_4M:g} us"),
+        (f">= {GOAL_SPEEDUP:g}x faster than the reference (same run)", f">= {GOAL_SPEEDUP:g}x"),
+    ]
     for text, key in checks:
         results = [(r, r.goals[key]) for r in rows if key in r.goals]
         measured = [(r, ok) for r, ok in results if ok is not None]
@@ -506,16 +525,33 @@ def summary(rows: list[Row]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="skip the reference on the 4M-key case (it takes seconds per run)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="skip the reference on the 4M-key case (it takes seconds per run)"
+    )
     p.add_argument("--repeat", type=int, default=3, metavar="N", help="reference runs per case (default 3)")
-    p.add_argument("--native-runs", type=int, default=200, metavar="N", help="minimum native runs per case (default 200)")
-    p.add_argument("--native-seconds", type=float, default=0.5, metavar="S",
-                   help="minimum native timing time per case, seconds (default 0.5)")
-    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                   help="write the results as JSON: to stdout instead of the table, or to PATH")
-    p.add_argument("--grouped-only", action="store_true",
-                   help="run only the grouped-against-flat section at 262,144 keys")
+    p.add_argument(
+        "--native-runs", type=int, default=200, metavar="N", help="minimum native runs per case (default 200)"
+    )
+    p.add_argument(
+        "--native-seconds",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="minimum native timing time per case, seconds (default 0.5)",
+    )
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="write the results as JSON: to stdout instead of the table, or to PATH",
+    )
+    p.add_argument(
+        "--grouped-only", action="store_true", help="run only the grouped-against-flat section at 262,144 keys"
+    )
     args = p.parse_args(argv)
     if args.repeat < 1 or args.native_runs < 1 or args.native_seconds < 0:
         p.error("--repeat and --native-runs must be >= 1, --native-seconds >= 0")
@@ -563,8 +599,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": facts,
         "windows": list(WINDOWS),
-        "settings": {"quick": args.quick, "repeat": args.repeat, "native_runs": args.native_runs,
-                     "native_seconds": args.native_seconds, "grouped_only": args.grouped_only},
+        "settings": {
+            "quick": args.quick,
+            "repeat": args.repeat,
+            "native_runs": args.native_runs,
+            "native_seconds": args.native_seconds,
+            "grouped_only": args.grouped_only,
+        },
         "rows": [asdict(r) for r in rows],
         "goals": summary(rows) if rows else [],
         "grouped": {
@@ -582,8 +623,11 @@ def main(argv: list[str] | None = None) -> int:
             for line in summary(rows):
                 print(line, file=out)
         print(file=out)
-        print(f"grouped against flat, {len(WINDOWS)} groups x {GROUPED_RANKS} ranks x {GROUPED_CHUNKS} chunks "
-              "(262,144 keys):", file=out)
+        print(
+            f"grouped against flat, {len(WINDOWS)} groups x {GROUPED_RANKS} ranks x {GROUPED_CHUNKS} chunks "
+            "(262,144 keys):",
+            file=out,
+        )
         print(render_grouped_table(grouped_rows), file=out)
         print(file=out)
         for line in grouped_summary(grouped_rows):

@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from benchlib import median, print_machine_facts
 
 import hmem
-from benchlib import median, print_machine_facts
 
 GOAL_ENTRIES_PER_S = 150_000
 GOAL_RAW_SHARE = 0.50
@@ -43,7 +43,7 @@ def _raw_write(path: Path, keys: np.ndarray, values: np.ndarray) -> float:
         for array in (keys, values):
             view = memoryview(array.reshape(-1).view(np.uint8))
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -91,17 +91,28 @@ def run_case(root: Path, n: int, tokens: int, dim: int, repeat: int, batch: int)
         put.append(total)
         flush.append(flushed)
         prep.append(_prepare(root / "prep", dim, entries, batch))
-    return {"n": n, "tokens": tokens, "dim": dim, "kv_bytes": kv_bytes, "raw": median(raw), "hmem": median(put),
-            "flush": median(flush), "prepare": median(prep), "files": files,
-            "raw_all": raw, "hmem_all": put}
+    return {
+        "n": n,
+        "tokens": tokens,
+        "dim": dim,
+        "kv_bytes": kv_bytes,
+        "raw": median(raw),
+        "hmem": median(put),
+        "flush": median(flush),
+        "prepare": median(prep),
+        "files": files,
+        "raw_all": raw,
+        "hmem_all": put,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="1x64,4x64,16x128", help="tokens x embed_dim, comma separated")
     parser.add_argument("--entries", type=int, default=100_000)
-    parser.add_argument("--million", dest="million", action="store_true", default=True,
-                        help="also 1,000,000 entries of 4x64 (default)")
+    parser.add_argument(
+        "--million", dest="million", action="store_true", default=True, help="also 1,000,000 entries of 4x64 (default)"
+    )
     parser.add_argument("--no-million", dest="million", action="store_false")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--batch", type=int, default=10_000, help="entries per put_many call")
@@ -113,19 +124,28 @@ def main() -> None:
         cases.append((1_000_000, 4, 64))
     root = Path(tempfile.mkdtemp(prefix="hmem-bench-bulk-", dir=args.dir))
     try:
-        print("| entries | tokens x dim | K/V bytes | raw write + fsync | hmem put_many + flush | of which flush "
-              "| entries/s | share of raw | prepare only | on disk / K/V |")
+        print(
+            "| entries | tokens x dim | K/V bytes | raw write + fsync | hmem put_many + flush | of which flush "
+            "| entries/s | share of raw | prepare only | on disk / K/V |"
+        )
         print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for n, tokens, dim in cases:
             r = run_case(root, n, tokens, dim, args.repeat, args.batch)
             rate = n / r["hmem"]
             share = r["raw"] / r["hmem"]
             disk = sum(r["files"].values()) / r["kv_bytes"]
-            print(f"| {n:,} | {tokens} x {dim} | {r['kv_bytes'] / 1e6:,.0f} MB | {r['raw'] * 1e3:,.0f} ms "
-                  f"| {r['hmem'] * 1e3:,.0f} ms | {r['flush'] * 1e3:,.0f} ms | {rate:,.0f} | {share:.0%} "
-                  f"| {r['prepare'] * 1e3:,.0f} ms ({n / r['prepare']:,.0f}/s) | {disk:.2f}x |", flush=True)
-            print(f"    runs: raw {[round(x, 3) for x in r['raw_all']]} s, hmem {[round(x, 3) for x in r['hmem_all']]} s; "
-                  f"files {', '.join(f'{k} {v / 1e6:.1f} MB' for k, v in sorted(r['files'].items()))}", flush=True)
+            print(
+                f"| {n:,} | {tokens} x {dim} | {r['kv_bytes'] / 1e6:,.0f} MB | {r['raw'] * 1e3:,.0f} ms "
+                f"| {r['hmem'] * 1e3:,.0f} ms | {r['flush'] * 1e3:,.0f} ms | {rate:,.0f} | {share:.0%} "
+                f"| {r['prepare'] * 1e3:,.0f} ms ({n / r['prepare']:,.0f}/s) | {disk:.2f}x |",
+                flush=True,
+            )
+            print(
+                f"    runs: raw {[round(x, 3) for x in r['raw_all']]} s, "
+                f"hmem {[round(x, 3) for x in r['hmem_all']]} s; "
+                f"files {', '.join(f'{k} {v / 1e6:.1f} MB' for k, v in sorted(r['files'].items()))}",
+                flush=True,
+            )
         print(f"\ngoals: >= {GOAL_ENTRIES_PER_S:,} entries/s and >= {GOAL_RAW_SHARE:.0%} of the raw write")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -42,10 +42,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+from benchlib import compile_like_an_install, fmt_rate, fmt_seconds, print_machine_facts
 from safetensors.numpy import load_file, save_file
 
 import hmem
-from benchlib import compile_like_an_install, fmt_rate, fmt_seconds, print_machine_facts
 
 GOAL_SHARE = 0.80
 
@@ -57,8 +57,7 @@ def make_inputs(folder: Path, files: int, tokens: int, dim: int, seed: int) -> t
     for i in range(files):
         keys = rng.standard_normal((tokens, dim), dtype=np.float32)
         values = rng.standard_normal((tokens, dim), dtype=np.float32)
-        save_file({"keys": keys, "values": values}, folder / f"kv_{i:05d}.safetensors",
-                  metadata={"layer": str(i % 8)})
+        save_file({"keys": keys, "values": values}, folder / f"kv_{i:05d}.safetensors", metadata={"layer": str(i % 8)})
     return files, files * tokens * dim * 4 * 2
 
 
@@ -138,7 +137,7 @@ def bench_set(root: Path, label: str, files: int, tokens: int, dim: int, repeat:
     for r in range(repeat):
         # rotate the order so that no side always runs first
         sides = ["warm", "proc", "cli"]
-        for side in sides[r % 3:] + sides[: r % 3]:
+        for side in sides[r % 3 :] + sides[: r % 3]:
             if side == "warm":
                 t["lib_warm"].append(library_import(fresh("lib"), paths, dim))
             elif side == "proc":
@@ -155,15 +154,20 @@ def bench_set(root: Path, label: str, files: int, tokens: int, dim: int, repeat:
         # samples a round, as it varies by tens of ms and is subtracted from
         # a figure of about 100 ms
         for _ in range(3):
-            t["cli_startup"].append(hmem_cmd("put", str(root / "stores" / "cli"), str(empty), cwd=root,
-                                             expect=2)[0])
+            t["cli_startup"].append(hmem_cmd("put", str(root / "stores" / "cli"), str(empty), cwd=root, expect=2)[0])
     m = {k: statistics.median(v) for k, v in t.items()}
     best = {k: min(v) for k, v in t.items()}
     cli_net = max(m["cli_wall"] - m["cli_startup"], 1e-9)
     cli_net_best = max(best["cli_wall"] - best["cli_startup"], 1e-9)
     return {
-        "set": label, "files": files, "tokens": tokens, "dim": dim, "entries": entries,
-        "kv_bytes": payload, "file_bytes": file_bytes, "repeat": repeat,
+        "set": label,
+        "files": files,
+        "tokens": tokens,
+        "dim": dim,
+        "entries": entries,
+        "kv_bytes": payload,
+        "file_bytes": file_bytes,
+        "repeat": repeat,
         "library_warm_seconds": m["lib_warm"],
         "library_process_wall_seconds": m["lib_proc_wall"],
         "library_process_import_seconds": m["lib_proc_work"],
@@ -175,43 +179,64 @@ def bench_set(root: Path, label: str, files: int, tokens: int, dim: int, repeat:
         "share_self_reported": m["lib_proc_work"] / m["cli_self"],
         "share_whole_process": m["lib_proc_wall"] / m["cli_wall"],
         "share_less_startup_vs_warm_library": m["lib_warm"] / cli_net,
-        "best": {"library_warm_seconds": best["lib_warm"],
-                 "library_process_wall_seconds": best["lib_proc_wall"],
-                 "library_process_import_seconds": best["lib_proc_work"],
-                 "cli_put_wall_seconds": best["cli_wall"], "cli_startup_seconds": best["cli_startup"],
-                 "cli_put_less_startup_seconds": cli_net_best, "cli_put_self_reported_seconds": best["cli_self"],
-                 "share_less_startup": best["lib_proc_work"] / cli_net_best},
+        "best": {
+            "library_warm_seconds": best["lib_warm"],
+            "library_process_wall_seconds": best["lib_proc_wall"],
+            "library_process_import_seconds": best["lib_proc_work"],
+            "cli_put_wall_seconds": best["cli_wall"],
+            "cli_startup_seconds": best["cli_startup"],
+            "cli_put_less_startup_seconds": cli_net_best,
+            "cli_put_self_reported_seconds": best["cli_self"],
+            "share_less_startup": best["lib_proc_work"] / cli_net_best,
+        },
         "samples": t,
     }
 
 
 def print_set(row: dict) -> None:
     payload, n, best = row["kv_bytes"], row["entries"], row["best"]
-    print(f"{row['set']}: {row['files']} files of {row['tokens']} tokens x {row['dim']} F32 (K and V), "
-          f"{payload / 1e6:,.1f} MB of K/V in {row['file_bytes'] / 1e6:,.1f} MB of files; "
-          f"median (and best) of {row['repeat']} runs")
+    print(
+        f"{row['set']}: {row['files']} files of {row['tokens']} tokens x {row['dim']} F32 (K and V), "
+        f"{payload / 1e6:,.1f} MB of K/V in {row['file_bytes'] / 1e6:,.1f} MB of files; "
+        f"median (and best) of {row['repeat']} runs"
+    )
     print(f"  {'':<50}{'median':>10}{'best':>10}{'throughput':>12}{'entries/s':>11}  share (median)")
 
     def line(name: str, key: str, share: str = "") -> None:
         seconds = row[key]
-        print(f"  {name:<50}{fmt_seconds(seconds):>10}{fmt_seconds(best[key]):>10}"
-              f"{fmt_rate(payload, seconds):>12}{n / seconds:>11,.0f}  {share}")
+        print(
+            f"  {name:<50}{fmt_seconds(seconds):>10}{fmt_seconds(best[key]):>10}"
+            f"{fmt_rate(payload, seconds):>12}{n / seconds:>11,.0f}  {share}"
+        )
 
     line("library, this (warm) process: import", "library_warm_seconds")
     line("library, a fresh process: import", "library_process_import_seconds", "baseline")
-    line("hmem put, less start-up", "cli_put_less_startup_seconds",
-         f"{row['share_less_startup']:.1%} (best {best['share_less_startup']:.1%}); "
-         f"{row['share_less_startup_vs_warm_library']:.0%} of warm")
-    line("hmem put, as it reports itself (--json seconds)", "cli_put_self_reported_seconds",
-         f"{row['share_self_reported']:.0%}")
+    line(
+        "hmem put, less start-up",
+        "cli_put_less_startup_seconds",
+        f"{row['share_less_startup']:.1%} (best {best['share_less_startup']:.1%}); "
+        f"{row['share_less_startup_vs_warm_library']:.0%} of warm",
+    )
+    line(
+        "hmem put, as it reports itself (--json seconds)",
+        "cli_put_self_reported_seconds",
+        f"{row['share_self_reported']:.0%}",
+    )
     line("library, a fresh process: whole process", "library_process_wall_seconds")
-    line("hmem put, whole process", "cli_put_wall_seconds",
-         f"{row['share_whole_process']:.0%} of the library's whole process")
-    print(f"  {'start-up: hmem put STORE EMPTY_DIR (exit 2)':<50}{fmt_seconds(row['cli_startup_seconds']):>10}"
-          f"{fmt_seconds(best['cli_startup_seconds']):>10}")
+    line(
+        "hmem put, whole process",
+        "cli_put_wall_seconds",
+        f"{row['share_whole_process']:.0%} of the library's whole process",
+    )
+    print(
+        f"  {'start-up: hmem put STORE EMPTY_DIR (exit 2)':<50}{fmt_seconds(row['cli_startup_seconds']):>10}"
+        f"{fmt_seconds(best['cli_startup_seconds']):>10}"
+    )
     holds = row["share_less_startup"] >= GOAL_SHARE
-    print(f"  goal: hmem put (start-up excluded) >= {GOAL_SHARE:.0%} of the library's throughput: "
-          f"{'holds' if holds else 'FAILS'} ({row['share_less_startup']:.1%})\n")
+    print(
+        f"  goal: hmem put (start-up excluded) >= {GOAL_SHARE:.0%} of the library's throughput: "
+        f"{'holds' if holds else 'FAILS'} ({row['share_less_startup']:.1%})\n"
+    )
 
 
 def main() -> None:

@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from benchlib import print_machine_facts, time_calls
 
 import hmem
-from benchlib import print_machine_facts, time_calls
 from hmem.formats import manifest
 
 
@@ -88,8 +88,10 @@ def main() -> None:
             manifest.Manifest.to_bytes = ours_to_bytes  # type: ignore[method-assign]
         return statistics.median(times[False]), statistics.median(times[True])
 
-    print(f"{'shards':>7} {'flush':>10} {'plain way':>10} {'index.json':>11} {'to_bytes':>10} {'plain way':>10}"
-          f" {'raw write':>10}")
+    print(
+        f"{'shards':>7} {'flush':>10} {'plain way':>10} {'index.json':>11} {'to_bytes':>10} {'plain way':>10}"
+        f" {'raw write':>10}"
+    )
     try:
         with hmem.Store.create(root / "s", embed_dim=16) as store:
             done = 0  # rounds so far: each flush seals the round's shard
@@ -105,9 +107,11 @@ def main() -> None:
                 t_ours = statistics.median(time_calls(mf.to_bytes, min_runs=5, min_seconds=0.2))
                 t_plain = statistics.median(time_calls(lambda: plain_bytes(mf), min_runs=5, min_seconds=0.2))
                 t_raw = statistics.median(raw_write(root / "raw.json", ours) for _ in range(9))
-                print(f"{len(mf.shards):>7} {flush * 1e3:>7.2f} ms {flush_plain * 1e3:>7.2f} ms"
-                      f" {len(ours) / 1e3:>8.0f} kB {t_ours * 1e3:>7.2f} ms {t_plain * 1e3:>7.2f} ms"
-                      f" {t_raw * 1e3:>7.2f} ms")
+                print(
+                    f"{len(mf.shards):>7} {flush * 1e3:>7.2f} ms {flush_plain * 1e3:>7.2f} ms"
+                    f" {len(ours) / 1e3:>8.0f} kB {t_ours * 1e3:>7.2f} ms {t_plain * 1e3:>7.2f} ms"
+                    f" {t_raw * 1e3:>7.2f} ms"
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

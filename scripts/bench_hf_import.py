@@ -53,9 +53,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from benchlib import compile_like_an_install, fmt_rate, fmt_seconds, print_machine_facts
 
 import hmem
-from benchlib import compile_like_an_install, fmt_rate, fmt_seconds, print_machine_facts
 
 GOAL_SHARE = 0.80
 GOAL_DISK = 0.52
@@ -77,8 +77,10 @@ def write_dump(path: Path, layers: int, heads: int, tokens: int, dim: int, seed:
     shape = [1, heads, tokens, dim]
     size = heads * tokens * dim * 2
     names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
-    header = {name: {"dtype": "BF16", "shape": shape, "data_offsets": [n * size, (n + 1) * size]}
-              for n, name in enumerate(names)}
+    header = {
+        name: {"dtype": "BF16", "shape": shape, "data_offsets": [n * size, (n + 1) * size]}
+        for n, name in enumerate(names)
+    }
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     rng = np.random.default_rng(seed)
@@ -106,7 +108,7 @@ def entries_of(tensors: list[np.ndarray], chunk: int, source: str) -> list[hmem.
     """What `hmem put --chunk-tokens` makes of the dump: per layer, [tokens, heads x dim] rows in chunks."""
     out = []
     for layer in range(len(tensors) // 2):
-        k, v = (from_bf16_bits(t[0]).transpose(1, 0, 2).reshape(t.shape[2], -1) for t in tensors[2 * layer:][:2])
+        k, v = (from_bf16_bits(t[0]).transpose(1, 0, 2).reshape(t.shape[2], -1) for t in tensors[2 * layer :][:2])
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
         for n, start in enumerate(range(0, k.shape[0], chunk)):
             stop = min(start + chunk, k.shape[0])
@@ -121,8 +123,13 @@ def disk_bytes(store: Path) -> int:
 
 def hmem_cmd(*args: str, cwd: Path) -> tuple[float, subprocess.CompletedProcess]:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "hmem", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "NO_COLOR": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "hmem", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
     seconds = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"hmem {' '.join(args)} exited with {proc.returncode}: {proc.stderr.strip()}")
@@ -132,8 +139,7 @@ def hmem_cmd(*args: str, cwd: Path) -> tuple[float, subprocess.CompletedProcess]
 def cli_put(store: Path, dump: Path, storage: str, embed_dim: int, chunk: int) -> tuple[float, float, int]:
     """(wall seconds, seconds hmem put reports, bytes on disk)."""
     shutil.rmtree(store, ignore_errors=True)
-    hmem_cmd("init", str(store), "--embed-dim", str(embed_dim), "--storage-dtype", storage, "--quiet",
-             cwd=store.parent)
+    hmem_cmd("init", str(store), "--embed-dim", str(embed_dim), "--storage-dtype", storage, "--quiet", cwd=store.parent)
     wall, proc = hmem_cmd("put", str(store), str(dump), "--chunk-tokens", str(chunk), "--json", cwd=store.parent)
     doc = json.loads(proc.stdout)
     assert doc["files_skipped"] == 0, doc
@@ -186,8 +192,12 @@ def put_many_child(argv: list[str]) -> None:
 
 def library_process(store: Path, dump: Path, storage: str, chunk: int) -> tuple[float, int]:
     """(seconds of put_many + flush in a fresh process, bytes on disk)."""
-    proc = subprocess.run([sys.executable, __file__, "--put-many-child", str(dump), str(store), storage, str(chunk)],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--put-many-child", str(dump), str(store), storage, str(chunk)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     doc = json.loads(proc.stdout)
     return doc["seconds"], doc["disk_bytes"]
 
@@ -218,17 +228,19 @@ def main() -> None:
         entries = entries_of(tensors, args.chunk_tokens, dump.name)
         cache = torch_cache(tensors)
         del tensors
-        print(f"dump: {args.layers} layers x K,V x [1, {args.kv_heads}, {args.tokens}, {args.head_dim}] BF16, "
-              f"{dump.stat().st_size / 2**20:,.0f} MiB ({time.perf_counter() - t0:.1f} s to make); "
-              f"{len(entries)} entries of {args.chunk_tokens} tokens x {embed_dim}; "
-              f"throughput below counts {values * 4 / 2**20:,.0f} MiB of K/V as float32 rows\n")
+        print(
+            f"dump: {args.layers} layers x K,V x [1, {args.kv_heads}, {args.tokens}, {args.head_dim}] BF16, "
+            f"{dump.stat().st_size / 2**20:,.0f} MiB ({time.perf_counter() - t0:.1f} s to make); "
+            f"{len(entries)} entries of {args.chunk_tokens} tokens x {embed_dim}; "
+            f"throughput below counts {values * 4 / 2**20:,.0f} MiB of K/V as float32 rows\n"
+        )
 
         t: dict[str, list[float]] = {}
         disk: dict[str, int] = {}
         sides = ["cli", "proc", "warm"] + (["cache"] if cache is not None else [])
         for storage in ("f32", "bf16"):
             for r in range(args.repeat):
-                for side in sides[r % len(sides):] + sides[: r % len(sides)]:  # rotate: no side always first
+                for side in sides[r % len(sides) :] + sides[: r % len(sides)]:  # rotate: no side always first
                     os.sync()  # no run pays for the write-back of the one before it
                     if side == "cli":
                         wall, own, size = cli_put(root / "cli", dump, storage, embed_dim, args.chunk_tokens)
@@ -255,16 +267,27 @@ def main() -> None:
     pairs = {d: sorted(t.pop(f"pair_{d}")) for d in ("f32", "bf16")}
     m = {k: statistics.median(v) for k, v in t.items()}
     payload = values * 4
-    report: dict = {"layers": args.layers, "tokens": args.tokens, "kv_heads": args.kv_heads,
-                    "head_dim": args.head_dim, "chunk_tokens": args.chunk_tokens, "repeat": args.repeat,
-                    "entries": len(entries), "kv_bytes_f32": payload, "median_seconds": m, "samples": t,
-                    "disk_bytes": disk}
+    report: dict = {
+        "layers": args.layers,
+        "tokens": args.tokens,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "chunk_tokens": args.chunk_tokens,
+        "repeat": args.repeat,
+        "entries": len(entries),
+        "kv_bytes_f32": payload,
+        "median_seconds": m,
+        "samples": t,
+        "disk_bytes": disk,
+    }
     best = {k: min(v) for k, v in t.items()}
     report["best_seconds"] = best
 
     def line(label: str, key: str, share: str = "") -> None:
-        print(f"  {label:<44}{fmt_seconds(m[key]):>10}{fmt_seconds(best[key]):>10}"
-              f"{fmt_rate(payload, m[key]):>12}  {share}")
+        print(
+            f"  {label:<44}{fmt_seconds(m[key]):>10}{fmt_seconds(best[key]):>10}"
+            f"{fmt_rate(payload, m[key]):>12}  {share}"
+        )
 
     print(f"  {str(args.repeat) + ' runs each':<44}{'median':>10}{'best':>10}{'throughput':>12}  share (median)")
     for storage in ("f32", "bf16"):
@@ -273,30 +296,45 @@ def main() -> None:
         report[f"share_vs_warm_{storage}"] = m[f"warm_{storage}"] / m[f"cli_{storage}"]
         line(f"{storage}: put_many + flush, a fresh process", f"proc_{storage}", "baseline")
         line(f"{storage}: put_many + flush, this (warm) process", f"warm_{storage}")
-        line(f"{storage}: hmem put, end to end", f"cli_{storage}",
-             f"{share:.0%} (best {best[f'proc_{storage}'] / best[f'cli_{storage}']:.0%}; "
-             f"{report[f'share_vs_warm_{storage}']:.0%} of warm)")
-        line(f"{storage}: hmem put, as it reports itself", f"cli_self_{storage}",
-             f"{m[f'proc_{storage}'] / m[f'cli_self_{storage}']:.0%}")
+        line(
+            f"{storage}: hmem put, end to end",
+            f"cli_{storage}",
+            f"{share:.0%} (best {best[f'proc_{storage}'] / best[f'cli_{storage}']:.0%}; "
+            f"{report[f'share_vs_warm_{storage}']:.0%} of warm)",
+        )
+        line(
+            f"{storage}: hmem put, as it reports itself",
+            f"cli_self_{storage}",
+            f"{m[f'proc_{storage}'] / m[f'cli_self_{storage}']:.0%}",
+        )
         if f"cache_{storage}" in m:
-            line(f"{storage}: Store.put_cache (bfloat16 tensors), warm", f"cache_{storage}",
-                 f"{m[f'warm_{storage}'] / m[f'cache_{storage}']:.0%} of put_many warm")
+            line(
+                f"{storage}: Store.put_cache (bfloat16 tensors), warm",
+                f"cache_{storage}",
+                f"{m[f'warm_{storage}'] / m[f'cache_{storage}']:.0%} of put_many warm",
+            )
     line("int8: hmem put, end to end (one run)", "cli_int8")
     report["paired_shares"] = pairs
-    print("\nshare of each round (put_many in a fresh process / hmem put end to end, run side by side): "
-          + "; ".join(f"{d} median {statistics.median(v):.0%}, {v[0]:.0%}-{v[-1]:.0%}" for d, v in pairs.items()))
+    print(
+        "\nshare of each round (put_many in a fresh process / hmem put end to end, run side by side): "
+        + "; ".join(f"{d} median {statistics.median(v):.0%}, {v[0]:.0%}-{v[-1]:.0%}" for d, v in pairs.items())
+    )
     ratio = {d: disk[f"cli_{d}"] / disk["cli_f32"] for d in ("bf16", "int8")}
     report["disk_ratio"] = ratio
     sizes = ", ".join(f"{d} {disk[f'cli_{d}'] / 2**20:,.1f} MiB" for d in ("f32", "bf16", "int8"))
-    print(f"\ndisk after hmem put: {sizes}"
-          + f"; bf16/f32 {ratio['bf16']:.3f}, int8/f32 {ratio['int8']:.3f}"
-          + f" (put_many's stores: f32 {disk['proc_f32'] / 2**20:,.1f} MiB, bf16 {disk['proc_bf16'] / 2**20:,.1f} MiB)")
+    print(
+        f"\ndisk after hmem put: {sizes}"
+        + f"; bf16/f32 {ratio['bf16']:.3f}, int8/f32 {ratio['int8']:.3f}"
+        + f" (put_many's stores: f32 {disk['proc_f32'] / 2**20:,.1f} MiB, bf16 {disk['proc_bf16'] / 2**20:,.1f} MiB)"
+    )
     share_holds = min(report["share_f32"], report["share_bf16"]) >= GOAL_SHARE
     disk_holds = ratio["bf16"] <= GOAL_DISK
     report["goals_hold"] = {"share": share_holds, "disk": disk_holds}
-    print(f"goal: hmem put >= {GOAL_SHARE:.0%} of put_many's throughput (fresh process): "
-          f"{'holds' if share_holds else 'FAILS'} "
-          f"(f32 {report['share_f32']:.0%}, bf16 {report['share_bf16']:.0%})")
+    print(
+        f"goal: hmem put >= {GOAL_SHARE:.0%} of put_many's throughput (fresh process): "
+        f"{'holds' if share_holds else 'FAILS'} "
+        f"(f32 {report['share_f32']:.0%}, bf16 {report['share_bf16']:.0%})"
+    )
     print(f"goal: bf16 disk <= {GOAL_DISK} x f32: {'holds' if disk_holds else 'FAILS'} ({ratio['bf16']:.3f})")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

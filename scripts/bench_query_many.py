@@ -55,13 +55,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import benchlib
 import numpy as np
 
 import hmem
 import hmem.threads
 from hmem.kernels import hamming as hamming_kernels
-
-import benchlib
 
 try:
     import faiss
@@ -115,13 +114,19 @@ def open_store(args, root: Path, log) -> tuple[hmem.Store, float | None, int]:
     store = hmem.Store.open(path, read_only=True)
     stats = store.stats()
     config = stats.config
-    if (stats.layers != {LAYER: args.entries} or config.hdc_dim != HDC_DIM or config.embed_dim != EMBED_DIM
-            or config.max_open_shards != args.max_open_shards):
+    if (
+        stats.layers != {LAYER: args.entries}
+        or config.hdc_dim != HDC_DIM
+        or config.embed_dim != EMBED_DIM
+        or config.max_open_shards != args.max_open_shards
+    ):
         store.close()
-        raise SystemExit(f"{path} holds {stats.layers} (hdc_dim {config.hdc_dim}, embed_dim {config.embed_dim}, "
-                         f"max_open_shards {config.max_open_shards}), not one layer of {args.entries:,} entries "
-                         f"with hdc_dim {HDC_DIM}, embed_dim {EMBED_DIM} and max_open_shards "
-                         f"{args.max_open_shards}: give the options that match, or another --store")
+        raise SystemExit(
+            f"{path} holds {stats.layers} (hdc_dim {config.hdc_dim}, embed_dim {config.embed_dim}, "
+            f"max_open_shards {config.max_open_shards}), not one layer of {args.entries:,} entries "
+            f"with hdc_dim {HDC_DIM}, embed_dim {EMBED_DIM} and max_open_shards "
+            f"{args.max_open_shards}: give the options that match, or another --store"
+        )
     return store, built, len(stats.shards)
 
 
@@ -152,16 +157,22 @@ def described(results) -> list[tuple]:
 
 
 def check_same(store, qs, rerank: bool, log) -> None:
-    singles = [described(store.query(q, LAYER, top_k=TOP_K, rerank=rerank, count_access=False, search=SEARCH)) for q in qs]
-    many = [described(r) for r in store.query_many(qs, LAYER, top_k=TOP_K, rerank=rerank, count_access=False, search=SEARCH)]
+    singles = [
+        described(store.query(q, LAYER, top_k=TOP_K, rerank=rerank, count_access=False, search=SEARCH)) for q in qs
+    ]
+    many = [
+        described(r) for r in store.query_many(qs, LAYER, top_k=TOP_K, rerank=rerank, count_access=False, search=SEARCH)
+    ]
     if len(many) != len(singles):
         log(f"MISMATCH: query_many returned {len(many)} results for {len(singles)} queries")
         raise SystemExit(1)
     for i, (a, b) in enumerate(zip(singles, many)):
         if a != b:
             log(f"MISMATCH (rerank={rerank}): query {i}: query gives {a[:3]}..., query_many gives {b[:3]}...")
-            log("reproduce: the same store, store.query(qs[i], 0, top_k=10, rerank=...) against "
-                "store.query_many(qs, 0, top_k=10, rerank=...)[i]")
+            log(
+                "reproduce: the same store, store.query(qs[i], 0, top_k=10, rerank=...) against "
+                "store.query_many(qs, 0, top_k=10, rerank=...)[i]"
+            )
             raise SystemExit(1)
     if any(len(a) != TOP_K for a in singles):
         log(f"MISMATCH: a query returned fewer than {TOP_K} results")
@@ -174,8 +185,10 @@ def check_faiss(store, qs, index, qsigs, log) -> None:
     for i, res in enumerate(many):
         hmem_dists = [round((1.0 - r.similarity) * HDC_DIM) for r in res]
         if hmem_dists != dists[i].tolist():
-            log(f"MISMATCH: query {i}: hmem's signature distances {hmem_dists} differ from faiss's "
-                f"{dists[i].tolist()}; timings would be meaningless")
+            log(
+                f"MISMATCH: query {i}: hmem's signature distances {hmem_dists} differ from faiss's "
+                f"{dists[i].tolist()}; timings would be meaningless"
+            )
             raise SystemExit(1)
 
 
@@ -213,11 +226,12 @@ def run(store, args, log) -> dict:
         check_faiss(store, qs, index, qsigs, log)
 
     def singles(rerank: bool) -> Callable[[], object]:
-        return lambda: [store.query(q, LAYER, top_k=TOP_K, rerank=rerank, count_access=False, search=SEARCH) for q in qs]
+        return lambda: [
+            store.query(q, LAYER, top_k=TOP_K, rerank=rerank, count_access=False, search=SEARCH) for q in qs
+        ]
 
     def many(rerank: bool, batch=qs) -> Callable[[], object]:
-        return lambda: store.query_many(batch, LAYER, top_k=TOP_K, rerank=rerank, count_access=False,
-                                          search=SEARCH)
+        return lambda: store.query_many(batch, LAYER, top_k=TOP_K, rerank=rerank, count_access=False, search=SEARCH)
 
     cases: dict[str, Callable[[], object]] = {
         "singles, rerank": singles(True),
@@ -239,18 +253,39 @@ def run(store, args, log) -> dict:
     def signatures() -> object:
         return [state.projector.signature_and_mean(q) for q in qs]
 
-    ready = {True: state.index.search_many(LAYER, qsigs, shortlist), False: state.index.search_many(LAYER, qsigs, TOP_K)}
+    ready = {
+        True: state.index.search_many(LAYER, qsigs, shortlist),
+        False: state.index.search_many(LAYER, qsigs, TOP_K),
+    }
 
     def answers(rerank: bool) -> Callable[[], object]:
         factor = SHORTLIST_FACTOR if rerank else 1
+
         def run() -> object:
             queries = store._queries
             no_spans = [None] * len(prepared)  # mean keys only: a store without span signatures
-            pooled, kvs = queries._read_ahead(ready[rerank], [mean for _, mean in prepared], TOP_K, rerank, None,
-                                              no_spans)
-            return [queries._answer(LAYER, sig, mean, sl, TOP_K, factor, rerank=rerank, framework="numpy",
-                                    skip=False, search=SEARCH, pooled=pooled, kvs=kvs, q_tokens=None)[0]
-                    for (sig, mean), sl in zip(prepared, ready[rerank])]
+            pooled, kvs = queries._read_ahead(
+                ready[rerank], [mean for _, mean in prepared], TOP_K, rerank, None, no_spans
+            )
+            return [
+                queries._answer(
+                    LAYER,
+                    sig,
+                    mean,
+                    sl,
+                    TOP_K,
+                    factor,
+                    rerank=rerank,
+                    framework="numpy",
+                    skip=False,
+                    search=SEARCH,
+                    pooled=pooled,
+                    kvs=kvs,
+                    q_tokens=None,
+                )[0]
+                for (sig, mean), sl in zip(prepared, ready[rerank])
+            ]
+
         return run
 
     parts_cases: dict[str, Callable[[], object]] = {
@@ -268,8 +303,13 @@ def run(store, args, log) -> dict:
     curve_cases = {n: many(False, pool[:n]) for n in args.curve}
     curve_times = time_rounds({str(n): fn for n, fn in curve_cases.items()}, args.repeat)
     curve = [{"queries": n, **summary(curve_times[str(n)])} for n in args.curve]
-    return {"times": main_times, "parts": parts, "curve": curve, "layer_rows": int(layer.n),
-            "signature_bytes": int(sigs.shape[1])}
+    return {
+        "times": main_times,
+        "parts": parts,
+        "curve": curve,
+        "layer_rows": int(layer.n),
+        "signature_bytes": int(sigs.shape[1]),
+    }
 
 
 def _one_thread(layer, qsigs: np.ndarray, k: int) -> object:
@@ -288,20 +328,33 @@ def goals(times: dict, n: int, entries: int) -> list[dict]:
     for label, key in (("re-rank", "rerank"), ("signature order", "signature")):
         single, many = times[f"singles, {key}"]["median_s"], times[f"query_many, {key}"]["median_s"]
         speedup = single / many
-        out.append({"goal": f"query_many >= {GOAL_SPEEDUP:g}x the throughput of {n} single queries ({label}), {where}",
-                    "holds": speedup >= GOAL_SPEEDUP,
-                    "detail": f"{fmt(single)} / {fmt(many)} = {speedup:.2f}x"})
+        out.append(
+            {
+                "goal": f"query_many >= {GOAL_SPEEDUP:g}x the throughput of {n} single queries ({label}), {where}",
+                "holds": speedup >= GOAL_SPEEDUP,
+                "detail": f"{fmt(single)} / {fmt(many)} = {speedup:.2f}x",
+            }
+        )
     if "faiss batch" in times:
         fb = times["faiss batch"]["median_s"]
         sig, rr = times["query_many, signature"]["median_s"], times["query_many, rerank"]["median_s"]
-        out.append({"goal": f"query_many (signature order) >= {GOAL_FAISS:g}x faster than faiss IndexBinaryFlat "
-                            f"answering the {n} signatures in one call, {where}",
-                    "holds": fb / sig >= GOAL_FAISS,
-                    "detail": f"faiss {fmt(fb)} / query_many {fmt(sig)} = {fb / sig:.2f}x "
-                              f"(with re-rank, not the verdict: {fmt(rr)}, {fb / rr:.2f}x)"})
+        out.append(
+            {
+                "goal": f"query_many (signature order) >= {GOAL_FAISS:g}x faster than faiss IndexBinaryFlat "
+                f"answering the {n} signatures in one call, {where}",
+                "holds": fb / sig >= GOAL_FAISS,
+                "detail": f"faiss {fmt(fb)} / query_many {fmt(sig)} = {fb / sig:.2f}x "
+                f"(with re-rank, not the verdict: {fmt(rr)}, {fb / rr:.2f}x)",
+            }
+        )
     else:
-        out.append({"goal": f"query_many >= {GOAL_FAISS:g}x faster than faiss IndexBinaryFlat", "holds": None,
-                    "detail": "faiss not importable"})
+        out.append(
+            {
+                "goal": f"query_many >= {GOAL_FAISS:g}x faster than faiss IndexBinaryFlat",
+                "holds": None,
+                "detail": "faiss not importable",
+            }
+        )
     return out
 
 
@@ -317,30 +370,55 @@ def render(header: list[str], body: list[list[str]], left: int = 1) -> str:
 def tables(result: dict, out) -> None:
     times, n = result["times"], result["settings"]["queries"]
     print(file=out)
-    print(f"{n} queries of {QUERY_TOKENS} tokens x {EMBED_DIM}, top-{TOP_K}, one layer of "
-          f"{result['layer_rows']:,} entries ({result['layer_rows'] * result['signature_bytes'] / 1e6:,.0f} MB of "
-          f"signatures) in {result['settings']['shards']} shards, max_open_shards "
-          f"{result['settings']['max_open_shards']}; medians (min) of {result['settings']['repeat']} rounds", file=out)
+    print(
+        f"{n} queries of {QUERY_TOKENS} tokens x {EMBED_DIM}, top-{TOP_K}, one layer of "
+        f"{result['layer_rows']:,} entries ({result['layer_rows'] * result['signature_bytes'] / 1e6:,.0f} MB of "
+        f"signatures) in {result['settings']['shards']} shards, max_open_shards "
+        f"{result['settings']['max_open_shards']}; medians (min) of {result['settings']['repeat']} rounds",
+        file=out,
+    )
     body = []
     for label, key in (("re-rank (shortlist 40)", "rerank"), ("signature order", "signature")):
         s, m = times[f"singles, {key}"], times[f"query_many, {key}"]
-        row = [label, f"{fmt(s['median_s'])} ({fmt(s['min_s'])})", fmt(s["median_s"] / n),
-               f"{fmt(m['median_s'])} ({fmt(m['min_s'])})", fmt(m["median_s"] / n),
-               f"{s['median_s'] / m['median_s']:.2f}x"]
+        row = [
+            label,
+            f"{fmt(s['median_s'])} ({fmt(s['min_s'])})",
+            fmt(s["median_s"] / n),
+            f"{fmt(m['median_s'])} ({fmt(m['min_s'])})",
+            fmt(m["median_s"] / n),
+            f"{s['median_s'] / m['median_s']:.2f}x",
+        ]
         if "faiss batch" in times:
             fb = times["faiss batch"]["median_s"]
             row += [fmt(fb), f"{fb / m['median_s']:.2f}x"]
         else:
             row += ["-", "-"]
         body.append(row)
-    print(render(["mode", f"{n} singles", "per query", "query_many", "per query", "speed-up",
-                  "faiss batch", "faiss / query_many"], body), file=out)
+    print(
+        render(
+            [
+                "mode",
+                f"{n} singles",
+                "per query",
+                "query_many",
+                "per query",
+                "speed-up",
+                "faiss batch",
+                "faiss / query_many",
+            ],
+            body,
+        ),
+        file=out,
+    )
     if "faiss batch" in times:
         fb, fs = times["faiss batch"], times["faiss singles"]
-        print(f"faiss IndexBinaryFlat, k={TOP_K * SHORTLIST_FACTOR}, {result['machine']['faiss']}: "
-              f"batch of {n} in one search {fmt(fb['median_s'])} (min {fmt(fb['min_s'])}); "
-              f"{n} one-query searches {fmt(fs['median_s'])} (min {fmt(fs['min_s'])}, "
-              f"{fmt(fs['median_s'] / n)} each)", file=out)
+        print(
+            f"faiss IndexBinaryFlat, k={TOP_K * SHORTLIST_FACTOR}, {result['machine']['faiss']}: "
+            f"batch of {n} in one search {fmt(fb['median_s'])} (min {fmt(fb['min_s'])}); "
+            f"{n} one-query searches {fmt(fs['median_s'])} (min {fmt(fs['min_s'])}, "
+            f"{fmt(fs['median_s'] / n)} each)",
+            file=out,
+        )
     print(file=out)
     parts = result["parts"]
     rr, sig = times["query_many, rerank"]["median_s"], times["query_many, signature"]["median_s"]
@@ -352,21 +430,42 @@ def tables(result: dict, out) -> None:
     threads = hmem.threads.cores()
     shortlist = TOP_K * SHORTLIST_FACTOR
     print(f"query_many's {n} queries, by part (medians; each part timed on its own)", file=out)
-    print(render(["part", "time", "share of query_many, re-rank", "share, signature order"], [
-        ["query signatures (projection + pooled mean)", *part("query signatures", rr, sig)],
-        [f"layer scan, k={shortlist} ({threads} threads)", *part("scan, k=40", rr, None)],
-        [f"layer scan, k={TOP_K} ({threads} threads)", *part("scan, k=10", None, sig)],
-        [f"layer scan, k={shortlist}, 1 thread", *part("scan, k=40, 1 thread", None, None)],
-        [f"answers, re-rank: {shortlist} pooled keys + {TOP_K} K/V read per query", *part("answers, rerank", rr, None)],
-        [f"answers, signature order: {TOP_K} K/V read per query", *part("answers, signature", None, sig)],
-    ]), file=out)
+    print(
+        render(
+            ["part", "time", "share of query_many, re-rank", "share, signature order"],
+            [
+                ["query signatures (projection + pooled mean)", *part("query signatures", rr, sig)],
+                [f"layer scan, k={shortlist} ({threads} threads)", *part("scan, k=40", rr, None)],
+                [f"layer scan, k={TOP_K} ({threads} threads)", *part("scan, k=10", None, sig)],
+                [f"layer scan, k={shortlist}, 1 thread", *part("scan, k=40, 1 thread", None, None)],
+                [
+                    f"answers, re-rank: {shortlist} pooled keys + {TOP_K} K/V read per query",
+                    *part("answers, rerank", rr, None),
+                ],
+                [f"answers, signature order: {TOP_K} K/V read per query", *part("answers, signature", None, sig)],
+            ],
+        ),
+        file=out,
+    )
     print(file=out)
     per_single = times["singles, signature"]["median_s"] / n
     print("query_many by batch size (signature order; medians)", file=out)
-    print(render(["queries", "query_many", "per query", "queries/s", "vs one single query each"], [
-        [str(c["queries"]), fmt(c["median_s"]), fmt(c["median_s"] / c["queries"]),
-         f"{c['queries'] / c['median_s']:,.0f}", f"{per_single * c['queries'] / c['median_s']:.2f}x"]
-        for c in result["curve"]]), file=out)
+    print(
+        render(
+            ["queries", "query_many", "per query", "queries/s", "vs one single query each"],
+            [
+                [
+                    str(c["queries"]),
+                    fmt(c["median_s"]),
+                    fmt(c["median_s"] / c["queries"]),
+                    f"{c['queries'] / c['median_s']:,.0f}",
+                    f"{per_single * c['queries'] / c['median_s']:.2f}x",
+                ]
+                for c in result["curve"]
+            ],
+        ),
+        file=out,
+    )
     print(file=out)
     for g in result["goals"]:
         verdict = "not measured" if g["holds"] is None else "holds" if g["holds"] else "FAILS"
@@ -375,35 +474,63 @@ def tables(result: dict, out) -> None:
 
 def machine_facts() -> dict[str, str]:
     facts = benchlib.machine_facts()
-    facts["faiss"] = "not importable" if faiss is None else f"{faiss.__version__}, {faiss.omp_get_max_threads()} threads"
+    facts["faiss"] = (
+        "not importable" if faiss is None else f"{faiss.__version__}, {faiss.omp_get_max_threads()} threads"
+    )
     facts["hmem scan threads"] = str(hmem.threads.cores())
     return facts
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--entries", type=int, default=1_000_000, metavar="N", help="entries in the layer (default 1,000,000)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--entries", type=int, default=1_000_000, metavar="N", help="entries in the layer (default 1,000,000)"
+    )
     p.add_argument("--store", metavar="PATH", help="build the store here once and reuse it (default: a temp dir)")
-    p.add_argument("--max-open-shards", type=int, default=hmem.StoreConfig(embed_dim=1).max_open_shards, metavar="N",
-                   help="the store's max_open_shards when it is built (default hmem's, 256); the store has one "
-                        "shard per 10,000 entries, and re-rank reads pooled keys from many of them")
+    p.add_argument(
+        "--max-open-shards",
+        type=int,
+        default=hmem.StoreConfig(embed_dim=1).max_open_shards,
+        metavar="N",
+        help="the store's max_open_shards when it is built (default hmem's, 256); the store has one "
+        "shard per 10,000 entries, and re-rank reads pooled keys from many of them",
+    )
     p.add_argument("--queries", type=int, default=64, metavar="N", help="queries per batch (default 64)")
     p.add_argument("--repeat", type=int, default=5, metavar="N", help="timed rounds per case (default 5)")
-    p.add_argument("--curve", default="1,8,16,64,256", metavar="N,N,...",
-                   help="batch sizes for the throughput curve (default 1,8,16,64,256)")
-    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                   help="write the results as JSON: to stdout instead of the tables, or to PATH")
+    p.add_argument(
+        "--curve",
+        default="1,8,16,64,256",
+        metavar="N,N,...",
+        help="batch sizes for the throughput curve (default 1,8,16,64,256)",
+    )
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="write the results as JSON: to stdout instead of the tables, or to PATH",
+    )
     args = p.parse_args(argv)
     try:
         args.curve = [int(s) for s in args.curve.split(",") if s.strip()]
     except ValueError:
         p.error("--curve takes integers separated by commas")
-    if args.entries < 1 or args.max_open_shards < 1 or args.queries < 1 or args.repeat < 1 or not args.curve or min(args.curve) < 1:
+    if (
+        args.entries < 1
+        or args.max_open_shards < 1
+        or args.queries < 1
+        or args.repeat < 1
+        or not args.curve
+        or min(args.curve) < 1
+    ):
         p.error("--entries, --queries, --repeat and every --curve size must be >= 1")
     if hmem.kernels.KERNEL_SET != "native":
-        sys.stderr.write(f"{hmem.kernels.KERNELS_ENV} selects the {hmem.kernels.KERNEL_SET} kernels: "
-                         "this benchmark measures the native ones; unset it.\n")
+        sys.stderr.write(
+            f"{hmem.kernels.KERNELS_ENV} selects the {hmem.kernels.KERNEL_SET} kernels: "
+            "this benchmark measures the native ones; unset it.\n"
+        )
         return 2
 
     json_only = args.json == "-"
@@ -427,12 +554,24 @@ def main(argv: list[str] | None = None) -> int:
             store.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result = {"machine": facts,
-              "settings": {"entries": args.entries, "queries": args.queries, "query_tokens": QUERY_TOKENS,
-                           "embed_dim": EMBED_DIM, "hdc_dim": HDC_DIM, "top_k": TOP_K,
-                           "shortlist": TOP_K * SHORTLIST_FACTOR, "repeat": args.repeat, "curve": args.curve,
-                           "max_open_shards": args.max_open_shards, "shards": shards, "build_seconds": built},
-              **result}
+    result = {
+        "machine": facts,
+        "settings": {
+            "entries": args.entries,
+            "queries": args.queries,
+            "query_tokens": QUERY_TOKENS,
+            "embed_dim": EMBED_DIM,
+            "hdc_dim": HDC_DIM,
+            "top_k": TOP_K,
+            "shortlist": TOP_K * SHORTLIST_FACTOR,
+            "repeat": args.repeat,
+            "curve": args.curve,
+            "max_open_shards": args.max_open_shards,
+            "shards": shards,
+            "build_seconds": built,
+        },
+        **result,
+    }
     result["goals"] = goals(result["times"], args.queries, args.entries)
 
     if not json_only:

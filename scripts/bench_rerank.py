@@ -33,11 +33,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import benchlib
 import numpy as np
 
 import hmem
-
-import benchlib
 
 LAYERS = 32
 EMBED_DIM = 16
@@ -95,10 +94,14 @@ def measure(with_file: hmem.Store, without: hmem.Store, top_k: int, rounds: int)
             for r in results:
                 float(r.keys[0, 0])
             return results
+
         return run
 
-    cases = {"signature": call(with_file, False), "re-rank": call(with_file, True),
-             "re-rank, shards": call(without, True)}
+    cases = {
+        "signature": call(with_file, False),
+        "re-rank": call(with_file, True),
+        "re-rank, shards": call(without, True),
+    }
     for i in range(min(5, rounds)):
         a = [(r.entry_id, r.cosine) for r in cases["re-rank"](i)]
         b = [(r.entry_id, r.cosine) for r in cases["re-rank, shards"](i)]
@@ -133,18 +136,28 @@ def main(argv: list[str] | None = None) -> int:
             for top_k in (5, 10):
                 log(f"{entries:,} entries, top-{top_k}: {args.rounds} rounds ...")
                 t = measure(with_file, without, top_k, args.rounds)
-                results.append({"entries": entries, "top_k": top_k, **t,
-                                "ratio": t["re-rank"] / t["signature"],
-                                "ratio_shards": t["re-rank, shards"] / t["signature"]})
+                results.append(
+                    {
+                        "entries": entries,
+                        "top_k": top_k,
+                        **t,
+                        "ratio": t["re-rank"] / t["signature"],
+                        "ratio_shards": t["re-rank, shards"] / t["signature"],
+                    }
+                )
         finally:
             with_file.close()
             without.close()
-    print("| entries | top-k | signature only | re-rank (pooled.bin) | re-rank / signature "
-          "| re-rank from shards | shards / signature |")
+    print(
+        "| entries | top-k | signature only | re-rank (pooled.bin) | re-rank / signature "
+        "| re-rank from shards | shards / signature |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['entries']:,} | {r['top_k']} | {r['signature'] * 1e6:,.0f} µs | {r['re-rank'] * 1e6:,.0f} µs "
-              f"| {r['ratio']:.2f}x | {r['re-rank, shards'] * 1e6:,.0f} µs | {r['ratio_shards']:.2f}x |")
+        print(
+            f"| {r['entries']:,} | {r['top_k']} | {r['signature'] * 1e6:,.0f} µs | {r['re-rank'] * 1e6:,.0f} µs "
+            f"| {r['ratio']:.2f}x | {r['re-rank, shards'] * 1e6:,.0f} µs | {r['ratio_shards']:.2f}x |"
+        )
     ok = all(r["ratio"] <= GOAL for r in results)
     ratios = ", ".join(f"{r['ratio']:.2f}x" for r in results)
     print(f"\n{'holds' if ok else 'MISSED'}: a query with re-rank <= {GOAL}x the signature-only query ({ratios})")

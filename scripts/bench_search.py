@@ -49,12 +49,11 @@ import time
 import zlib
 from collections.abc import Callable
 
+import benchlib
 import numpy as np
 
 import hmem
 from hmem.kernels._native import _checksum, _hamming, _projection
-
-import benchlib
 
 try:
     import faiss
@@ -194,6 +193,7 @@ def bench_search(total: int, args, log) -> list[dict]:
     ]
     rows = []
     for name, k, mode, nbytes in cases:
+
         def pick(i):  # the layer a one-layer query reads
             return 0 if mode == "warm" else i % LAYERS
 
@@ -216,7 +216,10 @@ def bench_search(total: int, args, log) -> list[dict]:
             times = time_calls(call, 3 if slow else args.min_runs, args.seconds)
             row[impl] = {"median_ns": median(times), "min_ns": min(times), "runs": len(times)}
         rows.append(row)
-        log(f"  {total:>9,} {name}: native {fmt_ns(row['native']['median_ns'])}, floor {fmt_ns(row['floor']['median_ns'])}")
+        log(
+            f"  {total:>9,} {name}: native {fmt_ns(row['native']['median_ns'])}, "
+            f"floor {fmt_ns(row['floor']['median_ns'])}"
+        )
 
     # One layer, top-5, cold, on every CPU path.
     before = _hamming.active_path()
@@ -224,8 +227,15 @@ def bench_search(total: int, args, log) -> list[dict]:
         for index, path in enumerate(_hamming.PATH_NAMES[: _hamming.best_path() + 1]):
             _hamming.select_path(index)
             times = time_calls(lambda i: native_topk(q(i), layers[i % LAYERS], 5), args.min_runs, args.seconds)
-            rows.append({"size": total, "case": f"1 layer, top-5, cold, path {path}", "k": 5, "bytes": layer_bytes,
-                         "native": {"median_ns": median(times), "min_ns": min(times), "runs": len(times)}})
+            rows.append(
+                {
+                    "size": total,
+                    "case": f"1 layer, top-5, cold, path {path}",
+                    "k": 5,
+                    "bytes": layer_bytes,
+                    "native": {"median_ns": median(times), "min_ns": min(times), "runs": len(times)},
+                }
+            )
     finally:
         _hamming.select_path(before)
     return rows
@@ -243,18 +253,35 @@ def bench_projection(args, log) -> list[dict]:
             _projection.select_path(index)
             for rounds in (1, 2, 3):
                 signs = _projection.signs_table(12345, PROJ_M, rounds, 1)
-                times = time_calls(lambda i: _projection.signature(x, signs, PROJ_M, rounds, HDC_DIM, out),
-                                   args.min_runs * 10, args.seconds)
-                rows.append({"impl": f"native, {rounds} round{'s' if rounds > 1 else ''}, path {path} "
-                                     f"({_projection.variant()})",
-                             "rounds": rounds, "path": path, "median_ns": median(times), "runs": len(times)})
+                times = time_calls(
+                    lambda i: _projection.signature(x, signs, PROJ_M, rounds, HDC_DIM, out),
+                    args.min_runs * 10,
+                    args.seconds,
+                )
+                rows.append(
+                    {
+                        "impl": f"native, {rounds} round{'s' if rounds > 1 else ''}, path {path} "
+                        f"({_projection.variant()})",
+                        "rounds": rounds,
+                        "path": path,
+                        "median_ns": median(times),
+                        "runs": len(times),
+                    }
+                )
     finally:
         _projection.select_path(before)
     g = np.random.default_rng(2).standard_normal((HDC_DIM, EMBED_DIM), dtype=np.float32)
     vec = x[0]
     times = time_calls(lambda i: np.packbits(g @ vec > 0, bitorder="little"), args.min_runs, args.seconds)
-    rows.append({"impl": f"dense Gaussian, numpy float32 matvec ({g.nbytes / 2**20:.0f} MB matrix) + packbits",
-                 "rounds": None, "path": None, "median_ns": median(times), "runs": len(times)})
+    rows.append(
+        {
+            "impl": f"dense Gaussian, numpy float32 matvec ({g.nbytes / 2**20:.0f} MB matrix) + packbits",
+            "rounds": None,
+            "path": None,
+            "median_ns": median(times),
+            "runs": len(times),
+        }
+    )
     return rows
 
 
@@ -284,10 +311,20 @@ def bench_projection_batch(args, log) -> list[dict]:
                     first = out.copy()
                 elif not np.array_equal(out, first):
                     raise SystemExit(f"batch signatures differ on path {path}")
-                times = time_calls(lambda i: _projection.signature_many(x, starts, signs, m, 3, HDC_DIM, out, sums),
-                                   3, args.seconds)
-                rows.append({"tokens": tokens, "embed_dim": dim, "path": path, "entries": count,
-                             "median_ns": median(times), "per_entry_ns": median(times) / count, "runs": len(times)})
+                times = time_calls(
+                    lambda i: _projection.signature_many(x, starts, signs, m, 3, HDC_DIM, out, sums), 3, args.seconds
+                )
+                rows.append(
+                    {
+                        "tokens": tokens,
+                        "embed_dim": dim,
+                        "path": path,
+                        "entries": count,
+                        "median_ns": median(times),
+                        "per_entry_ns": median(times) / count,
+                        "runs": len(times),
+                    }
+                )
     finally:
         _projection.select_path(before)
     return rows
@@ -306,8 +343,13 @@ def bench_crc(args, log) -> list[dict]:
     finally:
         _checksum.select_path(before)
     times = time_calls(lambda i: zlib.crc32(data), args.min_runs, args.seconds)
-    rows.append({"impl": f"zlib.crc32 (zlib {zlib.ZLIB_RUNTIME_VERSION}, a different polynomial)",
-                 "median_ns": median(times), "runs": len(times)})
+    rows.append(
+        {
+            "impl": f"zlib.crc32 (zlib {zlib.ZLIB_RUNTIME_VERSION}, a different polynomial)",
+            "median_ns": median(times),
+            "runs": len(times),
+        }
+    )
     for row in rows:
         row["GB_per_s"] = CRC_BYTES / row["median_ns"]
     return rows
@@ -326,29 +368,39 @@ def goals(search: list[dict], projection: list[dict]) -> list[dict]:
     cold = by.get((1_000_000, "1 layer, top-5, cold"))
     if cold:
         ms = cold["native"]["median_ns"] / 1e6
-        add(f"one layer of a 1M-entry store (top-5, cold) <= {GOAL_LAYER_MS:g} ms", ms <= GOAL_LAYER_MS,
-            f"{ms:.3f} ms")
+        add(f"one layer of a 1M-entry store (top-5, cold) <= {GOAL_LAYER_MS:g} ms", ms <= GOAL_LAYER_MS, f"{ms:.3f} ms")
     else:
         add(f"one layer of a 1M-entry store (top-5, cold) <= {GOAL_LAYER_MS:g} ms", None, "1M not in --sizes")
     largest = max((r["size"] for r in search), default=None)
     full = by.get((largest, "32 layers, top-5"))
     if full:
         ratio = full["native"]["median_ns"] / full["floor"]["median_ns"]
-        add(f"full scan (32 layers, top-5, {largest:,} entries) within {GOAL_FLOOR_RATIO:g}x of the memory-read floor",
-            ratio <= GOAL_FLOOR_RATIO, f"{ratio:.2f}x")
+        add(
+            f"full scan (32 layers, top-5, {largest:,} entries) within {GOAL_FLOOR_RATIO:g}x of the memory-read floor",
+            ratio <= GOAL_FLOOR_RATIO,
+            f"{ratio:.2f}x",
+        )
     faiss_rows = [r for r in search if "faiss" in r and r["case"] in ("1 layer, top-5, cold", "32 layers, top-5")]
     if faiss_rows:
-        speedups = {f"{r['size']:,} {r['case']}": r["faiss"]["median_ns"] / r["native"]["median_ns"] for r in faiss_rows}
+        speedups = {
+            f"{r['size']:,} {r['case']}": r["faiss"]["median_ns"] / r["native"]["median_ns"] for r in faiss_rows
+        }
         worst = min(speedups.values())
-        add(f">= {GOAL_FAISS_SPEEDUP:g}x faster than faiss IndexBinaryFlat on one query", worst >= GOAL_FAISS_SPEEDUP,
-            ", ".join(f"{k}: {v:.1f}x" for k, v in speedups.items()))
+        add(
+            f">= {GOAL_FAISS_SPEEDUP:g}x faster than faiss IndexBinaryFlat on one query",
+            worst >= GOAL_FAISS_SPEEDUP,
+            ", ".join(f"{k}: {v:.1f}x" for k, v in speedups.items()),
+        )
     else:
         add(f">= {GOAL_FAISS_SPEEDUP:g}x faster than faiss IndexBinaryFlat on one query", None, "faiss not importable")
     best = [r for r in projection if r["rounds"] == 3 and r["path"] == _projection.PATH_NAMES[_projection.best_path()]]
     if best:
         us = best[0]["median_ns"] / 1000
-        add(f"projection of one vector (3584 -> 4096 bits, 3 rounds) <= {GOAL_PROJECTION_US:g} us",
-            us <= GOAL_PROJECTION_US, f"{us:.1f} us")
+        add(
+            f"projection of one vector (3584 -> 4096 bits, 3 rounds) <= {GOAL_PROJECTION_US:g} us",
+            us <= GOAL_PROJECTION_US,
+            f"{us:.1f} us",
+        )
     return out
 
 
@@ -377,31 +429,57 @@ def search_table(rows: list[dict]) -> str:
     for r in rows:
         nat = r["native"]["median_ns"]
         get = lambda name: r[name]["median_ns"] if name in r else None  # noqa: E731
-        body.append([
-            f"{r['size']:,}", r["case"], fmt_ns(nat), f"{r['bytes'] / nat:.1f}", fmt_ns(get("numpy")),
-            fmt_ns(get("faiss")), fmt_ns(get("floor")),
-            "-" if "floor" not in r else f"{nat / r['floor']['median_ns']:.2f}x",
-            "-" if "faiss" not in r else f"{r['faiss']['median_ns'] / nat:.1f}x",
-        ])
+        body.append(
+            [
+                f"{r['size']:,}",
+                r["case"],
+                fmt_ns(nat),
+                f"{r['bytes'] / nat:.1f}",
+                fmt_ns(get("numpy")),
+                fmt_ns(get("faiss")),
+                fmt_ns(get("floor")),
+                "-" if "floor" not in r else f"{nat / r['floor']['median_ns']:.2f}x",
+                "-" if "faiss" not in r else f"{r['faiss']['median_ns'] / nat:.1f}x",
+            ]
+        )
     return render(header, body, left=2)
 
 
 def machine_facts() -> dict[str, str]:
     facts = benchlib.machine_facts()
-    facts["faiss"] = "not importable" if faiss is None else f"{faiss.__version__}, {faiss.omp_get_max_threads()} threads"
+    facts["faiss"] = (
+        "not importable" if faiss is None else f"{faiss.__version__}, {faiss.omp_get_max_threads()} threads"
+    )
     return facts
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="10000,100000,1000000", metavar="N,N,...",
-                   help="store sizes in entries, comma-separated (default 10000,100000,1000000)")
-    p.add_argument("--min-runs", type=int, default=20, metavar="N", help="minimum timed calls per measurement (default 20)")
-    p.add_argument("--seconds", type=float, default=0.5, metavar="S",
-                   help="minimum timing time per measurement, seconds (default 0.5)")
-    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                   help="write the results as JSON: to stdout instead of the tables, or to PATH")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--sizes",
+        default="10000,100000,1000000",
+        metavar="N,N,...",
+        help="store sizes in entries, comma-separated (default 10000,100000,1000000)",
+    )
+    p.add_argument(
+        "--min-runs", type=int, default=20, metavar="N", help="minimum timed calls per measurement (default 20)"
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="minimum timing time per measurement, seconds (default 0.5)",
+    )
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="write the results as JSON: to stdout instead of the tables, or to PATH",
+    )
     args = p.parse_args(argv)
     try:
         sizes = [int(s.replace("_", "")) for s in args.sizes.split(",") if s.strip()]
@@ -410,8 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or min(sizes) < LAYERS or args.min_runs < 1 or args.seconds < 0:
         p.error(f"--sizes must be >= {LAYERS} each, --min-runs >= 1, --seconds >= 0")
     if hmem.kernels.KERNEL_SET != "native":
-        sys.stderr.write(f"{hmem.kernels.KERNELS_ENV} selects the {hmem.kernels.KERNEL_SET} kernels: "
-                         "this benchmark measures the native ones; unset it.\n")
+        sys.stderr.write(
+            f"{hmem.kernels.KERNELS_ENV} selects the {hmem.kernels.KERNEL_SET} kernels: "
+            "this benchmark measures the native ones; unset it.\n"
+        )
         return 2
 
     json_only = args.json == "-"
@@ -424,16 +504,33 @@ def main(argv: list[str] | None = None) -> int:
     print("hmem search / projection / checksum benchmark (scripts/bench_search.py)", file=out)
     for key, value in facts.items():
         print(f"  {key:9} {value}", file=out)
-    print(f"  timing    median of >= {args.min_runs} calls and >= {args.seconds:g} s per measurement "
-          "(>= 3 calls for numpy over more than 64 MB), gc off", file=out, flush=True)
+    print(
+        f"  timing    median of >= {args.min_runs} calls and >= {args.seconds:g} s per measurement "
+        "(>= 3 calls for numpy over more than 64 MB), gc off",
+        file=out,
+        flush=True,
+    )
 
     search = [row for total in sizes for row in bench_search(total, args, log)]
     projection = bench_projection(args, log)
     batch = bench_projection_batch(args, log)
     crc = bench_crc(args, log)
-    result = {"machine": facts, "settings": {"sizes": sizes, "min_runs": args.min_runs, "seconds": args.seconds,
-                                             "hdc_dim": HDC_DIM, "layers": LAYERS, "embed_dim": EMBED_DIM},
-              "search": search, "projection": projection, "projection_batch": batch, "crc32c": crc, "goals": goals(search, projection)}
+    result = {
+        "machine": facts,
+        "settings": {
+            "sizes": sizes,
+            "min_runs": args.min_runs,
+            "seconds": args.seconds,
+            "hdc_dim": HDC_DIM,
+            "layers": LAYERS,
+            "embed_dim": EMBED_DIM,
+        },
+        "search": search,
+        "projection": projection,
+        "projection_batch": batch,
+        "crc32c": crc,
+        "goals": goals(search, projection),
+    }
 
     if not json_only:
         print(file=out)
@@ -444,13 +541,22 @@ def main(argv: list[str] | None = None) -> int:
         print(render(["implementation", "median"], [[r["impl"], fmt_ns(r["median_ns"])] for r in projection]), file=out)
         print(file=out)
         print(f"Projection of a batch of entries to {HDC_DIM} bits (one call, one thread; per entry)", file=out)
-        print(render(["tokens x dim", "path", "per entry"],
-                     [[f"{r['tokens']} x {r['embed_dim']}", r["path"], fmt_ns(r["per_entry_ns"])] for r in batch]),
-              file=out)
+        print(
+            render(
+                ["tokens x dim", "path", "per entry"],
+                [[f"{r['tokens']} x {r['embed_dim']}", r["path"], fmt_ns(r["per_entry_ns"])] for r in batch],
+            ),
+            file=out,
+        )
         print(file=out)
         print(f"CRC-32C over {CRC_BYTES >> 20} MB", file=out)
-        print(render(["implementation", "median", "GB/s"],
-                     [[r["impl"], fmt_ns(r["median_ns"]), f"{r['GB_per_s']:.1f}"] for r in crc]), file=out)
+        print(
+            render(
+                ["implementation", "median", "GB/s"],
+                [[r["impl"], fmt_ns(r["median_ns"]), f"{r['GB_per_s']:.1f}"] for r in crc],
+            ),
+            file=out,
+        )
         print(file=out)
         for g in result["goals"]:
             verdict = "not measured" if g["holds"] is None else "holds" if g["holds"] else "FAILS"

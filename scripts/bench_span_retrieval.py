@@ -71,12 +71,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import benchlib
 import numpy as np
 
 import hmem
 from hmem.store.projection import span_bounds
-
-import benchlib
 
 HDC_DIM = 4096
 TOP_K = 10
@@ -91,8 +90,24 @@ GOAL_DISK = 1.5
 class KeyGen:
     """Vectorised generator of keys with the structure of real ones."""
 
-    def __init__(self, d=64, topics=10, concepts=1000, seed=0, shared=1.0, topic=0.5, sent=0.2, noise=0.7,
-                 sink=6.0, per_sent=3, vocab=50000, tok=0.7, sentence_tokens=20, min_tokens=64, max_tokens=256):
+    def __init__(
+        self,
+        d=64,
+        topics=10,
+        concepts=1000,
+        seed=0,
+        shared=1.0,
+        topic=0.5,
+        sent=0.2,
+        noise=0.7,
+        sink=6.0,
+        per_sent=3,
+        vocab=50000,
+        tok=0.7,
+        sentence_tokens=20,
+        min_tokens=64,
+        max_tokens=256,
+    ):
         r = np.random.default_rng(seed)
         self.r, self.d = r, d
 
@@ -148,13 +163,15 @@ def directory_bytes(path: Path) -> int:
 VARIANT_SPANS = 7  # the spans of signatures_per_entry = 8
 SINK_FACTOR = 3.0  # a query's first row counts as a sink when its norm passes 3 x the median row norm
 VARIANTS = (  # name, pooled keys, layer mean removed, span layout (None: the mean alone)
-    ("mean", "all", False, None), ("mean, layer mean removed", "all", True, None),
+    ("mean", "all", False, None),
+    ("mean, layer mean removed", "all", True, None),
     ("mean, sink row left out", "no sink", False, None),
     ("disjoint spans", "all", False, "disjoint"),
     ("disjoint spans, layer mean removed", "all", True, "disjoint"),
     ("disjoint spans, sink row left out (before)", "no sink", False, "disjoint"),
     ("overlapping spans", "all", False, "overlapping"),
-    ("overlapping spans, sink row left out (the store)", "no sink", False, "overlapping"))
+    ("overlapping spans, sink row left out (the store)", "no sink", False, "overlapping"),
+)
 LAYOUTS = ("disjoint", "overlapping")
 
 
@@ -167,8 +184,11 @@ class Pooled:
     def __init__(self, count: int, dim: int, spans: int) -> None:
         self.spans = spans
         self.lengths = {kind: np.zeros(count, dtype=np.int64) for kind in ("all", "no sink")}
-        self.keys = {(kind, layout): np.zeros((count, spans + 1, dim), dtype=np.float32)
-                     for kind in ("all", "no sink") for layout in LAYOUTS}
+        self.keys = {
+            (kind, layout): np.zeros((count, spans + 1, dim), dtype=np.float32)
+            for kind in ("all", "no sink")
+            for layout in LAYOUTS
+        }
 
     def add(self, first: int, rows: np.ndarray, starts: np.ndarray) -> None:
         total = np.zeros((len(rows) + 1, rows.shape[1]))
@@ -176,17 +196,22 @@ class Pooled:
         for kind, skip in (("all", 0), ("no sink", 1)):
             lo, end = starts[:-1] + skip, starts[1:]
             count = len(lo)
-            self.lengths[kind][first:first + count] = end - lo
+            self.lengths[kind][first : first + count] = end - lo
             local = np.concatenate([[0], np.cumsum(end - lo)])
             for layout in LAYOUTS:
                 a, b = span_bounds(local, self.spans, layout=layout)
                 a, b = a - local[:-1, None] + lo[:, None], b - local[:-1, None] + lo[:, None]
-                block = self.keys[(kind, layout)][first:first + count]
+                block = self.keys[(kind, layout)][first : first + count]
                 block[:, 0] = (total[end] - total[lo]) / (end - lo)[:, None]
                 block[:, 1:] = (total[b] - total[a]) / (b - a)[:, :, None]
 
-    def variants(self, span_q: list[np.ndarray], full_q: list[np.ndarray], targets: np.ndarray,
-                 names: tuple[str, ...] | None = None) -> list[dict]:
+    def variants(
+        self,
+        span_q: list[np.ndarray],
+        full_q: list[np.ndarray],
+        targets: np.ndarray,
+        names: tuple[str, ...] | None = None,
+    ) -> list[dict]:
         """found@1 and @10 of each exact variant (those named, or all), for
         the span and the full-entry queries."""
         out = []
@@ -214,15 +239,15 @@ class Pooled:
                     lengths.append(len(q))
                 ranks = []
                 for lo in range(0, len(vectors), 32):  # 32 queries at a time: one matrix product each
-                    v = np.array(vectors[lo:lo + 32])
+                    v = np.array(vectors[lo : lo + 32])
                     if spans:  # as the store: the mean and the spans of at least half the query's tokens
                         scores = (flat @ v.T).T.reshape(len(v), *keys.shape[:2])
-                        held = width[None] >= 0.5 * np.array(lengths[lo:lo + 32])[:, None, None]
+                        held = width[None] >= 0.5 * np.array(lengths[lo : lo + 32])[:, None, None]
                         scores[:, :, 1:] = np.where(held, scores[:, :, 1:], -np.inf)
                         score = scores.max(axis=2)
                     else:
                         score = (keys[:, 0] @ v.T).T
-                    mine = score[np.arange(len(v)), targets[lo:lo + 32]]
+                    mine = score[np.arange(len(v)), targets[lo : lo + 32]]
                     ranks.append(np.sum(score > mine[:, None], axis=1))
                 rank = np.concatenate(ranks)
                 row[f"{label}_found1"] = float(np.mean(rank < 1))
@@ -235,8 +260,17 @@ def build(root: Path, args, span_values: list[int], log):
     """Create one store per S, put the same entries into all; returns
     (paths, ids of the query entries per S, span queries, full queries,
     random-pair cosine, seconds of put_many+flush per S)."""
-    gen = KeyGen(d=args.dim, vocab=args.vocab, tok=args.tok, noise=args.noise, sent=args.sent,
-                 topics=args.topics, topic=args.topic, sink=args.sink, seed=args.seed)
+    gen = KeyGen(
+        d=args.dim,
+        vocab=args.vocab,
+        tok=args.tok,
+        noise=args.noise,
+        sent=args.sent,
+        topics=args.topics,
+        topic=args.topic,
+        sink=args.sink,
+        seed=args.seed,
+    )
     pick = np.random.default_rng(args.seed + 1)
     targets = np.sort(pick.choice(args.entries, args.queries, replace=False))
     wanted = {int(t): i for i, t in enumerate(targets)}
@@ -248,10 +282,19 @@ def build(root: Path, args, span_values: list[int], log):
 
     pooled = Pooled(args.entries, args.dim, VARIANT_SPANS) if args.variants else None
     paths = {s: root / f"spans-{s[0]}-{s[1]}" for s in span_values}
-    stores = {s: hmem.Store.create(paths[s], embed_dim=args.dim, hdc_dim=HDC_DIM, signatures_per_entry=s[0],
-                                   span_layout=s[1], storage_dtype=STORAGE_DTYPE) for s in span_values}
+    stores = {
+        s: hmem.Store.create(
+            paths[s],
+            embed_dim=args.dim,
+            hdc_dim=HDC_DIM,
+            signatures_per_entry=s[0],
+            span_layout=s[1],
+            storage_dtype=STORAGE_DTYPE,
+        )
+        for s in span_values
+    }
     ids = {s: np.zeros(args.entries, dtype=np.int64) for s in span_values}
-    put_seconds = {s: 0.0 for s in span_values}
+    put_seconds = dict.fromkeys(span_values, 0.0)
     t_start = time.perf_counter()
     try:
         for lo in range(0, args.entries, args.batch):
@@ -263,14 +306,17 @@ def build(root: Path, args, span_values: list[int], log):
                 pair_means[int(e)] = means[e - lo]
             for t in targets[(targets >= lo) & (targets < lo + count)]:
                 i = int(t) - lo
-                latent[wanted[int(t)]] = base[starts[i]:starts[i + 1]].copy()
+                latent[wanted[int(t)]] = base[starts[i] : starts[i + 1]].copy()
             if pooled is not None:
                 pooled.add(lo, rows, starts)
-            entries = [hmem.Entry(rows[starts[i]:starts[i + 1]], rows[starts[i]:starts[i + 1]], 0)
-                       for i in range(count)] if stores else []
+            entries = (
+                [hmem.Entry(rows[starts[i] : starts[i + 1]], rows[starts[i] : starts[i + 1]], 0) for i in range(count)]
+                if stores
+                else []
+            )
             for s, store in stores.items():
                 t0 = time.perf_counter()
-                ids[s][lo:lo + count] = store.put_many(entries)
+                ids[s][lo : lo + count] = store.put_many(entries)
                 store.flush()
                 put_seconds[s] += time.perf_counter() - t0
             done = lo + count
@@ -290,7 +336,7 @@ def build(root: Path, args, span_values: list[int], log):
         assert base is not None
         length = int(rq.integers(SPAN_QUERY_TOKENS[0], SPAN_QUERY_TOKENS[1] + 1))
         start = int(rq.integers(1, len(base) - length + 1))  # never row 0, the sink
-        span_queries.append(np.ascontiguousarray(gen.draw(base[start:start + length])))
+        span_queries.append(np.ascontiguousarray(gen.draw(base[start : start + length])))
         full_queries.append(np.ascontiguousarray(gen.draw(base, np.array([0]))))
     target_ids = {s: ids[s][targets] for s in span_values}
     return paths, target_ids, span_queries, full_queries, cosine, put_seconds, (pooled, targets)
@@ -322,17 +368,21 @@ def found(store, queries, target_ids, search: str) -> tuple[float, float]:
 def time_rounds(cases: dict, queries: list[np.ndarray]) -> dict[str, float]:
     """Median seconds of one query call per case, the cases taking turns
     on each query (the found@ pass before this was the warm-up)."""
+
     def call(store, search: str):
         return lambda i: store.query(queries[i], 0, top_k=TOP_K, count_access=False, search=search)
 
-    return benchlib.medians_in_turns({name: call(store, search) for name, (store, search) in cases.items()},
-                                     len(queries))
+    return benchlib.medians_in_turns(
+        {name: call(store, search) for name, (store, search) in cases.items()}, len(queries)
+    )
 
 
 def run(root: Path, args, span_values: list[int], layouts: list[str], log) -> tuple[list[dict], dict]:
     stores_s = [(1, "overlapping")] + [(s, layout) for s in span_values for layout in layouts]
-    log(f"building {len(stores_s)} stores of {args.entries:,} entries "
-        f"({', '.join(f'S = {s}' + (f' {layout}' if s > 1 else '') for s, layout in stores_s)}) under {root} ...")
+    log(
+        f"building {len(stores_s)} stores of {args.entries:,} entries "
+        f"({', '.join(f'S = {s}' + (f' {layout}' if s > 1 else '') for s, layout in stores_s)}) under {root} ..."
+    )
     t0 = time.perf_counter()
     paths, target_ids, span_q, full_q, cosine, put_seconds, (pooled, targets) = build(root, args, stores_s, log)
     log(f"  built in {time.perf_counter() - t0:.0f} s")
@@ -353,14 +403,24 @@ def run(root: Path, args, span_values: list[int], layouts: list[str], log) -> tu
             store = opened[key]
             span1, span10 = found(store, span_q, target_ids[key], search)
             full1, full10 = found(store, full_q, target_ids[key], search)
-            rows.append({"mode": name, "signatures_per_entry": key[0], "span_layout": key[1], "search": search,
-                         "span_found1": span1, "span_found10": span10,
-                         "full_found1": full1, "full_found10": full10,
-                         "disk_bytes_per_entry": directory_bytes(paths[key]) / args.entries,
-                         "put_seconds": put_seconds[key]})
+            rows.append(
+                {
+                    "mode": name,
+                    "signatures_per_entry": key[0],
+                    "span_layout": key[1],
+                    "search": search,
+                    "span_found1": span1,
+                    "span_found10": span10,
+                    "full_found1": full1,
+                    "full_found10": full10,
+                    "disk_bytes_per_entry": directory_bytes(paths[key]) / args.entries,
+                    "put_seconds": put_seconds[key],
+                }
+            )
         log(f"timing {len(modes)} modes over {len(span_q)} span queries ...")
-        seconds = time_rounds({r["mode"]: (opened[(r["signatures_per_entry"], r["span_layout"])], r["search"])
-                               for r in rows}, span_q)
+        seconds = time_rounds(
+            {r["mode"]: (opened[(r["signatures_per_entry"], r["span_layout"])], r["search"]) for r in rows}, span_q
+        )
         for r in rows:
             r["query_seconds"] = seconds[r["mode"]]
     finally:
@@ -381,20 +441,39 @@ def goals(rows: list[dict]) -> list[dict]:
             continue
         m = r["mode"]
         f = r["span_found10"] / base["span_found10"] if base["span_found10"] else float("inf")
-        out.append({"goal": f"{m}: span-query found@10 >= {GOAL_FOUND}x mean pooling's", "holds": f >= GOAL_FOUND,
-                    "detail": f"{r['span_found10']:.3f} vs {base['span_found10']:.3f} = {f:.2f}x"})
+        out.append(
+            {
+                "goal": f"{m}: span-query found@10 >= {GOAL_FOUND}x mean pooling's",
+                "holds": f >= GOAL_FOUND,
+                "detail": f"{r['span_found10']:.3f} vs {base['span_found10']:.3f} = {f:.2f}x",
+            }
+        )
         t = r["query_seconds"] / base["query_seconds"]
-        out.append({"goal": f"{m}: query time <= {GOAL_TIME}x today's", "holds": t <= GOAL_TIME,
-                    "detail": f"{r['query_seconds'] * 1e3:.2f} ms vs {base['query_seconds'] * 1e3:.2f} ms = {t:.2f}x"})
+        out.append(
+            {
+                "goal": f"{m}: query time <= {GOAL_TIME}x today's",
+                "holds": t <= GOAL_TIME,
+                "detail": f"{r['query_seconds'] * 1e3:.2f} ms vs {base['query_seconds'] * 1e3:.2f} ms = {t:.2f}x",
+            }
+        )
         d = r["disk_bytes_per_entry"] / base["disk_bytes_per_entry"]
-        out.append({"goal": f"{m}: disk <= {GOAL_DISK}x today's", "holds": d <= GOAL_DISK,
-                    "detail": f"{r['disk_bytes_per_entry']:,.0f} B vs {base['disk_bytes_per_entry']:,.0f} B "
-                              f"per entry = {d:.2f}x"})
+        out.append(
+            {
+                "goal": f"{m}: disk <= {GOAL_DISK}x today's",
+                "holds": d <= GOAL_DISK,
+                "detail": f"{r['disk_bytes_per_entry']:,.0f} B vs {base['disk_bytes_per_entry']:,.0f} B "
+                f"per entry = {d:.2f}x",
+            }
+        )
         keep = r["full_found1"] >= base["full_found1"] and r["full_found10"] >= base["full_found10"]
-        out.append({"goal": f"{m}: full-entry queries lose nothing (found@1 and @10 >= mean pooling's)",
-                    "holds": keep,
-                    "detail": f"@1 {r['full_found1']:.3f} vs {base['full_found1']:.3f}, "
-                              f"@10 {r['full_found10']:.3f} vs {base['full_found10']:.3f}"})
+        out.append(
+            {
+                "goal": f"{m}: full-entry queries lose nothing (found@1 and @10 >= mean pooling's)",
+                "holds": keep,
+                "detail": f"@1 {r['full_found1']:.3f} vs {base['full_found1']:.3f}, "
+                f"@10 {r['full_found10']:.3f} vs {base['full_found10']:.3f}",
+            }
+        )
     return out
 
 
@@ -404,15 +483,21 @@ def report(rows: list[dict], facts: dict, out) -> None:
         print(f"  {key:19} {value}", file=out)
     print(file=out)
     base = rows[0]
-    print("| mode | span found@1 | span found@10 | full found@1 | full found@10 | disk / entry | query (span) "
-          "| found@10 vs mean | query vs mean | disk vs mean |", file=out)
+    print(
+        "| mode | span found@1 | span found@10 | full found@1 | full found@10 | disk / entry | query (span) "
+        "| found@10 vs mean | query vs mean | disk vs mean |",
+        file=out,
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", file=out)
     for r in rows:
         f = r["span_found10"] / base["span_found10"] if base["span_found10"] else float("inf")
-        print(f"| {r['mode']} | {r['span_found1']:.3f} | {r['span_found10']:.3f} | {r['full_found1']:.3f} "
-              f"| {r['full_found10']:.3f} | {r['disk_bytes_per_entry']:,.0f} B "
-              f"| {r['query_seconds'] * 1e3:.2f} ms | {f:.2f}x | {r['query_seconds'] / base['query_seconds']:.2f}x "
-              f"| {r['disk_bytes_per_entry'] / base['disk_bytes_per_entry']:.2f}x |", file=out)
+        print(
+            f"| {r['mode']} | {r['span_found1']:.3f} | {r['span_found10']:.3f} | {r['full_found1']:.3f} "
+            f"| {r['full_found10']:.3f} | {r['disk_bytes_per_entry']:,.0f} B "
+            f"| {r['query_seconds'] * 1e3:.2f} ms | {f:.2f}x | {r['query_seconds'] / base['query_seconds']:.2f}x "
+            f"| {r['disk_bytes_per_entry'] / base['disk_bytes_per_entry']:.2f}x |",
+            file=out,
+        )
     print(file=out)
     benchlib.print_goals(goals(rows), out)
 
@@ -422,22 +507,35 @@ def print_variants(variants: list[dict]) -> None:
     print("| variant | span found@1 | span found@10 | full found@1 | full found@10 |")
     print("|---|---:|---:|---:|---:|")
     for v in variants:
-        print(f"| {v['variant']} | {v['span_found1']:.3f} | {v['span_found10']:.3f} | {v['full_found1']:.3f} "
-              f"| {v['full_found10']:.3f} |")
+        print(
+            f"| {v['variant']} | {v['span_found1']:.3f} | {v['span_found10']:.3f} | {v['full_found1']:.3f} "
+            f"| {v['full_found10']:.3f} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--entries", type=int, default=100_000, metavar="N", help="entries per store (default 100,000)")
-    p.add_argument("--spans", default="8", metavar="S[,S...]",
-                   help="signatures_per_entry of the span stores, comma-separated (default 8)")
-    p.add_argument("--layouts", default="overlapping,disjoint", metavar="L[,L...]",
-                   help="span_layout of the span stores: a store per S and layout (default overlapping,disjoint)")
+    p.add_argument(
+        "--spans",
+        default="8",
+        metavar="S[,S...]",
+        help="signatures_per_entry of the span stores, comma-separated (default 8)",
+    )
+    p.add_argument(
+        "--layouts",
+        default="overlapping,disjoint",
+        metavar="L[,L...]",
+        help="span_layout of the span stores: a store per S and layout (default overlapping,disjoint)",
+    )
     p.add_argument("--queries", type=int, default=300, metavar="N", help="queries of each kind (default 300)")
     p.add_argument("--batch", type=int, default=5000, metavar="N", help="entries per put_many (default 5000)")
-    p.add_argument("--dir", metavar="PATH",
-                   help="build the stores here (an empty or missing directory) and keep them; "
-                        "default: a temporary directory, removed at the end")
+    p.add_argument(
+        "--dir",
+        metavar="PATH",
+        help="build the stores here (an empty or missing directory) and keep them; "
+        "default: a temporary directory, removed at the end",
+    )
     p.add_argument("--dim", type=int, default=64, metavar="D", help="embed_dim (default 64)")
     p.add_argument("--vocab", type=int, default=50000, help="token identity vectors (default 50000)")
     p.add_argument("--tok", type=float, default=0.7, help="norm of a token's identity vector (default 0.7)")
@@ -445,18 +543,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sent", type=float, default=0.2, help="norm of a sentence's vector (default 0.2)")
     p.add_argument("--topics", type=int, default=10, help="topics (default 10)")
     p.add_argument("--topic", type=float, default=0.5, help="norm of a topic's vector (default 0.5)")
-    p.add_argument("--sink", type=float, default=6.0,
-                   help="norm of the sink row, the shared component's being 1 (default 6)")
+    p.add_argument(
+        "--sink", type=float, default=6.0, help="norm of the sink row, the shared component's being 1 (default 6)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the data (default 0)")
-    p.add_argument("--variants", action="store_true",
-                   help="also score every entry exactly (numpy) for mean pooling and spans (S = 8, both layouts), "
-                        "each as is, with the layer's mean key removed and with the sink row left out "
-                        "(~1 min, ~2 GB more)")
-    p.add_argument("--exact-only", action="store_true",
-                   help="build no store: score the data exactly (numpy, every entry, no signatures) by mean pooling "
-                        "and by the spans of S = 8 in both layouts, the sink row left out, as the store cuts them: what "
-                        "any mode "
-                        "can reach on this data (~1.5 min at 100,000 entries)")
+    p.add_argument(
+        "--variants",
+        action="store_true",
+        help="also score every entry exactly (numpy) for mean pooling and spans (S = 8, both layouts), "
+        "each as is, with the layer's mean key removed and with the sink row left out "
+        "(~1 min, ~2 GB more)",
+    )
+    p.add_argument(
+        "--exact-only",
+        action="store_true",
+        help="build no store: score the data exactly (numpy, every entry, no signatures) by mean pooling "
+        "and by the spans of S = 8 in both layouts, the sink row left out, as the store cuts them: what "
+        "any mode "
+        "can reach on this data (~1.5 min at 100,000 entries)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
     try:
@@ -478,10 +583,14 @@ def main(argv: list[str] | None = None) -> int:
     facts["hmem scan threads"] = str(hmem.threads.cores())
     facts["entries"] = f"{args.entries:,} (one layer, {args.dim} floats per token, 64-256 tokens per entry)"
     facts["store"] = f"hdc_dim {HDC_DIM}, storage_dtype {STORAGE_DTYPE}, values = keys"
-    facts["data"] = (f"vocab {args.vocab}, tok {args.tok}, noise {args.noise}, sent {args.sent}, "
-                     f"topics {args.topics}, topic {args.topic}, sink {args.sink}, seed {args.seed}")
-    facts["queries"] = (f"{args.queries} span ({SPAN_QUERY_TOKENS[0]}-{SPAN_QUERY_TOKENS[1]} tokens) + "
-                        f"{args.queries} full-entry, top_k {TOP_K}")
+    facts["data"] = (
+        f"vocab {args.vocab}, tok {args.tok}, noise {args.noise}, sent {args.sent}, "
+        f"topics {args.topics}, topic {args.topic}, sink {args.sink}, seed {args.seed}"
+    )
+    facts["queries"] = (
+        f"{args.queries} span ({SPAN_QUERY_TOKENS[0]}-{SPAN_QUERY_TOKENS[1]} tokens) + "
+        f"{args.queries} full-entry, top_k {TOP_K}"
+    )
     if args.exact_only:
         extra = run_exact(Path(tempfile.gettempdir()), args, log)
         print("hmem span-retrieval benchmark (scripts/bench_span_retrieval.py), exact scores only", file=sys.stdout)
@@ -493,11 +602,13 @@ def main(argv: list[str] | None = None) -> int:
         ratio = {}
         for v in spans:
             ratio[v["variant"]] = v["span_found10"] / mean["span_found10"] if mean["span_found10"] else float("inf")
-            print(f"\nspan found@10, {v['variant']} / mean pooling: {ratio[v['variant']]:.2f}x "
-                  f"(the goal: {GOAL_FOUND}x)")
+            print(
+                f"\nspan found@10, {v['variant']} / mean pooling: {ratio[v['variant']]:.2f}x (the goal: {GOAL_FOUND}x)"
+            )
         if args.json:
-            Path(args.json).write_text(json.dumps({"machine": facts, "variants": extra["variants"], "ratio": ratio},
-                                                  indent=2))
+            Path(args.json).write_text(
+                json.dumps({"machine": facts, "variants": extra["variants"], "ratio": ratio}, indent=2)
+            )
         return 0
     if args.dir:
         root = Path(args.dir)
@@ -513,8 +624,12 @@ def main(argv: list[str] | None = None) -> int:
     if "variants" in extra:
         print_variants(extra["variants"])
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": facts, "results": rows, "goals": goals(rows),
-                                               "variants": extra.get("variants", [])}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {"machine": facts, "results": rows, "goals": goals(rows), "variants": extra.get("variants", [])},
+                indent=2,
+            )
+        )
     return 0 if all(g["holds"] for g in goals(rows)) else 1
 
 

@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from benchlib import compile_like_an_install, print_machine_facts
 
 import hmem
-from benchlib import compile_like_an_install, print_machine_facts
 
 
 def hmem_executable() -> str:
@@ -59,16 +59,25 @@ def wall(argv: list[str], env: dict[str, str], expect: set[int]) -> float:
 
 
 def typer_version(env: dict[str, str]) -> str:
-    out = subprocess.run([sys.executable, "-c", "import typer; print(typer.__version__)"], env=env,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import typer; print(typer.__version__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--compare-path", type=Path, default=None,
-                        help="also run every hmem command with this folder first on PYTHONPATH")
+    parser.add_argument(
+        "--compare-path",
+        type=Path,
+        default=None,
+        help="also run every hmem command with this folder first on PYTHONPATH",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     args = parser.parse_args()
 
@@ -79,8 +88,17 @@ def main() -> None:
         store = root / "store"
         with hmem.Store.create(store, embed_dim=64) as s:
             rng = np.random.default_rng(0)
-            s.put_many([(rng.standard_normal((4, 64), dtype=np.float32),
-                         rng.standard_normal((4, 64), dtype=np.float32), i % 4, 1.0) for i in range(1000)])
+            s.put_many(
+                [
+                    (
+                        rng.standard_normal((4, 64), dtype=np.float32),
+                        rng.standard_normal((4, 64), dtype=np.float32),
+                        i % 4,
+                        1.0,
+                    )
+                    for i in range(1000)
+                ]
+            )
         empty = root / "empty"
         empty.mkdir()
 

@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from benchlib import fmt_rate, fmt_seconds, kept_store, median, print_machine_facts, time_calls
 
 import hmem
-from benchlib import fmt_rate, fmt_seconds, kept_store, median, print_machine_facts, time_calls
 
 GOAL_WRITE_SHARE = 0.70
 GOAL_COMPACT_SHARE = 0.60
@@ -67,7 +67,7 @@ def raw_durable_write(path: Path, arrays: list[np.ndarray]) -> float:
         for a in arrays:
             view = memoryview(a).cast("B")
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -77,8 +77,9 @@ def raw_durable_write(path: Path, arrays: list[np.ndarray]) -> float:
 def bench_write(root: Path, args, report: dict) -> None:
     rng = np.random.default_rng(1)
     n, t, d = args.write_entries, args.tokens, args.embed_dim
-    entries = [(rng.standard_normal((t, d), dtype=np.float32), rng.standard_normal((t, d), dtype=np.float32))
-               for _ in range(n)]
+    entries = [
+        (rng.standard_normal((t, d), dtype=np.float32), rng.standard_normal((t, d), dtype=np.float32)) for _ in range(n)
+    ]
     payload = sum(k.nbytes + v.nbytes for k, v in entries)
     flat = [a for pair in entries for a in pair]
     rows = []
@@ -114,18 +115,26 @@ def bench_write(root: Path, args, report: dict) -> None:
         }
         rows.append(row)
         print(f"write {row['stored']}: {n} entries x {t}x{d} per batch, {payload / 1e6:,.0f} MB of K/V input")
-        print(f"  hmem put+flush, steady  {fmt_seconds(steady)}  {fmt_rate(payload, steady)} of input"
-              f"  ({row['share_of_raw_steady']:.0%} of raw)")
-        print(f"  hmem put+flush, cold    {fmt_seconds(cold)}  {fmt_rate(payload, cold)} of input"
-              f"  ({row['share_of_raw_cold']:.0%} of raw)")
+        print(
+            f"  hmem put+flush, steady  {fmt_seconds(steady)}  {fmt_rate(payload, steady)} of input"
+            f"  ({row['share_of_raw_steady']:.0%} of raw)"
+        )
+        print(
+            f"  hmem put+flush, cold    {fmt_seconds(cold)}  {fmt_rate(payload, cold)} of input"
+            f"  ({row['share_of_raw_cold']:.0%} of raw)"
+        )
         print(f"  raw write+fsync         {fmt_seconds(base)}  {fmt_rate(payload, base)}  (same bytes, baseline)")
         print(f"  on disk per batch       {row['bytes_on_disk'] / 1e6:,.0f} MB")
     f32, i8 = rows
     holds = f32["share_of_raw_steady"] >= GOAL_WRITE_SHARE
-    print(f"goal: put+flush >= {GOAL_WRITE_SHARE:.0%} of raw durable write speed (F32, steady): "
-          f"{'holds' if holds else 'FAILS'} ({f32['share_of_raw_steady']:.0%})")
-    print(f"INT8 vs F32: put+flush time x{i8['hmem_steady_seconds'] / f32['hmem_steady_seconds']:.2f}, "
-          f"disk x{i8['bytes_on_disk'] / f32['bytes_on_disk']:.2f}\n")
+    print(
+        f"goal: put+flush >= {GOAL_WRITE_SHARE:.0%} of raw durable write speed (F32, steady): "
+        f"{'holds' if holds else 'FAILS'} ({f32['share_of_raw_steady']:.0%})"
+    )
+    print(
+        f"INT8 vs F32: put+flush time x{i8['hmem_steady_seconds'] / f32['hmem_steady_seconds']:.2f}, "
+        f"disk x{i8['bytes_on_disk'] / f32['bytes_on_disk']:.2f}\n"
+    )
     report["write"] = rows
 
     # Query latency on the realistic stores (K/V of 5 MB per entry), F32 and INT8.
@@ -137,10 +146,14 @@ def bench_write(root: Path, args, report: dict) -> None:
             res = store.query(q, layer_idx=3, top_k=5)
             _ = sum(float(r.keys[-1, -1]) + float(r.values[-1, -1]) for r in res)
             first = time.perf_counter() - first
-            samples = time_calls(lambda: [float(r.keys[-1, -1]) + float(r.values[-1, -1])
-                                          for r in store.query(q, 3, top_k=5)], min_runs=20)
-        print(f"query, {label} store (top-5 of 5 MB entries, re-rank, K/V touched): first {fmt_seconds(first)} "
-              f"(checksums checked), then {fmt_seconds(median(samples))}")
+            samples = time_calls(
+                lambda: [float(r.keys[-1, -1]) + float(r.values[-1, -1]) for r in store.query(q, 3, top_k=5)],
+                min_runs=20,
+            )
+        print(
+            f"query, {label} store (top-5 of 5 MB entries, re-rank, K/V touched): first {fmt_seconds(first)} "
+            f"(checksums checked), then {fmt_seconds(median(samples))}"
+        )
         report["write_store_query"][label] = {"first_seconds": first, "steady_seconds": median(samples)}
     print()
 
@@ -193,16 +206,29 @@ def bench_compact(root: Path, args, report: dict) -> None:
     raw_s = median([r[1] for r in rows])
     live_bytes, plan, done = rows[-1][2], rows[-1][3], rows[-1][4]
     share = raw_s / compact_s
-    print(f"compact: {n} entries of {t}x{d}, half evicted; {live_bytes / 1e6:,.0f} MB of live tensors moved, "
-          f"{plan.shards_before} shards -> {done.shards_after}, {done.bytes_freed / 1e6:,.0f} MB freed")
+    print(
+        f"compact: {n} entries of {t}x{d}, half evicted; {live_bytes / 1e6:,.0f} MB of live tensors moved, "
+        f"{plan.shards_before} shards -> {done.shards_after}, {done.bytes_freed / 1e6:,.0f} MB freed"
+    )
     print(f"  hmem compact     {fmt_seconds(compact_s)}  {fmt_rate(live_bytes, compact_s)}")
-    print(f"  raw copy         {fmt_seconds(raw_s)}  {fmt_rate(live_bytes, raw_s)}  (same bytes: read, write, fsync; baseline)")
-    print(f"goal: compaction >= {GOAL_COMPACT_SHARE:.0%} of raw copy speed: "
-          f"{'holds' if share >= GOAL_COMPACT_SHARE else 'FAILS'} ({share:.0%})\n")
-    report["compact"] = {"entries": n, "live_bytes": live_bytes, "compact_seconds": compact_s,
-                         "raw_copy_seconds": raw_s, "share_of_raw": share,
-                         "shards_before": plan.shards_before, "shards_after": done.shards_after,
-                         "bytes_freed": done.bytes_freed}
+    print(
+        f"  raw copy         {fmt_seconds(raw_s)}  {fmt_rate(live_bytes, raw_s)}  "
+        "(same bytes: read, write, fsync; baseline)"
+    )
+    print(
+        f"goal: compaction >= {GOAL_COMPACT_SHARE:.0%} of raw copy speed: "
+        f"{'holds' if share >= GOAL_COMPACT_SHARE else 'FAILS'} ({share:.0%})\n"
+    )
+    report["compact"] = {
+        "entries": n,
+        "live_bytes": live_bytes,
+        "compact_seconds": compact_s,
+        "raw_copy_seconds": raw_s,
+        "share_of_raw": share,
+        "shards_before": plan.shards_before,
+        "shards_after": done.shards_after,
+        "bytes_freed": done.bytes_freed,
+    }
 
 
 # ---- open and query at 1M entries ------------------------------------------------
@@ -225,10 +251,10 @@ def build_large(path: Path, entries: int, layers: int, dim: int) -> float:
 
 def _fresh_process_seconds(statement: str) -> float:
     """The time `statement` takes in a new interpreter (imports not counted)."""
-    code = ("import time, numpy as np, hmem\n"
-            f"t = time.perf_counter()\n{statement}\nprint(time.perf_counter() - t)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          cwd=tempfile.gettempdir())
+    code = f"import time, numpy as np, hmem\nt = time.perf_counter()\n{statement}\nprint(time.perf_counter() - t)\n"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tempfile.gettempdir()
+    )
     return float(done.stdout.split()[-1])
 
 
@@ -261,28 +287,39 @@ def bench_open_query(root: Path, args, report: dict) -> None:
     opened = f"s = hmem.Store.open({str(path)!r}, read_only=True)"
     probe = f"q = np.ones({dim}, dtype=np.float32)"
     for _ in range(max(3, args.repeat)):
-        for code, out in ((opened, fresh_open),
-                          (f"np.fromfile({str(entries_bin)!r}, dtype=np.uint8)", fresh_raw),
-                          (f"{opened}\n{probe}\ns.query(q, 7, top_k=5)", fresh_one),
-                          (f"{opened}\n{probe}\nfor layer in range({layers}): s.query(q, layer, top_k=5)",
-                           fresh_all)):
+        for code, out in (
+            (opened, fresh_open),
+            (f"np.fromfile({str(entries_bin)!r}, dtype=np.uint8)", fresh_raw),
+            (f"{opened}\n{probe}\ns.query(q, 7, top_k=5)", fresh_one),
+            (f"{opened}\n{probe}\nfor layer in range({layers}): s.query(q, layer, top_k=5)", fresh_all),
+        ):
             entries_bin.read_bytes()
             out.append(_fresh_process_seconds(code))
     print(f"open, {n:,} entries ({size / 1e6:,.0f} MB of records):")
-    print(f"  Store.open        {fmt_seconds(median(open_times))} (again in one process), "
-          f"{fmt_seconds(median(fresh_open))} (a fresh process)")
-    print(f"  np.fromfile       {fmt_seconds(median(raw_times))} (again in one process), "
-          f"{fmt_seconds(median(fresh_raw))} (a fresh process)  (raw read of entries.bin, baseline)")
-    print(f"  open / raw        {median(open_times) / median(raw_times):.2f}x (one process), "
-          f"{median(fresh_open) / median(fresh_raw):.2f}x (fresh processes; goal <= {GOAL_OPEN_RATIO:g}x)")
+    print(
+        f"  Store.open        {fmt_seconds(median(open_times))} (again in one process), "
+        f"{fmt_seconds(median(fresh_open))} (a fresh process)"
+    )
+    print(
+        f"  np.fromfile       {fmt_seconds(median(raw_times))} (again in one process), "
+        f"{fmt_seconds(median(fresh_raw))} (a fresh process)  (raw read of entries.bin, baseline)"
+    )
+    print(
+        f"  open / raw        {median(open_times) / median(raw_times):.2f}x (one process), "
+        f"{median(fresh_open) / median(fresh_raw):.2f}x (fresh processes; goal <= {GOAL_OPEN_RATIO:g}x)"
+    )
     print(f"  open + the first query of one layer   {fmt_seconds(median(fresh_one))} (a fresh process)")
-    print(f"  open + a first query of each of the {layers} layers   {fmt_seconds(median(fresh_all))} "
-          "(a fresh process)")
-    report["open"] = {"entries": n, "entries_bytes": size, "open_seconds": median(open_times),
-                      "raw_read_seconds": median(raw_times), "fresh_open_seconds": median(fresh_open),
-                      "fresh_raw_read_seconds": median(fresh_raw),
-                      "fresh_open_first_query_seconds": median(fresh_one),
-                      "fresh_open_query_every_layer_seconds": median(fresh_all)}
+    print(f"  open + a first query of each of the {layers} layers   {fmt_seconds(median(fresh_all))} (a fresh process)")
+    report["open"] = {
+        "entries": n,
+        "entries_bytes": size,
+        "open_seconds": median(open_times),
+        "raw_read_seconds": median(raw_times),
+        "fresh_open_seconds": median(fresh_open),
+        "fresh_raw_read_seconds": median(fresh_raw),
+        "fresh_open_first_query_seconds": median(fresh_one),
+        "fresh_open_query_every_layer_seconds": median(fresh_all),
+    }
 
     rng = np.random.default_rng(3)
     with hmem.Store.open(path, read_only=True) as store:
@@ -294,6 +331,7 @@ def bench_open_query(root: Path, args, report: dict) -> None:
             q = queries[next(it) % len(queries)]
             for r in store.query(q, layer, top_k=5, rerank=rerank):
                 float(r.keys[0, 0])
+
         with_rr = time_calls(lambda: one(True), min_runs=200)
         without = time_calls(lambda: one(False), min_runs=200)
         # the baseline scans the very signature matrix hmem searches (internal state, read only)
@@ -305,13 +343,18 @@ def bench_open_query(root: Path, args, report: dict) -> None:
         def numpy_scan() -> None:
             d = np.bitwise_count(np.bitwise_xor(sigs, qsig)).sum(axis=1, dtype=np.int32)
             np.argpartition(d, 5)[:5]
+
         scan = time_calls(numpy_scan, min_runs=50)
     print(f"query end to end, one layer of {len(sigs):,} entries, top-5, K/V touched:")
     print(f"  hmem, re-rank     {fmt_seconds(median(with_rr))}")
     print(f"  hmem, signature   {fmt_seconds(median(without))}")
     print(f"  numpy xor+popcount+argpartition of the layer (search only, baseline) {fmt_seconds(median(scan))}\n")
-    report["query"] = {"layer_entries": len(sigs), "rerank_seconds": median(with_rr),
-                       "signature_seconds": median(without), "numpy_scan_seconds": median(scan)}
+    report["query"] = {
+        "layer_entries": len(sigs),
+        "rerank_seconds": median(with_rr),
+        "signature_seconds": median(without),
+        "numpy_scan_seconds": median(scan),
+    }
 
 
 # ---- recall ----------------------------------------------------------------------------
@@ -341,8 +384,10 @@ def bench_recall(root: Path, args, report: dict) -> None:
         targets = rng.integers(0, n, queries)
         qkeys = keys[targets] + 0.5 * rng.standard_normal((queries, tokens, dim)).astype(np.float32)
         qmean = qkeys.mean(axis=1, dtype=np.float64)
-        exact = np.argsort(-(qmean / np.linalg.norm(qmean, axis=1, keepdims=True)) @ unit.T, axis=1,
-                           kind="stable")[:, :10] + 1  # entry ids start at 1
+        exact = (
+            np.argsort(-(qmean / np.linalg.norm(qmean, axis=1, keepdims=True)) @ unit.T, axis=1, kind="stable")[:, :10]
+            + 1
+        )  # entry ids start at 1
         rows = {}
         for label, rerank in (("signature only", False), ("re-rank 4x shortlist", True)):
             hits = 0
@@ -352,10 +397,18 @@ def bench_recall(root: Path, args, report: dict) -> None:
                 hits += len({r.entry_id for r in res} & set(exact[qi].tolist()))
                 sims.append(res[-1].similarity)
             rows[label] = hits / (10 * queries)
-        sig_unrelated = np.mean([r.similarity for r in store.query(rng.standard_normal(dim).astype(np.float32)
-                                                                   + keys[0, 0], 0, top_k=50, rerank=False)])
+        sig_unrelated = np.mean(
+            [
+                r.similarity
+                for r in store.query(
+                    rng.standard_normal(dim).astype(np.float32) + keys[0, 0], 0, top_k=50, rerank=False
+                )
+            ]
+        )
     print(f"recall@10 against exact pooled-key cosine, {n:,} clustered entries, dim {dim}, {queries} queries")
-    print(f"  unrelated pooled keys: mean cosine {unrelated_cos:.2f}; signature similarity of top-50 ~{sig_unrelated:.2f}")
+    print(
+        f"  unrelated pooled keys: mean cosine {unrelated_cos:.2f}; signature similarity of top-50 ~{sig_unrelated:.2f}"
+    )
     for label, value in rows.items():
         print(f"  {label:22s} recall@10 = {value:.3f}")
     holds = rows["re-rank 4x shortlist"] >= GOAL_RECALL_AT_10

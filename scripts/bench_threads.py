@@ -42,12 +42,11 @@ import threading
 import time
 from pathlib import Path
 
+import benchlib
 import numpy as np
 
 import hmem
 from hmem import threads as hmem_threads
-
-import benchlib
 
 ENTRIES = 200_000
 EMBED_DIM = 16
@@ -63,7 +62,7 @@ def open_store(root: Path, log) -> Path:
         log(f"building {path} ...")
         rng = np.random.default_rng(4)
         with hmem.Store.create(path, config) as store:
-            for lo in range(0, ENTRIES, 10_000):
+            for _lo in range(0, ENTRIES, 10_000):
                 keys = rng.standard_normal((10_000, 1, EMBED_DIM), dtype=np.float32)
                 store.put_many(hmem.Entry(k, k, 0) for k in keys)
                 store.flush()
@@ -89,9 +88,14 @@ def run_processes(path: Path, search: str) -> float:
     queries each (the slower one's time; start-up and warm-up not timed)."""
     start_at = time.time() + 2.0  # time enough to start, open and warm up
     half = QUERIES // 2
-    children = [subprocess.Popen([sys.executable, __file__, "--child", str(path), search, str(lo), str(hi),
-                                  repr(start_at)], stdout=subprocess.PIPE, text=True)
-                for lo, hi in ((0, half), (half, QUERIES))]
+    children = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--child", str(path), search, str(lo), str(hi), repr(start_at)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for lo, hi in ((0, half), (half, QUERIES))
+    ]
     outs = [child.communicate()[0] for child in children]
     if any(child.returncode for child in children):
         raise RuntimeError("a query process failed")
@@ -166,8 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", default="/tmp/hmem-bench-threads", help="where the store is built and kept")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--search", default="auto", choices=("auto", "full", "two-stage"))
-    p.add_argument("--writer-pause", type=float, default=0.0, metavar="SECONDS",
-                   help="the writer's pause between rounds of put + flush (default 0: back to back)")
+    p.add_argument(
+        "--writer-pause",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="the writer's pause between rounds of put + flush (default 0: back to back)",
+    )
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
 
@@ -193,8 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for s in (shared, *own):
             run_threads([s], queries[:10], args.search)  # warm: maps, prefix matrices
-        times: dict[str, list[float]] = {"1 thread": [], "2 threads, one Store": [], "2 threads, own Stores": [],
-                                         "2 processes, own Stores": [], "2 threads, one Store, writer": []}
+        times: dict[str, list[float]] = {
+            "1 thread": [],
+            "2 threads, one Store": [],
+            "2 threads, own Stores": [],
+            "2 processes, own Stores": [],
+            "2 threads, one Store, writer": [],
+        }
         one_thread_cpu: list[float] = []  # process CPU seconds of the "1 thread" case, every thread counted
         for _ in range(args.repeat):
             cpu0 = time.process_time()
@@ -214,35 +228,56 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     med = {name: statistics.median(t) for name, t in times.items()}
     base = med["1 thread"]
-    print(f"\n{QUERIES} queries, top-{TOP_K}, re-rank, search={args.search}, one layer of {ENTRIES:,} entries; "
-          f"medians of {args.repeat}")
+    print(
+        f"\n{QUERIES} queries, top-{TOP_K}, re-rank, search={args.search}, one layer of {ENTRIES:,} entries; "
+        f"medians of {args.repeat}"
+    )
     print("| case | time | queries/s | vs 1 thread |")
     print("|---|---:|---:|---:|")
     for name, t in med.items():
         print(f"| {name} | {t * 1e3:,.0f} ms | {QUERIES / t:,.0f} | {base / t:.2f}x |")
-    print(f"\nthe writer put and flushed {writes} rounds of 100 entries during the last case "
-          f"(pause {args.writer_pause} s), {writes / writer_wall:,.0f} a second, its thread busy on a core "
-          f"{writer_cpu / writer_wall:.0%} of the time")
+    print(
+        f"\nthe writer put and flushed {writes} rounds of 100 entries during the last case "
+        f"(pause {args.writer_pause} s), {writes / writer_wall:,.0f} a second, its thread busy on a core "
+        f"{writer_cpu / writer_wall:.0%} of the time"
+    )
     # The most any sharing of the work can gain: one thread's queries take
     # C seconds of CPU (its scans on every core) in T seconds; with every
     # core busy and the same CPU a query, N cores answer them in C / N.
     cores = hmem_threads.cores()  # the cores this process may run on
     busy = statistics.median(one_thread_cpu) / base
     ceiling = cores / busy
-    print(f"1 thread kept {busy:.2f} of the {cores} cores busy (CPU time / wall time): at the same CPU per "
-          f"query, no number of threads can pass {ceiling:.2f}x it on this machine")
+    print(
+        f"1 thread kept {busy:.2f} of the {cores} cores busy (CPU time / wall time): at the same CPU per "
+        f"query, no number of threads can pass {ceiling:.2f}x it on this machine"
+    )
     shared_gain = base / med["2 threads, one Store"]
     with_writer = med["2 threads, one Store"] / med["2 threads, one Store, writer"]
-    goals = [("2 threads sharing one Store >= 1.6x 1 thread", shared_gain >= 1.6, f"{shared_gain:.2f}x"),
-             ("with a writer putting and flushing, reader throughput >= 70% of without", with_writer >= 0.7,
-              f"{with_writer:.0%}")]
+    goals = [
+        ("2 threads sharing one Store >= 1.6x 1 thread", shared_gain >= 1.6, f"{shared_gain:.2f}x"),
+        (
+            "with a writer putting and flushing, reader throughput >= 70% of without",
+            with_writer >= 0.7,
+            f"{with_writer:.0%}",
+        ),
+    ]
     for text, ok, detail in goals:
         print(f"{'holds' if ok else 'MISSED'}: {text} ({detail})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": facts, "seconds": med, "writer_rounds": writes,
-                                               "one_thread_busy_cores": busy, "ceiling": ceiling,
-                                               "writer_cpu_share": writer_cpu / writer_wall,
-                                               "search": args.search}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "machine": facts,
+                    "seconds": med,
+                    "writer_rounds": writes,
+                    "one_thread_busy_cores": busy,
+                    "ceiling": ceiling,
+                    "writer_cpu_share": writer_cpu / writer_wall,
+                    "search": args.search,
+                },
+                indent=2,
+            )
+        )
     return 0 if all(ok for _, ok, _ in goals) else 1
 
 

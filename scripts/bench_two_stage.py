@@ -41,12 +41,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import benchlib
 import numpy as np
 
 import hmem
 from hmem.store import search as search_module
-
-import benchlib
 
 try:
     import faiss
@@ -83,7 +82,7 @@ def open_store(root: Path, dataset: str, keys: np.ndarray, log) -> hmem.Store:
         log(f"building {path} ({len(keys):,} entries) ...")
         with hmem.Store.create(path, config) as store:
             for lo in range(0, len(keys), BUILD_BATCH):
-                rows = keys[lo:lo + BUILD_BATCH, None, :]
+                rows = keys[lo : lo + BUILD_BATCH, None, :]
                 store.put_many(hmem.Entry(r, r, 0) for r in rows)
                 store.flush()
 
@@ -135,8 +134,9 @@ def run_dataset(root: Path, dataset: str, args, log) -> dict:
         unrelated = float(np.mean(np.sum(unit[pairs[:, 0]] * unit[pairs[:, 1]], axis=1)))
         rng = np.random.default_rng(13)
         targets = rng.integers(0, len(keys), args.queries)
-        queries = [(keys[t] + QUERY_NOISE * rng.standard_normal((QUERY_TOKENS, args.dim))).astype(np.float32)
-                   for t in targets]
+        queries = [
+            (keys[t] + QUERY_NOISE * rng.standard_normal((QUERY_TOKENS, args.dim))).astype(np.float32) for t in targets
+        ]
         exact = []
         for q in queries:
             mean = q.mean(axis=0, dtype=np.float64)
@@ -144,10 +144,14 @@ def run_dataset(root: Path, dataset: str, args, log) -> dict:
             exact.append(set(ids[np.argsort(-cos, kind="stable")[:TOP_K]].tolist()))
         default = (search_module.PREFIX_BYTES, search_module.SURVIVORS_PER_PLACE)
         log(f"{dataset}: recall of the full search and of the two-stage search ...")
-        result = {"entries": len(keys), "dim": args.dim, "unrelated_cosine": unrelated,
-                  "recall_full": recall(store, queries, exact, "full"),
-                  "recall_two_stage": recall(store, queries, exact, "two-stage"),
-                  "recall_auto": recall(store, queries, exact, "auto")}
+        result = {
+            "entries": len(keys),
+            "dim": args.dim,
+            "unrelated_cosine": unrelated,
+            "recall_full": recall(store, queries, exact, "full"),
+            "recall_two_stage": recall(store, queries, exact, "two-stage"),
+            "recall_auto": recall(store, queries, exact, "auto"),
+        }
 
         cases: dict[str, Callable[[int], object]] = {
             "two-stage": lambda i: store.query(queries[i], 0, top_k=TOP_K, search="two-stage", count_access=False),
@@ -160,7 +164,7 @@ def run_dataset(root: Path, dataset: str, args, log) -> dict:
             index.add(view.sigs[: view.n])
             projector = store._state.projector
             qsigs = np.stack([projector.signature(np.ascontiguousarray(q)) for q in queries])
-            cases["faiss"] = lambda i: index.search(qsigs[i: i + 1], SHORTLIST)
+            cases["faiss"] = lambda i: index.search(qsigs[i : i + 1], SHORTLIST)
         log(f"{dataset}: timing {', '.join(cases)} over {args.queries} queries ...")
         result["seconds"] = time_rounds(cases, args.queries)
 
@@ -169,8 +173,10 @@ def run_dataset(root: Path, dataset: str, args, log) -> dict:
             for survivors in CURVE_SURVIVORS:
                 set_two_stage(store, prefix, survivors)
                 r = recall(store, queries, exact, "two-stage")
-                t = time_rounds({"q": lambda i: store.query(queries[i], 0, top_k=TOP_K, search="two-stage",
-                                                            count_access=False)}, min(args.queries, 60))["q"]
+                t = time_rounds(
+                    {"q": lambda i: store.query(queries[i], 0, top_k=TOP_K, search="two-stage", count_access=False)},
+                    min(args.queries, 60),
+                )["q"]
                 curve.append({"prefix_bytes": prefix, "survivors_per_place": survivors, "recall": r, "seconds": t})
                 log(f"  prefix {prefix} B, {survivors} x shortlist: recall {r:.3f}, {t * 1e3:.2f} ms")
         set_two_stage(store, *default)
@@ -184,15 +190,23 @@ def goals(results: dict) -> list[dict]:
     out = []
     for dataset, r in results.items():
         gap = r["recall_full"] - r["recall_two_stage"]
-        out.append({"goal": f"{dataset}: two-stage recall@10 within {GOAL_RECALL_GAP} of the full search's",
-                    "holds": gap <= GOAL_RECALL_GAP + 1e-12,
-                    "detail": f"{r['recall_two_stage']:.3f} vs {r['recall_full']:.3f}"})
+        out.append(
+            {
+                "goal": f"{dataset}: two-stage recall@10 within {GOAL_RECALL_GAP} of the full search's",
+                "holds": gap <= GOAL_RECALL_GAP + 1e-12,
+                "detail": f"{r['recall_two_stage']:.3f} vs {r['recall_full']:.3f}",
+            }
+        )
         if "faiss" in r["seconds"]:
             ratio = r["seconds"]["two-stage"] / r["seconds"]["faiss"]
-            out.append({"goal": f"{dataset}: a two-stage query <= {GOAL_FAISS}x faiss IndexBinaryFlat on one query",
-                        "holds": ratio <= GOAL_FAISS,
-                        "detail": f"{r['seconds']['two-stage'] * 1e3:.2f} ms vs {r['seconds']['faiss'] * 1e3:.2f} ms "
-                                  f"= {ratio:.2f}x"})
+            out.append(
+                {
+                    "goal": f"{dataset}: a two-stage query <= {GOAL_FAISS}x faiss IndexBinaryFlat on one query",
+                    "holds": ratio <= GOAL_FAISS,
+                    "detail": f"{r['seconds']['two-stage'] * 1e3:.2f} ms vs {r['seconds']['faiss'] * 1e3:.2f} ms "
+                    f"= {ratio:.2f}x",
+                }
+            )
     return out
 
 
@@ -201,26 +215,35 @@ def report(results: dict, facts: dict, out) -> None:
     for key, value in facts.items():
         print(f"  {key:17} {value}", file=out)
     print(file=out)
-    print("| data | entries | unrelated cosine | recall@10 full | recall@10 two-stage | recall@10 auto "
-          "| query, full | query, two-stage | faiss, one query | two-stage / faiss |", file=out)
+    print(
+        "| data | entries | unrelated cosine | recall@10 full | recall@10 two-stage | recall@10 auto "
+        "| query, full | query, two-stage | faiss, one query | two-stage / faiss |",
+        file=out,
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", file=out)
     for dataset, r in results.items():
         s = r["seconds"]
         faiss_s = s.get("faiss")
-        print(f"| {dataset} | {r['entries']:,} | {r['unrelated_cosine']:.2f} | {r['recall_full']:.3f} "
-              f"| {r['recall_two_stage']:.3f} | {r['recall_auto']:.3f} | {s['full'] * 1e3:.2f} ms "
-              f"| {s['two-stage'] * 1e3:.2f} ms | "
-              + ("n/a | n/a |" if faiss_s is None else f"{faiss_s * 1e3:.2f} ms | {s['two-stage'] / faiss_s:.2f}x |"),
-              file=out)
+        print(
+            f"| {dataset} | {r['entries']:,} | {r['unrelated_cosine']:.2f} | {r['recall_full']:.3f} "
+            f"| {r['recall_two_stage']:.3f} | {r['recall_auto']:.3f} | {s['full'] * 1e3:.2f} ms "
+            f"| {s['two-stage'] * 1e3:.2f} ms | "
+            + ("n/a | n/a |" if faiss_s is None else f"{faiss_s * 1e3:.2f} ms | {s['two-stage'] / faiss_s:.2f}x |"),
+            file=out,
+        )
     print(file=out)
     for dataset, r in results.items():
-        print(f"speed/recall of the two-stage search, {dataset} (prefix bytes x survivors per shortlist place):",
-              file=out)
+        print(
+            f"speed/recall of the two-stage search, {dataset} (prefix bytes x survivors per shortlist place):", file=out
+        )
         print("| prefix | survivors | recall@10 | query |", file=out)
         print("|---:|---:|---:|---:|", file=out)
         for c in r["curve"]:
-            print(f"| {c['prefix_bytes']} B | {c['survivors_per_place']} x 40 | {c['recall']:.3f} "
-                  f"| {c['seconds'] * 1e3:.2f} ms |", file=out)
+            print(
+                f"| {c['prefix_bytes']} B | {c['survivors_per_place']} x 40 | {c['recall']:.3f} "
+                f"| {c['seconds'] * 1e3:.2f} ms |",
+                file=out,
+            )
         print(file=out)
     benchlib.print_goals(goals(results), out)
 
@@ -230,8 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--entries", type=int, default=1_000_000, metavar="N", help="entries per store (default 1,000,000)")
     p.add_argument("--dim", type=int, default=64, metavar="D", help="embed_dim (default 64)")
     p.add_argument("--queries", type=int, default=200, metavar="N", help="queries (default 200)")
-    p.add_argument("--root", default="/tmp/hmem-bench-two-stage", metavar="PATH",
-                   help="where the stores are built once and reused (default /tmp/hmem-bench-two-stage)")
+    p.add_argument(
+        "--root",
+        default="/tmp/hmem-bench-two-stage",
+        metavar="PATH",
+        help="where the stores are built once and reused (default /tmp/hmem-bench-two-stage)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
     if args.entries < 1000 or args.dim < 1 or args.queries < 1:
@@ -241,15 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     log = benchlib.log
 
     facts = benchlib.machine_facts()
-    facts["faiss"] = "not importable" if faiss is None else f"{faiss.__version__}, {faiss.omp_get_max_threads()} threads"
+    facts["faiss"] = (
+        "not importable" if faiss is None else f"{faiss.__version__}, {faiss.omp_get_max_threads()} threads"
+    )
     facts["hmem scan threads"] = str(hmem.threads.cores())
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     results = {dataset: run_dataset(root, dataset, args, log) for dataset in DATASETS}
     report(results, facts, sys.stdout)
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": facts, "results": results, "goals": goals(results)},
-                                              indent=2))
+        Path(args.json).write_text(
+            json.dumps({"machine": facts, "results": results, "goals": goals(results)}, indent=2)
+        )
     return 0 if all(g["holds"] for g in goals(results)) else 1
 
 

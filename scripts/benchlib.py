@@ -62,12 +62,15 @@ def compile_like_an_install() -> str:
 
     package = Path(hmem.__file__).parent
     compileall.compile_dir(package, quiet=1)
-    return (f"hmem's modules compiled to bytecode as an install does ({package}); "
-            f"PYTHONDONTWRITEBYTECODE={os.environ.get('PYTHONDONTWRITEBYTECODE', '(unset)')}")
+    return (
+        f"hmem's modules compiled to bytecode as an install does ({package}); "
+        f"PYTHONDONTWRITEBYTECODE={os.environ.get('PYTHONDONTWRITEBYTECODE', '(unset)')}"
+    )
 
 
-def time_calls(fn: Callable[[], object], *, min_runs: int = 20, min_seconds: float = 0.2,
-               max_runs: int = 100_000) -> list[float]:
+def time_calls(
+    fn: Callable[[], object], *, min_runs: int = 20, min_seconds: float = 0.2, max_runs: int = 100_000
+) -> list[float]:
     """Seconds per call of `fn`, after one warm-up call, garbage collection off."""
     fn()
     samples: list[float] = []
@@ -147,8 +150,9 @@ def fmt_rate(nbytes: float, seconds: float) -> str:
     return f"{nbytes / seconds / 1e6:,.0f} MB/s"
 
 
-def kept_store(path: Path, config: hmem.StoreConfig, build: Callable[[], object], log: Callable[[str], None]
-               ) -> float | None:
+def kept_store(
+    path: Path, config: hmem.StoreConfig, build: Callable[[], object], log: Callable[[str], None]
+) -> float | None:
     """A store that a benchmark builds once and keeps at `path` (a directory
     of the benchmark's own): built by `build` when absent, and built again
     when the kept one has other settings than `config`, what `build` makes
@@ -161,8 +165,11 @@ def kept_store(path: Path, config: hmem.StoreConfig, build: Callable[[], object]
             old = kept.config
         if old == config:
             return None
-        changed = ", ".join(f"{name} {getattr(old, name)!r} (now {getattr(config, name)!r})"
-                            for name in config.__dataclass_fields__ if getattr(old, name) != getattr(config, name))
+        changed = ", ".join(
+            f"{name} {getattr(old, name)!r} (now {getattr(config, name)!r})"
+            for name in config.__dataclass_fields__
+            if getattr(old, name) != getattr(config, name)
+        )
         log(f"{path} was built with {changed}: building it again")
         shutil.rmtree(path)
     start = time.perf_counter()

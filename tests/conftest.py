@@ -251,8 +251,9 @@ def run_python(tmp_path):
         full_env = dict(os.environ)
         full_env.pop("HMEM_CRASH_AT", None)
         full_env.update(env or {})
-        proc = _subprocess.run([_sys.executable, "-c", code], cwd=tmp_path, env=full_env,
-                               capture_output=True, text=True, timeout=timeout)
+        proc = _subprocess.run(
+            [_sys.executable, "-c", code], cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout
+        )
         if check and proc.returncode != 0:
             raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc
@@ -279,8 +280,13 @@ def _build_reliability_template(path: _Path, quantized: bool) -> _types.SimpleNa
 
     rng = _np.random.default_rng(7)
     puts: dict[int, tuple] = {}
-    with hmem.Store.create(path, embed_dim=RELIABILITY_EMBED, hdc_dim=RELIABILITY_HDC,
-                           shard_max_bytes=4200 if quantized else 3400, quantize_stored=quantized) as store:
+    with hmem.Store.create(
+        path,
+        embed_dim=RELIABILITY_EMBED,
+        hdc_dim=RELIABILITY_HDC,
+        shard_max_bytes=4200 if quantized else 3400,
+        quantize_stored=quantized,
+    ) as store:
         for i in range(14):
             n = 1 + i % 3
             keys = rng.standard_normal((n, RELIABILITY_EMBED)).astype(_np.float32)
@@ -319,9 +325,19 @@ def _build_reliability_template(path: _Path, quantized: bool) -> _types.SimpleNa
         else:
             assert kv[entry_id][0].tobytes() == keys.tobytes() and kv[entry_id][1].tobytes() == values.tobytes()
     assert len(set(shard_of.values())) >= 4
-    return _types.SimpleNamespace(path=path, quantized=quantized, puts=puts, kv=kv, live=live, evicted=evicted,
-                                  shard_of=shard_of, records=recs, queries=queries, results=results,
-                                  top_k=len(puts))
+    return _types.SimpleNamespace(
+        path=path,
+        quantized=quantized,
+        puts=puts,
+        kv=kv,
+        live=live,
+        evicted=evicted,
+        shard_of=shard_of,
+        records=recs,
+        queries=queries,
+        results=results,
+        top_k=len(puts),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -386,7 +402,9 @@ def probe_store():
 
     allowed = (hmem.CorruptStoreError, hmem.NotAStoreError, hmem.StoreChangedError)
 
-    def probe(path, template, *, read_only: bool, keep: set | None = None, exact_scores: bool = True) -> _types.SimpleNamespace:
+    def probe(
+        path, template, *, read_only: bool, keep: set | None = None, exact_scores: bool = True
+    ) -> _types.SimpleNamespace:
         out = _types.SimpleNamespace(opened=False, open_error=None, served=0, refused=0, errors=[])
         try:
             store = hmem.Store.open(path, read_only=read_only)
@@ -523,8 +541,7 @@ def store_internals() -> _StoreInternals:
 # stopped and started again on the same port holds what it held.
 
 S3_BUCKET = "hmem-tests"
-S3_ACCESS = {"AWS_ACCESS_KEY_ID": "hmem-test", "AWS_SECRET_ACCESS_KEY": "hmem-test-secret",
-             "AWS_REGION": "us-east-1"}
+S3_ACCESS = {"AWS_ACCESS_KEY_ID": "hmem-test", "AWS_SECRET_ACCESS_KEY": "hmem-test-secret", "AWS_REGION": "us-east-1"}
 
 
 class S3Server:
@@ -566,7 +583,7 @@ class S3Server:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=S3_BUCKET, Prefix=prefix + "/"):
             for item in page.get("Contents", []):
                 key = item["Key"]
-                out[key[len(prefix) + 1:]] = client.get_object(Bucket=S3_BUCKET, Key=key)["Body"].read()
+                out[key[len(prefix) + 1 :]] = client.get_object(Bucket=S3_BUCKET, Key=key)["Body"].read()
         return out
 
     def put_object(self, prefix: str, key: str, data: bytes) -> None:
@@ -578,8 +595,13 @@ class S3Server:
     def boto(self):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=S3_ACCESS["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=S3_ACCESS["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=S3_ACCESS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=S3_ACCESS["AWS_SECRET_ACCESS_KEY"],
+            region_name="us-east-1",
+        )
 
 
 @pytest.fixture(scope="session")

@@ -474,9 +474,17 @@ def test_no_operation_reports_a_bit_past_the_length(bits, garbage, data):
     assert_matches(bm, bits)
     other = from_model(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
     m = data.draw(st.integers(0, n + 20))
-    results = [~bm, bm & other, bm | other, bm ^ other, bm.copy(), bm.resized(m),
-               merge_bitmaps([bm, Bitmap.ones(n + 9)], n), merge_bitmaps([Bitmap.ones(n + 9)], m),
-               pickle.loads(pickle.dumps(bm))]
+    results = [
+        ~bm,
+        bm & other,
+        bm | other,
+        bm ^ other,
+        bm.copy(),
+        bm.resized(m),
+        merge_bitmaps([bm, Bitmap.ones(n + 9)], n),
+        merge_bitmaps([Bitmap.ones(n + 9)], m),
+        pickle.loads(pickle.dumps(bm)),
+    ]
     for res in results:
         assert tail_is_clear(res)
         assert res.highest_set_bit() < len(res)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -24,6 +24,7 @@ from hmem.kernels.reference import bitops as ref
 # Subprocesses start outside the checkout so that they import the installed
 # hmem (with its compiled kernels), not the source tree on sys.path[0].
 OUTSIDE_CHECKOUT = tempfile.gettempdir()
+
 
 def nbytes(nbits: int) -> int:
     return (nbits + 7) // 8
@@ -101,8 +102,17 @@ def test_native_kernels_are_the_default():
     if os.environ.get(kernels.KERNELS_ENV, "native").strip().lower() not in ("", "native"):
         pytest.skip("HMEM_KERNELS is set to something else for this run")
     assert kernels.KERNEL_SET == "native"
-    for name in ("popcount", "highest_set_bit", "next_bit", "set_range", "clear_range", "fold_into", "unfold_into",
-                 "fold_rows_into", "unfold_rows_into"):
+    for name in (
+        "popcount",
+        "highest_set_bit",
+        "next_bit",
+        "set_range",
+        "clear_range",
+        "fold_into",
+        "unfold_into",
+        "fold_rows_into",
+        "unfold_rows_into",
+    ):
         assert getattr(kernels.bitops, name) is getattr(_bitops, name)
     assert "kernels: native" in kernels.describe()
 
@@ -110,8 +120,9 @@ def test_native_kernels_are_the_default():
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k not in (kernels.KERNELS_ENV, kernels.CPU_ENV)}
     full.update(env)
-    return subprocess.run([sys.executable, "-c", code], cwd=OUTSIDE_CHECKOUT, env=full,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=OUTSIDE_CHECKOUT, env=full, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_environment_switches():
@@ -139,9 +150,7 @@ def test_environment_switches():
 # ---- popcount --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "size", [0, 1, 7, 8, 9, 15, 16, 63, 64, 65, 127, 128, 129, 191, 192, 200, 1000, 1001, 4099]
-)
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 15, 16, 63, 64, 65, 127, 128, 129, 191, 192, 200, 1000, 1001, 4099])
 @pytest.mark.parametrize("fill", [0x00, 0xFF, 0xA5, 0x80])
 def test_popcount_of_filled_buffers_on_every_path(size, fill, on_every_cpu_path):
     buf = bytes([fill]) * size
@@ -360,8 +369,13 @@ def test_fold_into_large_shapes_with_long_runs(chunk_major):
     def cell(g, j, r):
         return j * G * R + g * R + r if chunk_major else g * C * R + j * R + r
 
-    for holes in ([(0, 650, 1)], [(1, 10, 0), (1, 11, 2), (3, 500, 0)], [(2, 699, 2), (3, 0, 0)],
-                  [(1, j, 0) for j in range(100, 400)], [(3, j, 1) for j in range(1, 690, 2)]):
+    for holes in (
+        [(0, 650, 1)],
+        [(1, 10, 0), (1, 11, 2), (3, 500, 0)],
+        [(2, 699, 2), (3, 0, 0)],
+        [(1, j, 0) for j in range(100, 400)],
+        [(3, j, 1) for j in range(1, 690, 2)],
+    ):
         buf = bytearray(full)
         for g, j, r in holes:
             i = cell(g, j, r)
@@ -515,4 +529,4 @@ def test_row_kernels_read_only_the_first_bytes_of_a_longer_buffer(C, on_every_cp
             ref.unfold_rows_into(hit, C, windows, expected_rows)
             _bitops.unfold_rows_into(hit, C, windows, outs)
             assert outs == expected_rows
-            assert all(o[nbytes(C):] == b"\xa5" * 5 for o in outs)
+            assert all(o[nbytes(C) :] == b"\xa5" * 5 for o in outs)

@@ -61,8 +61,8 @@ def _check_layout(aug, results, cache_k, cache_v, convert):
     assert aug.cache_start == start == sum(r.n_tokens for r in results)
     assert aug.keys.shape == (start + cache_k.shape[0], EMBED) and aug.values.shape == aug.keys.shape
     for seg, r in zip(aug.segments, results):
-        assert convert(r.keys, aug.keys[seg.start:seg.stop])
-        assert convert(r.values, aug.values[seg.start:seg.stop])
+        assert convert(r.keys, aug.keys[seg.start : seg.stop])
+        assert convert(r.values, aug.values[seg.start : seg.stop])
     return start
 
 
@@ -92,8 +92,8 @@ def test_numpy_cache_gets_retrieved_rows_in_rank_order(filled, dtype, rerank):
         if dtype == np.float32:  # exact rows, no rounding on the way
             for seg in aug.segments:
                 k, v, _ = data[seg.entry_id]
-                assert aug.keys[seg.start:seg.stop].tobytes() == k.tobytes()
-                assert aug.values[seg.start:seg.stop].tobytes() == v.tobytes()
+                assert aug.keys[seg.start : seg.stop].tobytes() == k.tobytes()
+                assert aug.values[seg.start : seg.stop].tobytes() == v.tobytes()
 
 
 @requires_torch
@@ -127,8 +127,11 @@ def test_torch_cache_gets_torch_rows_of_its_dtype_and_device(filled, dtype):
 _EMPTY_LAYER_CACHES = [
     pytest.param(lambda: (np.zeros((3, EMBED), F), np.ones((3, EMBED), F)), id="numpy-float32"),
     pytest.param(lambda: (np.zeros((3, EMBED), np.float16), np.ones((3, EMBED), np.float16)), id="numpy-float16"),
-    pytest.param(lambda: (torch.zeros(2, EMBED, dtype=torch.bfloat16), torch.ones(2, EMBED, dtype=torch.bfloat16)),
-                 id="torch-bfloat16", marks=requires_torch),
+    pytest.param(
+        lambda: (torch.zeros(2, EMBED, dtype=torch.bfloat16), torch.ones(2, EMBED, dtype=torch.bfloat16)),
+        id="torch-bfloat16",
+        marks=requires_torch,
+    ),
 ]
 
 
@@ -185,10 +188,10 @@ def test_quantized_store_gives_the_dequantized_rows(tmp_path):
         results = store.query(q, 0, 2, count_access=False)
         aug = store.augmented_kv(q, np.zeros((1, EMBED), F), np.zeros((1, EMBED), F), 0, 2, count_access=False)
         assert [s.entry_id for s in aug.segments] == [r.entry_id for r in results]
-        assert set(s.entry_id for s in aug.segments) <= set(ids)
+        assert {s.entry_id for s in aug.segments} <= set(ids)
         for seg, r in zip(aug.segments, results):
-            assert aug.keys[seg.start:seg.stop].tobytes() == r.keys.tobytes()
-            assert aug.values[seg.start:seg.stop].tobytes() == r.values.tobytes()
+            assert aug.keys[seg.start : seg.stop].tobytes() == r.keys.tobytes()
+            assert aug.values[seg.start : seg.stop].tobytes() == r.values.tobytes()
 
 
 def _bad_caches():

@@ -83,8 +83,9 @@ def test_signature_many_is_bit_identical_to_one_signature_per_entry_on_every_pat
     want_out, want_sums = _one_by_one(ref_projection, rows, starts, signs, m, rounds, hdc_dim)
     got_ref = _many(ref_projection, rows, starts, signs, m, rounds, hdc_dim)
     assert got_ref[0].tobytes() == want_out.tobytes() and got_ref[1].tobytes() == want_sums.tobytes()
-    for path, (out, sums) in on_every_cpu_path(lambda: _many(_projection, rows, starts, signs, m, rounds,
-                                                               hdc_dim)).items():
+    for path, (out, sums) in on_every_cpu_path(
+        lambda: _many(_projection, rows, starts, signs, m, rounds, hdc_dim)
+    ).items():
         assert out.tobytes() == want_out.tobytes(), f"signatures differ on {path} ({_projection.variant()})"
         assert sums.tobytes() == want_sums.tobytes(), f"token sums differ on {path}"
 
@@ -97,18 +98,20 @@ def test_signature_many_at_the_store_sizes_on_every_path(on_every_cpu_path):
         rows = _rows(rng, sum(tokens), d, "normal")
         starts = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
         want, _ = _one_by_one(_projection, rows, starts, signs, m, 3, hdc_dim)  # the single kernel, twin-tested
-        for path, (out, _) in on_every_cpu_path(lambda: _many(_projection, rows, starts, signs, m, 3,
-                                                                hdc_dim)).items():
+        for path, (out, _) in on_every_cpu_path(lambda: _many(_projection, rows, starts, signs, m, 3, hdc_dim)).items():
             np.testing.assert_array_equal(out, want, err_msg=f"{path}, d={d}")
 
 
 @pytest.mark.parametrize("module", [_projection, ref_projection], ids=["native", "reference"])
-@pytest.mark.parametrize("starts, message", [
-    ([0, 2, 2, 4], "entry 1 has no rows"),
-    ([0, 3, 2, 4], "no rows"),
-    ([1, 2, 4], "from 0 to the row count"),
-    ([0, 2, 3], "from 0 to the row count"),
-])
+@pytest.mark.parametrize(
+    "starts, message",
+    [
+        ([0, 2, 2, 4], "entry 1 has no rows"),
+        ([0, 3, 2, 4], "no rows"),
+        ([1, 2, 4], "from 0 to the row count"),
+        ([0, 2, 3], "from 0 to the row count"),
+    ],
+)
 def test_signature_many_refuses_bad_starts(module, starts, message):
     rows = np.ones((4, 8), np.float32)
     signs = ref_projection.signs_table(0, 64, 3, 1)
@@ -168,8 +171,11 @@ def test_crc32c_pieces_refuses_pieces_outside_the_data(module):
 ints = st.integers(-(2**63), 2**63 - 1)
 
 
-@given(rows=st.lists(st.tuples(ints, ints, ints, ints, ints), max_size=6), rank=st.integers(0, 2),
-       crcs=st.lists(st.integers(0, 2**32 - 1), min_size=6, max_size=6))
+@given(
+    rows=st.lists(st.tuples(ints, ints, ints, ints, ints), max_size=6),
+    rank=st.integers(0, 2),
+    crcs=st.lists(st.integers(0, 2**32 - 1), min_size=6, max_size=6),
+)
 def test_header_text_matches_its_twin_and_is_json(rows, rank, crcs):
     ids = np.array([r[0] for r in rows], np.int64)
     shapes = np.array([r[1 : 1 + rank] for r in rows], np.int64).reshape(len(rows), rank)
@@ -179,7 +185,8 @@ def test_header_text_matches_its_twin_and_is_json(rows, rank, crcs):
     assert text == ref_header_text.tensor_entries(b"k_", ids, b"F32", shapes, begins, ends)
     parsed = json.loads(b"{" + text[:-1] + b"}") if rows else {}
     assert [(name, e["shape"], e["data_offsets"]) for name, e in parsed.items()] == [
-        (f"k_{r[0]}", list(r[1 : 1 + rank]), [r[3], r[4]]) for r in {f"k_{r[0]}": r for r in rows}.values()]
+        (f"k_{r[0]}", list(r[1 : 1 + rank]), [r[3], r[4]]) for r in {f"k_{r[0]}": r for r in rows}.values()
+    ]
     crc = np.array(crcs[: len(rows)], np.uint32)
     crc_text = _header_text.crc_entries(b"crc32c:k_", ids, crc)
     assert crc_text == ref_header_text.crc_entries(b"crc32c:k_", ids, crc)
@@ -212,28 +219,36 @@ U32_MAX, F32_MAX = hmem.validation.U32_MAX, hmem.validation.F32_MAX
 
 # What an entry can be instead of the common form (each makes the scan stop there).
 _DEFECTS = {
-    "entry with meta": lambda k, v, l, w: hmem.Entry(k, v, l, w, {"chunk": 1}),
-    "another named tuple": lambda k, v, l, w: _Other(k, v, l, w),
-    "list": lambda k, v, l, w: [k, v, l, w],
-    "short tuple": lambda k, v, l, w: (k, v, l),
-    "float64 keys": lambda k, v, l, w: (k.astype(np.float64), v, l, w),
-    "big-endian values": lambda k, v, l, w: (k, v.astype(">f4"), l, w),
-    "not C order": lambda k, v, l, w: (np.asfortranarray(np.concatenate([k, k])), np.concatenate([v, v]), l, w)
-                                     if k.shape[0] == 1 else (k[::-1], v, l, w),
-    "a row view of a wider array": lambda k, v, l, w: (np.concatenate([k, k], axis=1)[:, : k.shape[1]], v, l, w),
-    "1-D keys": lambda k, v, l, w: (k.ravel(), v.ravel(), l, w),
-    "shapes differ": lambda k, v, l, w: (k, np.concatenate([v, v]), l, w),
-    "no rows": lambda k, v, l, w: (k[:0], v[:0], l, w),
-    "a subclass": lambda k, v, l, w: (k.view(_Sub), v, l, w),
-    "numpy layer": lambda k, v, l, w: (k, v, np.int64(l), w),
-    "bool layer": lambda k, v, l, w: (k, v, True, w),
-    "negative layer": lambda k, v, l, w: (k, v, -1, w),
-    "layer too large": lambda k, v, l, w: (k, v, U32_MAX + 1, w),
-    "int importance": lambda k, v, l, w: (k, v, l, 1),
-    "nan importance": lambda k, v, l, w: (k, v, l, float("nan")),
-    "negative importance": lambda k, v, l, w: (k, v, l, -0.5),
-    "importance too large": lambda k, v, l, w: (k, v, l, 1e39),
-    "not an array": lambda k, v, l, w: (k.tolist(), v, l, w),
+    "entry with meta": lambda k, v, layer, w: hmem.Entry(k, v, layer, w, {"chunk": 1}),
+    "another named tuple": lambda k, v, layer, w: _Other(k, v, layer, w),
+    "list": lambda k, v, layer, w: [k, v, layer, w],
+    "short tuple": lambda k, v, layer, w: (k, v, layer),
+    "float64 keys": lambda k, v, layer, w: (k.astype(np.float64), v, layer, w),
+    "big-endian values": lambda k, v, layer, w: (k, v.astype(">f4"), layer, w),
+    "not C order": lambda k, v, layer, w: (
+        (np.asfortranarray(np.concatenate([k, k])), np.concatenate([v, v]), layer, w)
+        if k.shape[0] == 1
+        else (k[::-1], v, layer, w)
+    ),
+    "a row view of a wider array": lambda k, v, layer, w: (
+        np.concatenate([k, k], axis=1)[:, : k.shape[1]],
+        v,
+        layer,
+        w,
+    ),
+    "1-D keys": lambda k, v, layer, w: (k.ravel(), v.ravel(), layer, w),
+    "shapes differ": lambda k, v, layer, w: (k, np.concatenate([v, v]), layer, w),
+    "no rows": lambda k, v, layer, w: (k[:0], v[:0], layer, w),
+    "a subclass": lambda k, v, layer, w: (k.view(_Sub), v, layer, w),
+    "numpy layer": lambda k, v, layer, w: (k, v, np.int64(layer), w),
+    "bool layer": lambda k, v, layer, w: (k, v, True, w),
+    "negative layer": lambda k, v, layer, w: (k, v, -1, w),
+    "layer too large": lambda k, v, layer, w: (k, v, U32_MAX + 1, w),
+    "int importance": lambda k, v, layer, w: (k, v, layer, 1),
+    "nan importance": lambda k, v, layer, w: (k, v, layer, float("nan")),
+    "negative importance": lambda k, v, layer, w: (k, v, layer, -0.5),
+    "importance too large": lambda k, v, layer, w: (k, v, layer, 1e39),
+    "not an array": lambda k, v, layer, w: (k.tolist(), v, layer, w),
 }
 
 
@@ -254,7 +269,7 @@ def entry_lists(draw):
     count = draw(st.integers(0, 12))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     items = []
-    for i in range(count):
+    for _i in range(count):
         n = int(rng.integers(1, 4))
         k, v = (rng.standard_normal((n, dim)).astype(np.float32) for _ in range(2))
         if draw(st.booleans()):
@@ -302,8 +317,10 @@ def test_scan_and_join_of_entries_match_the_reference(case):
 @pytest.mark.parametrize("defect", sorted(_DEFECTS))
 def test_the_scan_stops_at_each_entry_not_in_the_common_form(defect):
     rng = np.random.default_rng(2)
-    items = [(rng.standard_normal((2, 8)).astype(np.float32), rng.standard_normal((2, 8)).astype(np.float32), 1, 0.5)
-             for _ in range(4)]
+    items = [
+        (rng.standard_normal((2, 8)).astype(np.float32), rng.standard_normal((2, 8)).astype(np.float32), 1, 0.5)
+        for _ in range(4)
+    ]
     items[2] = _DEFECTS[defect](*items[2])
     for module in (native_entries, ref_entries):
         assert _scan(module, items, 8)[0] == 2, module
@@ -333,8 +350,9 @@ def test_join_rows_refuses_entries_changed_since_the_scan_and_bad_offsets(module
     with pytest.raises(ValueError, match="len\\(items\\) \\+ 1 offsets"):
         module.join_rows(items, np.array([0, 4], np.int64), k_out, v_out)
     with pytest.raises(ValueError, match="must hold 2 values each"):
-        module.scan_entries(items, 4, U32_MAX, U32_MAX, F32_MAX, np.zeros(1, np.int64), np.zeros(2, np.int64),
-                            np.zeros(2))
+        module.scan_entries(
+            items, 4, U32_MAX, U32_MAX, F32_MAX, np.zeros(1, np.int64), np.zeros(2, np.int64), np.zeros(2)
+        )
 
 
 def test_every_form_of_an_entry_stores_the_same(store_factory):
@@ -354,8 +372,16 @@ def test_every_form_of_an_entry_stores_the_same(store_factory):
         store = store_factory(name, embed_dim=16)
         ids = store.put_many(batch)
         store.flush()
-        stored[name] = [(store.get(i).keys.tobytes(), store.get(i).values.tobytes(), store.get(i).info.layer_idx,
-                         store.get(i).info.importance, store.get(i).info.n_tokens) for i in ids]
+        stored[name] = [
+            (
+                store.get(i).keys.tobytes(),
+                store.get(i).values.tobytes(),
+                store.get(i).info.layer_idx,
+                store.get(i).info.importance,
+                store.get(i).info.n_tokens,
+            )
+            for i in ids
+        ]
         stored[name].append([r.entry_id for r in store.query(entries[3][0], 1, top_k=5)])
     assert all(value == stored["tuples"] for value in stored.values())
 
@@ -364,8 +390,15 @@ def test_every_form_of_an_entry_stores_the_same(store_factory):
 
 
 def _entries(rng, count, dim, max_tokens=5, min_tokens=1):
-    return [(rng.standard_normal((int(t), dim)).astype(np.float32), rng.standard_normal((int(t), dim)).astype(np.float32),
-             i % 3, float(i % 7) + 0.5) for i, t in enumerate(rng.integers(min_tokens, max_tokens + 1, count))]
+    return [
+        (
+            rng.standard_normal((int(t), dim)).astype(np.float32),
+            rng.standard_normal((int(t), dim)).astype(np.float32),
+            i % 3,
+            float(i % 7) + 0.5,
+        )
+        for i, t in enumerate(rng.integers(min_tokens, max_tokens + 1, count))
+    ]
 
 
 # Small entries are joined and converted batch-wide; large ones (64 KiB of
@@ -392,8 +425,11 @@ def test_put_many_stores_what_one_put_per_entry_stores(store_factory, storage, s
     for entry_id in ids[::7] + ids[-3:]:
         a, b = bulk.get(entry_id), single.get(entry_id)
         assert a.keys.tobytes() == b.keys.tobytes() and a.values.tobytes() == b.values.tobytes()
-        assert (a.info.layer_idx, a.info.n_tokens, a.info.importance) == (b.info.layer_idx, b.info.n_tokens,
-                                                                          b.info.importance)
+        assert (a.info.layer_idx, a.info.n_tokens, a.info.importance) == (
+            b.info.layer_idx,
+            b.info.n_tokens,
+            b.info.importance,
+        )
     query = entries[10][0]
     assert [r.entry_id for r in bulk.query(query, 1, top_k=5)] == [r.entry_id for r in single.query(query, 1, top_k=5)]
     bulk.close()
@@ -408,7 +444,7 @@ def test_put_many_over_several_shards_reads_back_and_opens_in_a_safetensors_read
         first = store.put_many(entries[:150])
         second = store.put_many(entries[150:])  # rolls over the open shard, several times
         ids = first + second
-        for entry_id, (keys, values, layer, importance) in zip(ids, entries):
+        for entry_id, (keys, values, _layer, _importance) in zip(ids, entries):
             got = store.get(entry_id)  # from the open shard or a sealed one
             assert got.keys.tobytes() == keys.tobytes() and got.values.tobytes() == values.tobytes()
     shards = sorted((tmp_path / "s").glob("shard_*.safetensors"))
@@ -435,16 +471,26 @@ def test_put_many_over_several_shards_reads_back_and_opens_in_a_safetensors_read
         assert store.stats().entries == 400
 
 
-@pytest.mark.parametrize("bad, message", [
-    (lambda e: (np.full_like(e[0], np.nan), e[1], 0, 1.0), "entry 5: keys holds NaN or infinite values"),
-    (lambda e: (e[0], np.where(np.arange(e[1].size).reshape(e[1].shape) == 3, np.inf, e[1]).astype(np.float32), 0, 1.0),
-     "entry 5: values holds NaN or infinite values"),
-    (lambda e: (e[0], e[1][:, :8], 0, 1.0), "entry 5: .*differ in shape|entry 5: values has rows of 8"),
-    (lambda e: (e[0], e[1], -1, 1.0), "entry 5: layer_idx"),
-    (lambda e: (e[0], e[1], 0, float("nan")), "entry 5: importance"),
-    (lambda e: (e[0].astype(np.int32), e[1], 0, 1.0), "entry 5: keys must hold floats"),
-    (lambda e: ("keys", e[1], 0, 1.0), "entry 5: keys must be a numpy array"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda e: (np.full_like(e[0], np.nan), e[1], 0, 1.0), "entry 5: keys holds NaN or infinite values"),
+        (
+            lambda e: (
+                e[0],
+                np.where(np.arange(e[1].size).reshape(e[1].shape) == 3, np.inf, e[1]).astype(np.float32),
+                0,
+                1.0,
+            ),
+            "entry 5: values holds NaN or infinite values",
+        ),
+        (lambda e: (e[0], e[1][:, :8], 0, 1.0), "entry 5: .*differ in shape|entry 5: values has rows of 8"),
+        (lambda e: (e[0], e[1], -1, 1.0), "entry 5: layer_idx"),
+        (lambda e: (e[0], e[1], 0, float("nan")), "entry 5: importance"),
+        (lambda e: (e[0].astype(np.int32), e[1], 0, 1.0), "entry 5: keys must hold floats"),
+        (lambda e: ("keys", e[1], 0, 1.0), "entry 5: keys must be a numpy array"),
+    ],
+)
 @pytest.mark.parametrize("size", SIZES)
 def test_a_bad_entry_is_named_and_the_batch_stores_nothing(store_factory, snapshot_dir, bad, message, size):
     store = store_factory(embed_dim=16)
@@ -491,8 +537,9 @@ class _SealThreadHook:
     finishes a put's seal ("hmem-seal"): it holds the fsync there until released, or
     fails `fail_op` on the temporary file with `fail_errno` (`fail` times)."""
 
-    def __init__(self, *, hold: bool = False, fail: int = 0, fail_op: str = "fsync",
-                 fail_errno: int = errno.EIO) -> None:
+    def __init__(
+        self, *, hold: bool = False, fail: int = 0, fail_op: str = "fsync", fail_errno: int = errno.EIO
+    ) -> None:
         self.release = threading.Event()
         self.held = threading.Event()
         self.failed = threading.Event()
@@ -573,10 +620,10 @@ def test_a_shard_sealed_in_the_background_is_read_from_memory_until_its_file_is_
 
 
 @pytest.mark.parametrize("failures", [1, 2], ids=["once", "twice"])
-@pytest.mark.parametrize("fail_op, fail_errno", [("fsync", errno.EIO), ("write", errno.ENOSPC)],
-                         ids=["fsync-EIO", "write-ENOSPC"])
-def test_a_background_seal_that_fails_is_written_again_from_memory(tmp_path, seal_hook, failures, fail_op,
-                                                                   fail_errno):
+@pytest.mark.parametrize(
+    "fail_op, fail_errno", [("fsync", errno.EIO), ("write", errno.ENOSPC)], ids=["fsync-EIO", "write-ENOSPC"]
+)
+def test_a_background_seal_that_fails_is_written_again_from_memory(tmp_path, seal_hook, failures, fail_op, fail_errno):
     """A failed write or fsync may leave the bytes off the disk: the flush
     writes the whole file again from the builder's memory.  When that fails
     too, the flush raises, nothing is committed, and the next flush succeeds."""
@@ -680,6 +727,7 @@ def test_a_flush_writes_its_new_records_a_batch_at_a_time(tmp_path, monkeypatch)
     ROWS_PER_WRITE at a time in one buffer; a write failing part way
     commits nothing, and the next flush writes them all."""
     from hmem.store import writer
+
     # Private knob (65,536 rows at a time): lowered so that a small store's
     # flush takes many batches, some of them crossing the puts' boundaries.
     monkeypatch.setattr(writer, "ROWS_PER_WRITE", 40)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import tempfile
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -20,15 +20,16 @@ from hmem.cli.app import app
 from hmem.cli.exit_codes import ERROR_EXIT_CODES, ExitCode, exit_code_for
 from hmem.errors import HmemError, InvalidArgumentError, KernelUnavailableError
 
-
 # Subprocesses start outside the checkout so that they import the installed
 # hmem (with its compiled kernels), not the source tree on sys.path[0].
 OUTSIDE_CHECKOUT = tempfile.gettempdir()
 
 
 def run_python(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=OUTSIDE_CHECKOUT, capture_output=True,
-                          text=True, timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, *args], cwd=OUTSIDE_CHECKOUT, capture_output=True, text=True, timeout=60, env=env
+    )
+
 
 def test_version_names_format_versions_and_kernel_path():
     result = CliRunner().invoke(app, ["--version"])
@@ -36,8 +37,9 @@ def test_version_names_format_versions_and_kernel_path():
     formats = f"store format {hmem.FORMAT_VERSION}: reads {hmem.FORMAT_VERSION}, writes {hmem.FORMAT_VERSION}"
     obj = hmem.OBJECT_FORMAT_VERSION
     formats += f"; object-store format {obj}: reads {obj}, writes {obj}"
-    assert result.stdout.strip() == (f"hmem {hmem.__version__} ({formats}; "
-                                     f"kernels: {kernels.KERNEL_SET}, cpu path: {kernels.cpu_path()})")
+    assert result.stdout.strip() == (
+        f"hmem {hmem.__version__} ({formats}; kernels: {kernels.KERNEL_SET}, cpu path: {kernels.cpu_path()})"
+    )
 
 
 def test_python_dash_m_and_exit_code_pass_through():
@@ -68,16 +70,29 @@ def test_help_lists_each_command_in_one_sentence_and_wraps_at_the_terminal_width
     assert len(listed) == 1 and "Show what a store holds: entries, layers, shards, bytes, health." in listed[0]
     result = CliRunner().invoke(app, ["show", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
     # the second paragraph, four lines in the source, runs on past the source's first break
-    assert any(line.strip().startswith("The metadata: layer,") and "source file and token range." in line
-               for line in result.output.splitlines()), result.output
+    assert any(
+        line.strip().startswith("The metadata: layer,") and "source file and token range." in line
+        for line in result.output.splitlines()
+    ), result.output
 
 
 def test_exit_codes_are_stable():
     # Scripts depend on these numbers: changing one is a breaking change.
     assert {c.name: c.value for c in ExitCode} == {
-        "OK": 0, "FAILURE": 1, "USAGE": 2, "PARTIAL": 3, "PROBLEMS_FOUND": 4,
-        "NOT_A_STORE": 5, "LOCKED": 6, "UNSUPPORTED_FORMAT": 7, "INTERRUPTED": 130,
-        "NO_PERMISSION": 8, "NO_SPACE": 9, "BAD_PATH": 10, "UNAVAILABLE": 11, "BROKEN_PIPE": 141,
+        "OK": 0,
+        "FAILURE": 1,
+        "USAGE": 2,
+        "PARTIAL": 3,
+        "PROBLEMS_FOUND": 4,
+        "NOT_A_STORE": 5,
+        "LOCKED": 6,
+        "UNSUPPORTED_FORMAT": 7,
+        "INTERRUPTED": 130,
+        "NO_PERMISSION": 8,
+        "NO_SPACE": 9,
+        "BAD_PATH": 10,
+        "UNAVAILABLE": 11,
+        "BROKEN_PIPE": 141,
         "TERMINATED": 143,
     }
     assert exit_code_for(InvalidArgumentError("x")) == ExitCode.USAGE
@@ -182,9 +197,12 @@ def test_a_command_line_naming_a_command_runs_it_alone_and_others_see_every_comm
     assert misspelt.returncode == 2 and "No such command 'stat'" in misspelt.stderr
     # ... and imports only that command's module; `import hmem` leaves the
     # prefix-hit operators, verify/repair and export until they are used
-    probe = run_python("-c", "import sys; from hmem.cli.app import _app_for; _app_for(['stats']); "
-                             "print(sorted(m for m in sys.modules if m.startswith(('hmem.cli.cmd_', "
-                             "'hmem.recovery', 'hmem.prefix_hit.explain', 'hmem.transfer.kv_export'))))")
+    probe = run_python(
+        "-c",
+        "import sys; from hmem.cli.app import _app_for; _app_for(['stats']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('hmem.cli.cmd_', "
+        "'hmem.recovery', 'hmem.prefix_hit.explain', 'hmem.transfer.kv_export'))))",
+    )
     assert probe.stdout.split() == ["['hmem.cli.cmd_stats']"]
 
 
@@ -200,8 +218,13 @@ def test_a_command_under_json_does_not_import_rich(tmp_path):
     rows = np.arange(32, dtype=np.float32).reshape(4, 8)
     save_file({"keys": rows, "values": rows}, str(files / "one.safetensors"))
     assert run_python("-m", "hmem", "init", str(store), "-d", "8").returncode == 0
-    for args, code in ((["put", str(store), str(files)], 0), (["stats", str(store)], 0), (["ls", str(store)], 0),
-                       (["verify", str(store)], 0), (["put", str(store), str(empty)], 2)):
+    for args, code in (
+        (["put", str(store), str(files)], 0),
+        (["stats", str(store)], 0),
+        (["ls", str(store)], 0),
+        (["verify", str(store)], 0),
+        (["put", str(store), str(empty)], 2),
+    ):
         proc = run_python("-X", "importtime", "-m", "hmem", *args, "--json")
         assert proc.returncode == code, proc.stderr[-500:]
         json.loads(proc.stdout)  # a result, or an error as one JSON document
@@ -209,8 +232,11 @@ def test_a_command_under_json_does_not_import_rich(tmp_path):
         assert "typer" in imported  # the probe sees the imports
         assert not [m for m in imported if m.split(".")[0] == "rich"], args
         # a local store's command imports no object-store code either
-        assert not [m for m in imported if m in ("hmem.store.remote", "hmem.formats.remote",
-                                                 "hmem.store.remote_fetch", "hmem.store.lease")], args
+        assert not [
+            m
+            for m in imported
+            if m in ("hmem.store.remote", "hmem.formats.remote", "hmem.store.remote_fetch", "hmem.store.lease")
+        ], args
     human = run_python("-m", "hmem", "ls", str(store))  # ... and human output still has it
     assert human.returncode == 0 and "┃ id ┃" in human.stdout and "1 entries, by id" in human.stdout
 

@@ -28,8 +28,14 @@ def _runner(tmp_path) -> tuple[dict, Callable[..., subprocess.CompletedProcess]]
     env.update(NO_COLOR="1", COLUMNS="120")
 
     def hmem(*args, code: int = 0) -> subprocess.CompletedProcess:
-        proc = subprocess.run([sys.executable, "-m", "hmem", *map(str, args)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "hmem", *map(str, args)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == code, (args, proc.returncode, proc.stdout, proc.stderr)
         assert "\x1b[" not in proc.stdout + proc.stderr
         assert "Traceback" not in proc.stderr
@@ -56,10 +62,15 @@ def test_init_put_query_evict_compact_stats(tmp_path):
         keys = (common + rng.standard_normal(D) + 0.5 * rng.standard_normal((16, D))).astype(np.float32)
         values = rng.standard_normal((16, D)).astype(np.float32)
         chunks[i] = keys, values
-        save_file({"keys": keys, "values": values}, inputs / f"chunk_{i:02d}.safetensors",
-                  metadata={"layer": "3", "importance": "10" if i == 7 else "1"})
-    save_file({f"layer.{n}.{kind}": rng.standard_normal((4, D)).astype(np.float32)
-               for n in range(3) for kind in "kv"}, inputs / "layers.safetensors")
+        save_file(
+            {"keys": keys, "values": values},
+            inputs / f"chunk_{i:02d}.safetensors",
+            metadata={"layer": "3", "importance": "10" if i == 7 else "1"},
+        )
+    save_file(
+        {f"layer.{n}.{kind}": rng.standard_normal((4, D)).astype(np.float32) for n in range(3) for kind in "kv"},
+        inputs / "layers.safetensors",
+    )
     wanted_keys, wanted_values = chunks[7]
     np.save(tmp_path / "probe.npy", wanted_keys[:6] + 0.2 * rng.standard_normal((6, D)).astype(np.float32))
 
@@ -71,8 +82,9 @@ def test_init_put_query_evict_compact_stats(tmp_path):
     assert put["shards_created"] >= 2  # 16 KiB shards seal as the import goes
 
     # the query finds the wanted chunk first; its exported K/V are the stored ones
-    found = hmem_json("query", "store", "--query", "probe.npy", "--layer", 3, "--top-k", 3,
-                      "--export", "hits.safetensors")
+    found = hmem_json(
+        "query", "store", "--query", "probe.npy", "--layer", 3, "--top-k", 3, "--export", "hits.safetensors"
+    )
     ranked = [r["entry_id"] for r in found["results"]]
     assert len(ranked) == 3 and found["results"][0]["importance"] == 10.0
     assert found["results"][0]["score"] > found["results"][1]["score"]
@@ -116,8 +128,14 @@ def test_init_put_query_evict_compact_stats(tmp_path):
     help_text = hmem("--help").stdout
     assert "--install-completion" in help_text and "--show-completion" in help_text
     # the shell is found among the process's parents: run it from bash, whatever runs the tests
-    shown = subprocess.run(["bash", "-c", f"{sys.executable} -m hmem --show-completion; exit $?"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(
+        ["bash", "-c", f"{sys.executable} -m hmem --show-completion; exit $?"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert shown.returncode == 0, shown.stderr
     script = shown.stdout
     assert "_HMEM_COMPLETE=complete_bash" in script
@@ -136,8 +154,14 @@ def test_a_cron_import_day(tmp_path):
     dumps = tmp_path / "dumps"
     dumps.mkdir()
     for n in range(3):  # what a serving process dumps: [1, kv_heads, tokens, head_dim] per layer
-        save_file({f"past_key_values.{layer}.{kind}": rng.standard_normal((1, 2, 8, D // 2)).astype(np.float32)
-                   for layer in range(2) for kind in ("key", "value")}, dumps / f"req{n}.safetensors")
+        save_file(
+            {
+                f"past_key_values.{layer}.{kind}": rng.standard_normal((1, 2, 8, D // 2)).astype(np.float32)
+                for layer in range(2)
+                for kind in ("key", "value")
+            },
+            dumps / f"req{n}.safetensors",
+        )
     hmem("init", "store", "--embed-dim", D, "--storage-dtype", "bf16", "-q")
 
     first = json.loads(hmem("put", "store", "dumps", "--chunk-tokens", "4", "--json").stdout)
@@ -179,5 +203,6 @@ def _bf16_words(path) -> dict[str, tuple[str, list[int], bytes]]:
     header = json.loads(data[8 : 8 + size])
     header.pop("__metadata__", None)
     body = data[8 + size :]
-    return {name: (t["dtype"], t["shape"], body[t["data_offsets"][0] : t["data_offsets"][1]])
-            for name, t in header.items()}
+    return {
+        name: (t["dtype"], t["shape"], body[t["data_offsets"][0] : t["data_offsets"][1]]) for name, t in header.items()
+    }

@@ -19,13 +19,19 @@ from typer.testing import CliRunner
 import hmem
 from hmem.cli.app import app
 from hmem.cli.cmd_ls import SHOWN
-from hmem.cli.query_export import export_note
 from hmem.cli.exit_codes import ExitCode
+from hmem.cli.query_export import export_note
 
 D = 16
 HDC = 128
-BASE_ENV = {"COLUMNS": "200", "NO_COLOR": "1", "FORCE_COLOR": None, "TTY_COMPATIBLE": None,
-            "HMEM_STORE": None, "HMEM_DEBUG": None}
+BASE_ENV = {
+    "COLUMNS": "200",
+    "NO_COLOR": "1",
+    "FORCE_COLOR": None,
+    "TTY_COMPATIBLE": None,
+    "HMEM_STORE": None,
+    "HMEM_DEBUG": None,
+}
 ANSI = re.compile(r"\x1b\[")
 
 
@@ -104,10 +110,19 @@ def library_rows(path: Path) -> list[dict]:
         rows = []
         for i in s.entry_ids():
             info = s.get(i).info
-            rows.append({"entry_id": info.entry_id, "layer": info.layer_idx, "n_tokens": info.n_tokens,
-                         "importance": info.importance, "access_count": info.access_count,
-                         "score": info.importance * (1 + math.log1p(info.access_count)),
-                         "timestamp_ns": info.created, "shard": info.shard_idx, "bytes": info.bytes})
+            rows.append(
+                {
+                    "entry_id": info.entry_id,
+                    "layer": info.layer_idx,
+                    "n_tokens": info.n_tokens,
+                    "importance": info.importance,
+                    "access_count": info.access_count,
+                    "score": info.importance * (1 + math.log1p(info.access_count)),
+                    "timestamp_ns": info.created,
+                    "shard": info.shard_idx,
+                    "bytes": info.bytes,
+                }
+            )
         return rows
 
 
@@ -115,11 +130,12 @@ def read_safetensors(path: Path) -> tuple[dict, dict[str, tuple[str, list[int], 
     """metadata and {name: (dtype, shape, raw bytes)}, read by hand (numpy has no bfloat16)."""
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     meta = header.pop("__metadata__", {})
-    body = data[8 + n:]
-    return meta, {name: (h["dtype"], h["shape"], body[h["data_offsets"][0]:h["data_offsets"][1]])
-                  for name, h in header.items()}
+    body = data[8 + n :]
+    return meta, {
+        name: (h["dtype"], h["shape"], body[h["data_offsets"][0] : h["data_offsets"][1]]) for name, h in header.items()
+    }
 
 
 # ---- hmem ls -------------------------------------------------------------------------
@@ -178,8 +194,9 @@ def test_ls_jsonl_is_one_object_per_line(rng):
     assert len(lines) == 10
     assert [json.loads(line) for line in lines] == whole["entries"]
     limited = run("ls", store, "--jsonl", "--limit", 4, "--layer", 0)
-    assert [json.loads(line)["entry_id"] for line in limited.stdout.splitlines()] == \
-        sorted(e["entry_id"] for e in whole["entries"] if e["layer"] == 0)[:4]
+    assert [json.loads(line)["entry_id"] for line in limited.stdout.splitlines()] == sorted(
+        e["entry_id"] for e in whole["entries"] if e["layer"] == 0
+    )[:4]
 
 
 def test_ls_json_is_what_json_dumps_prints(rng):
@@ -193,8 +210,17 @@ def test_ls_table(rng):
     result = run("ls", store, "--sort", "score", "--limit", 4)
     assert result.exit_code == 0, result.stderr
     header = next(line for line in result.stdout.splitlines() if "importance" in line)
-    assert re.findall(r"\w+", header) == ["id", "layer", "tokens", "importance", "accesses", "score", "age",
-                                          "shard", "bytes"]
+    assert re.findall(r"\w+", header) == [
+        "id",
+        "layer",
+        "tokens",
+        "importance",
+        "accesses",
+        "score",
+        "age",
+        "shard",
+        "bytes",
+    ]
     ids = [int(line.split()[1]) for line in result.stdout.splitlines() if re.match(r"│\s+\d", line)]
     assert ids == [e["entry_id"] for e in run_json("ls", store, "--sort", "score")["entries"]][:4]
     assert "4 of 10 entries, by eviction score, next to be evicted first" in result.stdout
@@ -223,13 +249,16 @@ def test_ls_empty_store():
     assert result.exit_code == 0 and result.stdout == ""
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--limit", "0"], "--limit"),
-    (["--limit", "-3"], "--limit"),
-    (["--sort", "newest"], "--sort must be one of id, score, accesses, age, size"),
-    (["--json", "--jsonl"], "give --json or --jsonl, not both"),
-    (["--layer", "-1"], ""),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--limit", "0"], "--limit"),
+        (["--limit", "-3"], "--limit"),
+        (["--sort", "newest"], "--sort must be one of id, score, accesses, age, size"),
+        (["--json", "--jsonl"], "give --json or --jsonl, not both"),
+        (["--layer", "-1"], ""),
+    ],
+)
 def test_ls_bad_arguments_are_usage_errors(rng, args, fragment):
     store = make_store(rng)
     before = snapshot(store)
@@ -263,8 +292,9 @@ def test_store_entries_library(rng):
         assert isinstance(listing, hmem.EntryListing)
         assert len(listing) == 3 and listing.total == 10
         assert [e.entry_id for e in listing] == independent_order(expected, "score")[:3]
-        assert [e.entry_id for e in s.entries(2, sort="size")] == \
-            independent_order([e for e in expected if e["layer"] == 2], "size")
+        assert [e.entry_id for e in s.entries(2, sort="size")] == independent_order(
+            [e for e in expected if e["layer"] == 2], "size"
+        )
         empty = s.entries(limit=0)
         assert len(empty) == 0 and list(empty) == [] and empty.total == 10
         for bad in ({"sort": "newest"}, {"limit": -1}, {"limit": 1.5}):
@@ -292,8 +322,13 @@ def test_show_meta_and_tensors_of_a_put(rng):
     assert document["importance"] == 2.0 and document["access_count"] == 0 and document["score"] == 2.0
     assert document["meta"] == {"source": "run[bold]1.safetensors", "chunk": 1, "tokens": [4, 8]}
     assert document["storage_dtype"] == "f32"
-    assert document == {**run_json("ls", "s")["entries"][1], "store": "s", "meta": document["meta"],
-                        "storage_dtype": "f32", "tensors": document["tensors"]}
+    assert document == {
+        **run_json("ls", "s")["entries"][1],
+        "store": "s",
+        "meta": document["meta"],
+        "storage_dtype": "f32",
+        "tensors": document["tensors"],
+    }
     for side, rows in (("keys", keys[4:8]), ("values", values[4:8])):
         summary = document["tensors"][side]
         assert summary["shape"] == [4, D] and summary["dtype"] == "F32"
@@ -433,8 +468,9 @@ def test_export_refuses_unknown_ids_and_bad_paths_writing_nothing(rng):
     store = make_store(rng)
     before = snapshot(store)
     Path("old.safetensors").write_bytes(b"keep me")
-    line = error_line(run("export", store, 1, 77, 99, "-o", "old.safetensors"), ExitCode.FAILURE,
-                      "holds no entries 77, 99")
+    line = error_line(
+        run("export", store, 1, 77, 99, "-o", "old.safetensors"), ExitCode.FAILURE, "holds no entries 77, 99"
+    )
     assert "'hmem ls s' lists the live entries" in line
     assert Path("old.safetensors").read_bytes() == b"keep me"
     error_line(run("export", store, 1, "-o", "missing/x.safetensors"), ExitCode.BAD_PATH, "missing/x.safetensors")

@@ -68,8 +68,10 @@ def test_a_lock_wait_hint_is_printed_with_the_flag():
     result = CliRunner().invoke(_app_raising(exc), ["boom"])
     assert result.exit_code == ExitCode.LOCKED
     lines = result.stderr.strip().splitlines()
-    assert lines == ["error: store is locked by another process "
-                     "(wait for it to finish, or retry with a lock wait such as --lock-wait 30)"]
+    assert lines == [
+        "error: store is locked by another process "
+        "(wait for it to finish, or retry with a lock wait such as --lock-wait 30)"
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

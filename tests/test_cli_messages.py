@@ -24,8 +24,14 @@ from hmem.cli.prefix_hit_input import MAX_PRESENCE_BITS
 
 D = 16
 ROOT = Path(__file__).resolve().parent.parent
-BASE_ENV = {"COLUMNS": "200", "NO_COLOR": None, "FORCE_COLOR": None, "TTY_COMPATIBLE": None,
-            "HMEM_STORE": None, "HMEM_DEBUG": None}
+BASE_ENV = {
+    "COLUMNS": "200",
+    "NO_COLOR": None,
+    "FORCE_COLOR": None,
+    "TTY_COMPATIBLE": None,
+    "HMEM_STORE": None,
+    "HMEM_DEBUG": None,
+}
 ANSI = re.compile(r"\x1b\[")
 CLI_NAMES = {"usage", "aborted", "interrupted", "terminated", "internal_error"}
 
@@ -81,14 +87,17 @@ def test_a_library_error_under_json_is_one_document():
     assert "nowhere" in error["message"] and error["hint"] == "create one with 'hmem init'"
 
 
-@pytest.mark.parametrize("args, exit_code, code", [
-    (["stats", "nowhere", "--json"], ExitCode.NOT_A_STORE, "not_a_store"),
-    (["init", "s", "--embed-dim", "-1", "--json"], ExitCode.USAGE, "invalid_argument"),
-    (["query", "nowhere", "--query", "q.npy", "-l", "0", "--json"], ExitCode.USAGE, "invalid_argument"),
-    (["verify", "nowhere", "--json"], ExitCode.NOT_A_STORE, "not_a_store"),
-    (["evict", "nowhere", "--target", "1", "--yes", "--json"], ExitCode.NOT_A_STORE, "not_a_store"),
-    (["compact", "nowhere", "--threshold", "101", "--json"], ExitCode.USAGE, "usage"),
-])
+@pytest.mark.parametrize(
+    "args, exit_code, code",
+    [
+        (["stats", "nowhere", "--json"], ExitCode.NOT_A_STORE, "not_a_store"),
+        (["init", "s", "--embed-dim", "-1", "--json"], ExitCode.USAGE, "invalid_argument"),
+        (["query", "nowhere", "--query", "q.npy", "-l", "0", "--json"], ExitCode.USAGE, "invalid_argument"),
+        (["verify", "nowhere", "--json"], ExitCode.NOT_A_STORE, "not_a_store"),
+        (["evict", "nowhere", "--target", "1", "--yes", "--json"], ExitCode.NOT_A_STORE, "not_a_store"),
+        (["compact", "nowhere", "--threshold", "101", "--json"], ExitCode.USAGE, "usage"),
+    ],
+)
 def test_errors_of_the_store_commands_under_json(args, exit_code, code):
     json_error(run(*args), exit_code, code)
     assert not Path("s").exists()
@@ -100,12 +109,15 @@ def test_without_json_stdout_stays_empty():
     assert result.stderr.startswith("error: nowhere")
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["query", "s", "--query", "q.npy", "--layer", "x", "--json"], "'--layer'"),  # a bad option value
-    (["prefix-hit", "-w", "-1", "-g", "0", "--json"], "Missing option"),
-    (["stats", "s", "--no-such-flag", "--json"], "No such option"),
-    (["init", "s", "--embed-dim", "4", "--max-open-shards", "many", "--json"], "--max-open-shards"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["query", "s", "--query", "q.npy", "--layer", "x", "--json"], "'--layer'"),  # a bad option value
+        (["prefix-hit", "-w", "-1", "-g", "0", "--json"], "Missing option"),
+        (["stats", "s", "--no-such-flag", "--json"], "No such option"),
+        (["init", "s", "--embed-dim", "4", "--max-open-shards", "many", "--json"], "--max-open-shards"),
+    ],
+)
 def test_typer_usage_errors_under_json(args, fragment):
     error = json_error(run(*args), ExitCode.USAGE, "usage")
     assert fragment in error["message"]
@@ -126,8 +138,7 @@ def test_a_value_error_of_hmem_under_json():
 def test_a_wrongly_shaped_query_under_json_keeps_the_brackets(store):
     np.save("q3.npy", np.ones((2, 2, D), np.float32))
     before = snapshot(store)
-    error = json_error(run("query", store, "--query", "q3.npy", "-l", "0", "--json"), ExitCode.USAGE,
-                       "invalid_tensor")
+    error = json_error(run("query", store, "--query", "q3.npy", "-l", "0", "--json"), ExitCode.USAGE, "invalid_tensor")
     assert "[n_tokens, embed_dim]" in error["message"]
     assert snapshot(store) == before
 
@@ -144,8 +155,7 @@ def _probe(exc: BaseException | None = None, *, emit_first: bool = False) -> typ
     probe = typer.Typer(cls=HmemGroup)
 
     @probe.command()
-    def boom(json_output: bool = typer.Option(False, "--json"),
-             jsonl: bool = typer.Option(False, "--jsonl")) -> None:
+    def boom(json_output: bool = typer.Option(False, "--json"), jsonl: bool = typer.Option(False, "--jsonl")) -> None:
         out = output.Output(json_mode=json_output or jsonl)
         if emit_first and jsonl:
             out.emit_jsonl({"id": 1})
@@ -179,13 +189,15 @@ def test_jsonl_errors_are_one_compact_line():
     result = CliRunner().invoke(_probe(hmem.NotAStoreError("x holds no hmem store")), ["boom", "--jsonl"])
     assert result.exit_code == ExitCode.NOT_A_STORE
     assert result.stdout.count("\n") == 1
-    assert json.loads(result.stdout) == {"error": {"code": "not_a_store", "exit": 5,
-                                                   "message": "x holds no hmem store", "hint": None}}
+    assert json.loads(result.stdout) == {
+        "error": {"code": "not_a_store", "exit": 5, "message": "x holds no hmem store", "hint": None}
+    }
 
 
 def test_jsonl_stream_ends_with_the_error_record():
-    result = CliRunner().invoke(_probe(hmem.CorruptStoreError("shard 3 is damaged"), emit_first=True),
-                                ["boom", "--jsonl"])
+    result = CliRunner().invoke(
+        _probe(hmem.CorruptStoreError("shard 3 is damaged"), emit_first=True), ["boom", "--jsonl"]
+    )
     assert result.exit_code == ExitCode.FAILURE
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert records[:2] == [{"id": 1}, {"id": 2}]
@@ -217,7 +229,7 @@ def test_every_library_error_has_its_own_stable_name():
 
 def test_docs_list_every_error_name():
     cli_md = (ROOT / "docs" / "cli.md").read_text()
-    section = cli_md[cli_md.index("### Errors as JSON"):]
+    section = cli_md[cli_md.index("### Errors as JSON") :]
     for name in {name for _, name in ERROR_NAMES} | CLI_NAMES:
         assert f"`{name}`" in section, name
 
@@ -270,8 +282,9 @@ def test_error_lines_are_plain_text():
 # ---- 3a. a store that lost index.json --------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [["stats"], ["query", "--query", "q.npy", "-l", "0"],
-                                     ["compact"], ["evict", "--target", "1", "--yes"]])
+@pytest.mark.parametrize(
+    "command", [["stats"], ["query", "--query", "q.npy", "-l", "0"], ["compact"], ["evict", "--target", "1", "--yes"]]
+)
 def test_a_lost_index_is_not_sent_to_init(store, command, rng):
     np.save("q.npy", rng.standard_normal((2, D)).astype(np.float32))
     (store / "index.json").unlink()
@@ -306,8 +319,9 @@ def test_hex_of_the_wrong_length_names_the_length():
     assert result.exit_code == ExitCode.USAGE
     line = result.stderr.strip()
     assert "not hexadecimal" not in line
-    assert line == ("error: --hex holds 3 hex digits but 1 groups x 4 chunks x 1 ranks = 4 bits need exactly "
-                    "1 bytes (2 hex digits)")
+    assert line == (
+        "error: --hex holds 3 hex digits but 1 groups x 4 chunks x 1 ranks = 4 bits need exactly 1 bytes (2 hex digits)"
+    )
 
 
 def test_hex_with_a_bad_digit_names_it():
@@ -320,8 +334,10 @@ def test_hex_with_a_bad_digit_names_it():
 def test_bits_past_the_map_are_refused(hex_text, first):
     result = run("prefix-hit", "-c", "4", "-w", "-1", "--hex", hex_text)
     assert result.exit_code == ExitCode.USAGE, result.stdout
-    assert f"--hex sets bit {first}, past the end of the map of 1 groups x 4 chunks x 1 ranks = 4 bits " \
-           f"(bits 0-3)" in result.stderr
+    assert (
+        f"--hex sets bit {first}, past the end of the map of 1 groups x 4 chunks x 1 ranks = 4 bits "
+        f"(bits 0-3)" in result.stderr
+    )
     assert result.stdout == ""
 
 
@@ -335,12 +351,15 @@ def test_a_full_last_byte_and_the_bitmap_file_are_checked_too():
     assert run("prefix-hit", "-c", "5", "-w", "-1,2", "--bitmap-file", "bm").exit_code == 0
 
 
-@pytest.mark.parametrize("args", [
-    ["-c", str(2**40), "-w", "-1", "-g", "0"],
-    ["-c", str(2**40), "-w", "-1", "--hex", "00"],
-    ["-c", str(2**20), "-r", str(2**10), "-w", "-1,-1", "-g", "0", "-g", "0"],
-    ["-c", "4", "-r", str(2**62), "-w", "-1", "-g", "0"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["-c", str(2**40), "-w", "-1", "-g", "0"],
+        ["-c", str(2**40), "-w", "-1", "--hex", "00"],
+        ["-c", str(2**20), "-r", str(2**10), "-w", "-1,-1", "-g", "0", "-g", "0"],
+        ["-c", "4", "-r", str(2**62), "-w", "-1", "-g", "0"],
+    ],
+)
 def test_impossible_sizes_are_usage_errors(args):
     result = run("prefix-hit", *args)
     assert result.exit_code == ExitCode.USAGE, result.stderr
@@ -418,8 +437,7 @@ def test_help_shows_no_bool_after_flags():
 # ---- 3e. one unit system -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("speed, shown", [(3 * 2**20, "3.0 MiB/s"), (1536, "1.5 KiB/s"), (100, "100 B/s"),
-                                          (None, "?")])
+@pytest.mark.parametrize("speed, shown", [(3 * 2**20, "3.0 MiB/s"), (1536, "1.5 KiB/s"), (100, "100 B/s"), (None, "?")])
 def test_progress_speed_is_in_binary_units(speed, shown):
     task = types.SimpleNamespace(finished_speed=None, speed=speed)
     assert output.binary_speed_column().render(task).plain == shown

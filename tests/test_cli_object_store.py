@@ -58,8 +58,7 @@ CRASH_EXIT = 86  # what a process passing the crash point named by HMEM_CRASH_AT
 def kv(seed: int) -> tuple[np.ndarray, np.ndarray]:
     r = np.random.default_rng(seed)
     n = 1 + seed % 3
-    return (r.standard_normal((n, EMBED)).astype(np.float32),
-            r.standard_normal((n, EMBED)).astype(np.float32))
+    return (r.standard_normal((n, EMBED)).astype(np.float32), r.standard_normal((n, EMBED)).astype(np.float32))
 
 
 def put_seed(store, seed: int) -> int:
@@ -100,15 +99,20 @@ def prefix_of(url: str) -> str:
 def clean_env(**extra: str) -> dict[str, str]:
     """The test's environment (the AWS variables and HMEM_CACHE_DIR that s3_env
     set included), without anything that changes hmem's output or crashes it."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("FORCE_COLOR", "HMEM_STORE", "HMEM_DEBUG", "HMEM_CRASH_AT")}
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "HMEM_STORE", "HMEM_DEBUG", "HMEM_CRASH_AT")}
     env.update(NO_COLOR="1", COLUMNS="200", **extra)
     return env
 
 
 def python(code: str, *args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], env=env or clean_env(), capture_output=True,
-                          cwd=OUTSIDE_CHECKOUT, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=env or clean_env(),
+        capture_output=True,
+        cwd=OUTSIDE_CHECKOUT,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def in_process(*args):
@@ -125,8 +129,14 @@ def hmem_cli(tmp_path, s3_env):
     that only read), their results in order."""
 
     def start(args) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "hmem", *map(str, args)], cwd=tmp_path, env=clean_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "hmem", *map(str, args)],
+            cwd=tmp_path,
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def finish(proc: subprocess.Popen, args, code: int) -> subprocess.CompletedProcess:
         out, err = proc.communicate(timeout=60)
@@ -167,8 +177,11 @@ def test_every_command_on_an_s3_store(tmp_path, s3_url, s3_server, hmem_cli, mon
     for i in range(6):
         keys, values = rng.standard_normal((2, 8, D)).astype(np.float32)
         inputs[f"c{i}.safetensors"] = keys, values
-        save_file({"keys": keys, "values": values}, dumps / f"c{i}.safetensors",
-                  metadata={"layer": str(i % 2), "importance": str(i + 1)})
+        save_file(
+            {"keys": keys, "values": values},
+            dumps / f"c{i}.safetensors",
+            metadata={"layer": str(i % 2), "importance": str(i + 1)},
+        )
     wanted_keys = inputs["c4.safetensors"][0]
     np.save(tmp_path / "probe.npy", wanted_keys[:5] + 0.1 * rng.standard_normal((5, D)))
 
@@ -196,7 +209,8 @@ def test_every_command_on_an_s3_store(tmp_path, s3_url, s3_server, hmem_cli, mon
         (("stats", s3_url), 0),
         (("stats", s3_url, J), 0),
         (("verify", s3_url), 0),
-        (("verify", s3_url, "--full", J), 0))
+        (("verify", s3_url, "--full", J), 0),
+    )
 
     listed = jsonl(listed)
     assert [e["entry_id"] for e in listed] == list(range(1, 7))
@@ -250,7 +264,8 @@ def test_every_command_on_an_s3_store(tmp_path, s3_url, s3_server, hmem_cli, mon
     assert compacted["performed"] is True and compacted["records_dropped"] == 3 and compacted["bytes_freed"] > 0
     after, again = hmem_cli.many(
         (("stats", s3_url, J), 0),
-        (("query", s3_url, "--query", "probe.npy", "--layer", 0, "--top-k", 1, "--export", "hit.safetensors", J), 0))
+        (("query", s3_url, "--query", "probe.npy", "--layer", 0, "--top-k", 1, "--export", "hit.safetensors", J), 0),
+    )
     after = doc(after)
     assert (after["entries"], after["evicted"], after["reclaimable_bytes"]) == (3, 0, 0)
     assert after["bytes_on_disk"] < stats["bytes_on_disk"]  # the objects the manifest names: 3 entries, not 6
@@ -300,7 +315,7 @@ def test_two_threads_race_for_the_lease(s3_url):
             barrier.wait()
             try:
                 got[n] = hmem.Store.open(s3_url)
-            except Exception as exc:  # noqa: BLE001 - recorded and checked below
+            except Exception as exc:
                 got[n] = exc
 
         threads = [threading.Thread(target=open_writer, args=(n,)) for n in range(2)]
@@ -330,11 +345,19 @@ store.close()
 def test_put_while_another_process_holds_the_store(tmp_path, s3_url, s3_server, hmem_cli):
     with hmem.Store.create(s3_url, embed_dim=D, hdc_dim=HDC) as store:
         store.put(np.ones((2, D), np.float32), np.ones((2, D), np.float32))
-    save_file({"keys": np.full((4, D), 2, np.float32), "values": np.full((4, D), 3, np.float32)},
-              tmp_path / "new.safetensors")
+    save_file(
+        {"keys": np.full((4, D), 2, np.float32), "values": np.full((4, D), 3, np.float32)}, tmp_path / "new.safetensors"
+    )
     before = contents(s3_url)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, s3_url], stdin=subprocess.PIPE, cwd=OUTSIDE_CHECKOUT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, s3_url],
+        stdin=subprocess.PIPE,
+        cwd=OUTSIDE_CHECKOUT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
     try:
         assert holder.stdout.readline().strip() == "ready", holder.stderr.read()
         objects = {k: v for k, v in s3_server.objects(prefix_of(s3_url)).items() if k != "lease.json"}
@@ -358,7 +381,9 @@ def test_put_while_another_process_holds_the_store(tmp_path, s3_url, s3_server, 
 
 # ---- 3. a writer killed at a crash point of its publish --------------------------------
 
-CRASH_WRITER = _KV_SRC + """
+CRASH_WRITER = (
+    _KV_SRC
+    + """
 import os, sys, hmem
 store = hmem.Store.open(sys.argv[1], storage_options={"lease_seconds": 2})
 for seed in range(4, 7):
@@ -370,6 +395,7 @@ print("flushing", os.getpid(), flush=True)
 store.flush()
 print("survived", flush=True)
 """
+)
 
 
 def _three_entries(url: str) -> dict:
@@ -384,8 +410,13 @@ def _three_entries(url: str) -> dict:
 def _named_by_manifest(objects: dict[str, bytes]) -> set[str]:
     """The objects manifest.json names (docs/format.md, "Stores on object storage")."""
     mf = json.loads(objects["manifest.json"])
-    return {"manifest.json", "lease.json", *(s["key"] for s in mf["state"]), *(s["key"] for s in mf["shards"].values()),
-            *(r["key"] for r in mf["retired"])}
+    return {
+        "manifest.json",
+        "lease.json",
+        *(s["key"] for s in mf["state"]),
+        *(s["key"] for s in mf["shards"].values()),
+        *(r["key"] for r in mf["retired"]),
+    }
 
 
 def test_writer_killed_between_uploads_and_commit(s3_url, s3_server):
@@ -452,7 +483,9 @@ def test_hmem_compact_removes_orphans_of_an_otherwise_compact_store(s3_url, s3_s
 
 # ---- 4. a writer SIGKILLed at random moments --------------------------------------------
 
-LOOP_WRITER = _KV_SRC + """
+LOOP_WRITER = (
+    _KV_SRC
+    + """
 import sys, hmem
 store = hmem.Store.open(sys.argv[1], lock_wait=30, storage_options={"lease_seconds": 2})
 seed = len(store.entry_ids())
@@ -463,6 +496,7 @@ while True:
     store.flush()
     print("flushed", seed, flush=True)
 """
+)
 
 
 @pytest.mark.stress
@@ -475,9 +509,14 @@ def test_writer_sigkilled_at_random_moments(s3_url):
     kills: list = [("HMEM_STRESS_SEED", kill_seed)]  # and (delay, last acknowledged seed) per kill: failures show it
     with hmem.Store.open(s3_url, read_only=True) as follower:  # one reader kept open across the kills
         for _ in range(rounds):
-            writer = subprocess.Popen([sys.executable, "-c", LOOP_WRITER, s3_url], stdout=subprocess.PIPE,
-                                      cwd=OUTSIDE_CHECKOUT,
-                                      stderr=subprocess.PIPE, text=True, env=clean_env())
+            writer = subprocess.Popen(
+                [sys.executable, "-c", LOOP_WRITER, s3_url],
+                stdout=subprocess.PIPE,
+                cwd=OUTSIDE_CHECKOUT,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=clean_env(),
+            )
             try:
                 ready = writer.stdout.readline().split()
                 assert ready == ["ready", str(committed)], (ready, writer.stderr.read() if not ready else "")

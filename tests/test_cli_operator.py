@@ -184,10 +184,22 @@ def test_put_reports_the_ids_of_each_file(rng):
     for name in ("a", "b", "c"):
         kv_file(f"{name}.safetensors", rng)
     save_file({"keys": rows(rng)}, "bad.safetensors")
-    doc = run_json("put", "s", "a.safetensors", "b.safetensors", "bad.safetensors", "c.safetensors",
-                   "--chunk-tokens", "1", code=ExitCode.PARTIAL)
+    doc = run_json(
+        "put",
+        "s",
+        "a.safetensors",
+        "b.safetensors",
+        "bad.safetensors",
+        "c.safetensors",
+        "--chunk-tokens",
+        "1",
+        code=ExitCode.PARTIAL,
+    )
     assert [(f["file"], f["entry_ids"]) for f in doc["imported"]] == [
-        ("a.safetensors", [1, 2, 3]), ("b.safetensors", [4, 5, 6]), ("c.safetensors", [7, 8, 9])]
+        ("a.safetensors", [1, 2, 3]),
+        ("b.safetensors", [4, 5, 6]),
+        ("c.safetensors", [7, 8, 9]),
+    ]
     kv_file("d.safetensors", rng)
     result = run("put", "s", "d.safetensors", "--chunk-tokens", "1")
     assert result.exit_code == 0, result.stderr
@@ -248,7 +260,9 @@ def test_a_second_put_of_the_same_files_imports_nothing(rng):
     second = run_json("put", "s", "a.safetensors", "b.safetensors")
     assert (second["entries_added"], second["files_already_imported"]) == (0, 2)
     assert [(f["file"], f["imported_as"], f["entry_ids"]) for f in second["already_imported"]] == [
-        ("a.safetensors", "a.safetensors", [1]), ("b.safetensors", "b.safetensors", [2])]
+        ("a.safetensors", "a.safetensors", [1]),
+        ("b.safetensors", "b.safetensors", [2]),
+    ]
     human = run("put", "s", "a.safetensors")
     assert human.exit_code == 0 and "already imported, not imported again: a.safetensors" in human.stdout
     again = run_json("put", "s", "a.safetensors", "--again")  # the operator insists
@@ -256,7 +270,10 @@ def test_a_second_put_of_the_same_files_imports_nothing(rng):
     with hmem.Store.open("s", read_only=True) as s:
         assert s.stats().entries == 3
         assert [(x.name, list(x.entry_ids)) for x in s.imported_sources()] == [
-            ("a.safetensors", [1]), ("b.safetensors", [2]), ("a.safetensors", [3])]
+            ("a.safetensors", [1]),
+            ("b.safetensors", [2]),
+            ("a.safetensors", [3]),
+        ]
 
 
 def test_the_same_content_under_another_name_is_already_imported_and_a_changed_file_is_not(rng):
@@ -343,13 +360,19 @@ def test_a_lost_index_keeps_the_registry_through_repair(rng):
     assert run_json("put", "s", "f0.safetensors", "f1.safetensors")["entries_added"] == 0
 
 
-@pytest.mark.parametrize("bad, fragment", [
-    (dict(sha256="xyz"), "sha256"), (dict(entry_ids=[3, 5]), "consecutive"), (dict(name=""), "name"),
-    (dict(entry_ids=[99]), "never handed out"), (dict(size=-1), "size"),
-])
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        (dict(sha256="xyz"), "sha256"),
+        (dict(entry_ids=[3, 5]), "consecutive"),
+        (dict(name=""), "name"),
+        (dict(entry_ids=[99]), "never handed out"),
+        (dict(size=-1), "size"),
+    ],
+)
 def test_record_source_refuses_bad_records(rng, bad, fragment):
     ids = filled(rng, 3)
-    args = dict(name="f.safetensors", sha256="0" * 64, size=10, entry_ids=ids[:2], **{})
+    args = dict(name="f.safetensors", sha256="0" * 64, size=10, entry_ids=ids[:2])
     args.update(bad)
     with hmem.Store.open("s") as s:
         with pytest.raises(hmem.InvalidArgumentError, match=fragment):

@@ -75,7 +75,7 @@ def test_json_document_matches_library():
     assert g1["present_chunks"] == [[2, 5]]
     # unfold(4, C=5, R=2, W=[-1,2]) group-major keeps {0..7, 14..17}
     mask = Bitmap.from_bytes(bytes.fromhex(doc["retain_mask_hex"]), doc["retain_bits"])
-    assert mask.indices().tolist() == [*range(0, 8), *range(14, 18)]
+    assert mask.indices().tolist() == [*range(8), *range(14, 18)]
     assert doc["retained"] == 12
 
 
@@ -99,7 +99,7 @@ def test_raw_hex_in_either_layout(layout):
     doc = run_json("-c", "5", "-r", "2", "-w", "-1,2", "--hex", found.to_bytes().hex(), "--layout", layout)
     assert doc["hit"] == 4
     assert doc["layout"] == layout
-    expected = {"group-major": [*range(0, 8), *range(14, 18)], "chunk-major": [0, 1, 4, 5, *range(8, 16)]}
+    expected = {"group-major": [*range(8), *range(14, 18)], "chunk-major": [0, 1, 4, 5, *range(8, 16)]}
     mask = Bitmap.from_bytes(bytes.fromhex(doc["retain_mask_hex"]), doc["retain_bits"])
     assert mask.indices().tolist() == expected[layout]
 

@@ -31,8 +31,14 @@ HDC = 256
 ANSI = re.compile(r"\x1b\[")
 # Wide enough that no table cell wraps; colour forcing from the caller's
 # environment is removed so that "not a terminal" really means no colour.
-BASE_ENV = {"COLUMNS": "200", "NO_COLOR": None, "FORCE_COLOR": None, "TTY_COMPATIBLE": None,
-            "HMEM_STORE": None, "HMEM_DEBUG": None}
+BASE_ENV = {
+    "COLUMNS": "200",
+    "NO_COLOR": None,
+    "FORCE_COLOR": None,
+    "TTY_COMPATIBLE": None,
+    "HMEM_STORE": None,
+    "HMEM_DEBUG": None,
+}
 
 
 def run(*args, env: dict | None = None, input: str | None = None):
@@ -70,8 +76,7 @@ def best(path, keys, layer: int):
     """The library's top hit for `keys` (read-only: counts no access)."""
     with hmem.Store.open(path, read_only=True) as s:
         result = s.query(keys, layer, top_k=1)[0]
-        return (result.entry_id, np.array(result.keys), np.array(result.values), result.importance,
-                result.layer_idx)
+        return (result.entry_id, np.array(result.keys), np.array(result.values), result.importance, result.layer_idx)
 
 
 @pytest.fixture(autouse=True)
@@ -102,18 +107,22 @@ def kv_files(tmp_path, rng):
     folder.mkdir()
     expected = []
     k, v = rows(rng), rows(rng)
-    save_file({"keys": k, "values": v, "extra": rows(rng, 2)}, folder / "a_single.safetensors",
-              metadata={"layer": "2", "importance": "3"})
+    save_file(
+        {"keys": k, "values": v, "extra": rows(rng, 2)},
+        folder / "a_single.safetensors",
+        metadata={"layer": "2", "importance": "3"},
+    )
     expected.append((k, v, 2, 3.0))
     k, v = rows(rng, 5), rows(rng, 5)
     save_file({"k": k, "v": v}, folder / "b_kv.safetensors")
     expected.append((k, v, 0, 1.0))
     k0, v0, k1, v1 = rows(rng), rows(rng), rows(rng, 3), rows(rng, 3)
-    save_file({"layer.0.k": k0, "layer.0.v": v0, "layers_1_keys": k1, "layers_1_values": v1},
-              folder / "c_layers.safetensors")
+    save_file(
+        {"layer.0.k": k0, "layer.0.v": v0, "layers_1_keys": k1, "layers_1_values": v1}, folder / "c_layers.safetensors"
+    )
     expected += [(k0, v0, 0, 1.0), (k1, v1, 1, 1.0)]
     tensors, numbered = {}, []
-    for n, (kname, vname) in enumerate([("k_0", "v_0"), ("k.1", "v.1"), ("keys_2", "values_2")]):
+    for _n, (kname, vname) in enumerate([("k_0", "v_0"), ("k.1", "v.1"), ("keys_2", "values_2")]):
         tensors[kname], tensors[vname] = rows(rng, 4), rows(rng, 4)
         numbered.append((tensors[kname], tensors[vname], 5, 0.5))
     sub = folder / "nested"
@@ -151,16 +160,41 @@ def write_bf16(path: Path, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarr
 
 
 def test_init_human_output_and_saved_config():
-    result = run("init", "s", "-d", 48, "--hdc-dim", 512, "--seed", 3, "--max-entries", 100,
-                 "--max-disk", "10MiB", "--shard-max", "1M", "--max-open-shards", 2, "--quantize")
+    result = run(
+        "init",
+        "s",
+        "-d",
+        48,
+        "--hdc-dim",
+        512,
+        "--seed",
+        3,
+        "--max-entries",
+        100,
+        "--max-disk",
+        "10MiB",
+        "--shard-max",
+        "1M",
+        "--max-open-shards",
+        2,
+        "--quantize",
+    )
     assert result.exit_code == 0, result.stderr
     out = result.stdout
     assert "created hmem store at s" in out
     for fact in ("embed_dim", "48", "hdc_dim", "512", "10.0 MiB", "max_entries", "100", "quantize_stored", "True"):
         assert fact in out, fact
     cfg = library_stats("s")["config"]
-    assert cfg == {"embed_dim": 48, "hdc_dim": 512, "seed": 3, "max_entries": 100, "max_disk_bytes": 10 * 2**20,
-                   "shard_max_bytes": 10**6, "max_open_shards": 2, "quantize_stored": True}
+    assert cfg == {
+        "embed_dim": 48,
+        "hdc_dim": 512,
+        "seed": 3,
+        "max_entries": 100,
+        "max_disk_bytes": 10 * 2**20,
+        "shard_max_bytes": 10**6,
+        "max_open_shards": 2,
+        "quantize_stored": True,
+    }
 
 
 def test_init_json_matches_library():
@@ -243,10 +277,14 @@ def test_put_layer_and_importance_precedence(tmp_path, rng):
     single_k, single_v, named_k, named_v, bare_k, bare_v = (rows(rng) for _ in range(6))
     folder = Path("in")
     folder.mkdir()
-    save_file({"keys": single_k, "values": single_v}, folder / "meta.safetensors",
-              metadata={"layer": "4", "importance": "2"})
-    save_file({"layer.3.k": named_k, "layer.3.v": named_v}, folder / "named.safetensors",
-              metadata={"layer": "4", "importance": "5"})
+    save_file(
+        {"keys": single_k, "values": single_v}, folder / "meta.safetensors", metadata={"layer": "4", "importance": "2"}
+    )
+    save_file(
+        {"layer.3.k": named_k, "layer.3.v": named_v},
+        folder / "named.safetensors",
+        metadata={"layer": "4", "importance": "5"},
+    )
     save_file({"k": bare_k, "v": bare_v}, folder / "bare.safetensors")
     # options beat metadata; layer names beat everything
     for name in ("opts", "meta"):
@@ -374,8 +412,12 @@ def test_put_dry_run_stores_nothing(store, kv_files, rng, snapshot_dir):
     assert "wrote" not in result.stdout
     doc = run_json("put", store, folder, "--dry-run")
     assert doc["dry_run"] is True
-    assert (doc["entries_found"], doc["entries_added"], doc["bytes_written"], doc["shards_created"]) == \
-        (len(expected), 0, 0, 0)
+    assert (doc["entries_found"], doc["entries_added"], doc["bytes_written"], doc["shards_created"]) == (
+        len(expected),
+        0,
+        0,
+        0,
+    )
     # a dry run checks as a real put would: bad files are reported, exit 1 when all are bad
     bad = Path("bad")
     bad.mkdir()
@@ -426,8 +468,13 @@ def test_query_json_matches_library(filled, kv_files):
     assert doc["results"][0]["entry_id"] == best(filled, keys, 0)[0]
     assert doc["results"][0]["score"] == pytest.approx(1.0)
     for row, r in zip(doc["results"], lib):
-        assert (row["score"], row["similarity"], row["n_tokens"], row["layer"], row["importance"]) == \
-            (r.score, r.similarity, r.n_tokens, r.layer_idx, r.importance)
+        assert (row["score"], row["similarity"], row["n_tokens"], row["layer"], row["importance"]) == (
+            r.score,
+            r.similarity,
+            r.n_tokens,
+            r.layer_idx,
+            r.importance,
+        )
     assert (doc["layer"], doc["top_k"], doc["rerank"], doc["search"], doc["export"]) == (0, 5, True, "auto", None)
     assert doc["searched"] == "full"  # what "auto" chose on a small layer
     for mode in ("full", "two-stage"):
@@ -448,8 +495,15 @@ def test_query_input_file_forms(filled, kv_files):
     save_file({"keys": keys, "values": keys}, "named_keys.safetensors")
     save_file({"k": keys, "v": keys}, "named_k.safetensors")
     save_file({"whatever": keys.astype(np.float16)}, "only.safetensors")
-    for name in ("tokens.npy", "vector.npy", "named_query.safetensors", "named_q.safetensors",
-                 "named_keys.safetensors", "named_k.safetensors", "only.safetensors"):
+    for name in (
+        "tokens.npy",
+        "vector.npy",
+        "named_query.safetensors",
+        "named_q.safetensors",
+        "named_keys.safetensors",
+        "named_k.safetensors",
+        "only.safetensors",
+    ):
         doc = run_json("query", filled, "--query", name, "-l", 2, "-k", 1)
         assert [r["entry_id"] for r in doc["results"]] == [wanted], name
 
@@ -457,7 +511,11 @@ def test_query_input_file_forms(filled, kv_files):
 @pytest.mark.parametrize(
     "name, content, fragment",
     [
-        ("garbage.safetensors", b"\x00\x01garbage bytes that are not a safetensors file", "--query garbage.safetensors"),
+        (
+            "garbage.safetensors",
+            b"\x00\x01garbage bytes that are not a safetensors file",
+            "--query garbage.safetensors",
+        ),
         ("garbage.npy", b"not numpy at all", "not a readable .npy file"),
         ("short.safetensors", b"abc", "too short"),
         ("missing.npy", None, "no such file"),
@@ -472,16 +530,20 @@ def test_query_rejects_unreadable_query_file(filled, name, content, fragment):
 
 def test_query_rejects_ambiguous_or_wrong_shape_query(filled, rng):
     save_file({"a": rows(rng), "b": rows(rng)}, "two.safetensors")
-    assert_one_error_line(run("query", filled, "--query", "two.safetensors", "-l", 0), ExitCode.USAGE,
-                          "no tensor named query or q or keys or k")
+    assert_one_error_line(
+        run("query", filled, "--query", "two.safetensors", "-l", 0),
+        ExitCode.USAGE,
+        "no tensor named query or q or keys or k",
+    )
     np.save("wide.npy", rows(rng, dim=D + 1))
     assert_one_error_line(run("query", filled, "--query", "wide.npy", "-l", 0), ExitCode.USAGE)
     np.save("ints.npy", np.ones((2, D), np.int64))
     assert_one_error_line(run("query", filled, "--query", "ints.npy", "-l", 0), ExitCode.USAGE, "must hold floats")
 
 
-@pytest.mark.parametrize("args", [["--top-k", "0"], ["--top-k", "-1"], ["--layer", "-1"], ["--layer", "x"],
-                                  ["--search", "fast"]])
+@pytest.mark.parametrize(
+    "args", [["--top-k", "0"], ["--top-k", "-1"], ["--layer", "-1"], ["--layer", "x"], ["--search", "fast"]]
+)
 def test_query_bad_options_are_usage_errors(filled, kv_files, args):
     np.save("q.npy", kv_files[1][0][0])
     base = ["query", filled, "--query", "q.npy"] + ([] if "--layer" in args else ["--layer", "0"])
@@ -537,9 +599,25 @@ def test_query_counts_accesses_only_when_asked(filled, kv_files, snapshot_dir):
 def test_stats_json_is_the_library_stats(filled):
     doc = run_json("stats", filled)
     assert doc == library_stats(filled)
-    for field in ("path", "format_version", "generation", "config", "entries", "evicted", "unflushed", "layers",
-                  "shards", "bytes_on_disk", "live_bytes", "reclaimable_bytes", "orphan_files", "foreign_files",
-                  "total_accesses", "next_entry_id", "kernels"):
+    for field in (
+        "path",
+        "format_version",
+        "generation",
+        "config",
+        "entries",
+        "evicted",
+        "unflushed",
+        "layers",
+        "shards",
+        "bytes_on_disk",
+        "live_bytes",
+        "reclaimable_bytes",
+        "orphan_files",
+        "foreign_files",
+        "total_accesses",
+        "next_entry_id",
+        "kernels",
+    ):
         assert field in doc, field
     assert (doc["entries"], doc["evicted"], doc["unflushed"], doc["reclaimable_bytes"]) == (7, 0, 0, 0)
     assert doc["bytes_on_disk"] == sum(p.stat().st_size for p in filled.iterdir())
@@ -699,8 +777,9 @@ def test_compact_human_output(filled):
     assert run("evict", filled, "--target", 4, "-y").exit_code == 0
     result = run("compact", filled)
     assert result.exit_code == 0, result.stderr
-    assert re.match(r"freed [\d.]+ KiB: [\d.]+ KiB -> [\d.]+ KiB, 1 shards -> 1, 3 evicted records dropped, in ",
-                    result.stdout)
+    assert re.match(
+        r"freed [\d.]+ KiB: [\d.]+ KiB -> [\d.]+ KiB, 1 shards -> 1, 3 evicted records dropped, in ", result.stdout
+    )
 
 
 # ---- shared behaviour: not a store, locks, format version, HMEM_STORE ---------------
@@ -811,8 +890,13 @@ def test_demo_json():
 def test_demo_human_and_kept_store():
     result = run("demo", "kept")
     assert result.exit_code == 0, result.stderr
-    for step in ("1. imported 44 entries from 18 safetensors files", "2. a query with a noisy copy",
-                 "3. evicted the", "4. the store holds", "5. prefix hit of a hybrid model"):
+    for step in (
+        "1. imported 44 entries from 18 safetensors files",
+        "2. a query with a noisy copy",
+        "3. evicted the",
+        "4. the store holds",
+        "5. prefix hit of a hybrid model",
+    ):
         assert step in result.stdout, step
     assert "finds entry" in result.stdout and "first:" in result.stdout
     assert library_stats("kept")["entries"] == 33
@@ -824,10 +908,17 @@ def test_demo_human_and_kept_store():
 
 def test_quiet_prints_nothing_on_success(store, kv_files):
     np.save("q.npy", kv_files[1][0][0])
-    for args in (["init", "other", "-d", D], ["put", store, kv_files[0]], ["stats", store],
-                 ["query", store, "--query", "q.npy", "-l", 0, "--export", "x.safetensors"],
-                 ["evict", store, "--target", 3, "--yes"], ["evict", store, "--target", 1, "--dry-run"],
-                 ["compact", store, "--dry-run"], ["compact", store], ["demo"]):
+    for args in (
+        ["init", "other", "-d", D],
+        ["put", store, kv_files[0]],
+        ["stats", store],
+        ["query", store, "--query", "q.npy", "-l", 0, "--export", "x.safetensors"],
+        ["evict", store, "--target", 3, "--yes"],
+        ["evict", store, "--target", 1, "--dry-run"],
+        ["compact", store, "--dry-run"],
+        ["compact", store],
+        ["demo"],
+    ):
         result = run(*args, "--quiet")
         assert result.exit_code == 0, (args, result.stderr)
         assert result.stdout == "", args
@@ -841,9 +932,15 @@ def test_no_ansi_when_not_a_terminal(store, kv_files, monkeypatch):
     np.save("q.npy", kv_files[1][0][0])
     for no_color in (None, "1"):
         env = {"NO_COLOR": no_color, "TERM": "xterm-256color"}
-        for args in (["put", store, kv_files[0], "--dry-run"], ["stats", store],
-                     ["query", store, "--query", "q.npy", "-l", 0], ["evict", store, "--target", 3, "--dry-run"],
-                     ["compact", store, "--dry-run"], ["demo"], ["stats", "nowhere"]):
+        for args in (
+            ["put", store, kv_files[0], "--dry-run"],
+            ["stats", store],
+            ["query", store, "--query", "q.npy", "-l", 0],
+            ["evict", store, "--target", 3, "--dry-run"],
+            ["compact", store, "--dry-run"],
+            ["demo"],
+            ["stats", "nowhere"],
+        ):
             result = run(*args, env=env)
             assert not ANSI.search(result.stdout + result.stderr), (args, no_color)
 
@@ -851,8 +948,9 @@ def test_no_ansi_when_not_a_terminal(store, kv_files, monkeypatch):
 def _run_on_terminal(args: list[str], env: dict) -> bytes:
     """Run `python -m hmem ARGS` with a pseudo-terminal as stdin/stdout/stderr."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "hmem", *args], stdin=slave, stdout=slave, stderr=slave,
-                            env=env, cwd=Path.cwd())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hmem", *args], stdin=slave, stdout=slave, stderr=slave, env=env, cwd=Path.cwd()
+    )
     os.close(slave)
     chunks = []
     while True:

@@ -80,8 +80,13 @@ def _internals(store_internals):
 
 
 key_kind = st.sampled_from(["random", "random", "copy", "negated", "zero"])
-entry_args = st.tuples(st.integers(1, 4), st.integers(0, 2), st.sampled_from([0.0, 0.5, 1.0, 1.0, 2.0, 3.5]),
-                       key_kind, st.integers(0, 2**32 - 1))
+entry_args = st.tuples(
+    st.integers(1, 4),
+    st.integers(0, 2),
+    st.sampled_from([0.0, 0.5, 1.0, 1.0, 2.0, 3.5]),
+    key_kind,
+    st.integers(0, 2**32 - 1),
+)
 
 
 class CompactionMachine(RuleBasedStateMachine):
@@ -89,8 +94,15 @@ class CompactionMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="hmem-csm-"))
         self.path = self.dir / "store"
-        self.store = Store.create(self.path, embed_dim=EMBED, hdc_dim=HDC, seed=SEED, max_entries=MAX_ENTRIES,
-                                  shard_max_bytes=SHARD_MAX, max_open_shards=2)
+        self.store = Store.create(
+            self.path,
+            embed_dim=EMBED,
+            hdc_dim=HDC,
+            seed=SEED,
+            max_entries=MAX_ENTRIES,
+            shard_max_bytes=SHARD_MAX,
+            max_open_shards=2,
+        )
         self.model: dict[int, ModelEntry] = {}
         self.gone: set[int] = set()  # ids evicted (never to be returned again)
         self.dead = 0  # evicted records still in entries.bin
@@ -182,8 +194,13 @@ class CompactionMachine(RuleBasedStateMachine):
             self.store.put_many(made)
         assert self._state() == before
 
-    @rule(layer=st.integers(0, 3), top_k=st.integers(1, 8), source=st.integers(0, 1000), n=st.integers(1, 3),
-          noise=st.sampled_from([0.0, 0.3, 3.0]))
+    @rule(
+        layer=st.integers(0, 3),
+        top_k=st.integers(1, 8),
+        source=st.integers(0, 1000),
+        n=st.integers(1, 3),
+        noise=st.sampled_from([0.0, 0.3, 3.0]),
+    )
     def query(self, layer, top_k, source, n, noise):
         rng = np.random.default_rng(source)
         mine = sorted(i for i, e in self.model.items() if e.layer == layer)
@@ -292,12 +309,15 @@ class CompactionMachine(RuleBasedStateMachine):
         assert not self.gone & set(live)
         assert [e.access_count for e in infos] == [self.model[i].access for i in sorted(self.model)]
         assert [(e.layer_idx, e.importance, e.created) for e in infos] == [
-            (self.model[i].layer, self.model[i].importance, self.model[i].ts) for i in sorted(self.model)]
+            (self.model[i].layer, self.model[i].importance, self.model[i].ts) for i in sorted(self.model)
+        ]
 
 
 TestCompactionMachine = CompactionMachine.TestCase
 TestCompactionMachine.pytestmark = [pytest.mark.stress]
-# ~18 s here (the suite keeps under 10 minutes); the "thorough" profile (HYPOTHESIS_PROFILE=thorough) runs its own, larger count.
+# ~18 s here (the suite keeps under 10 minutes); the "thorough" profile
+# (HYPOTHESIS_PROFILE=thorough) runs its own, larger count.
 _profile_examples = settings.default.max_examples
-TestCompactionMachine.settings = settings(max_examples=_profile_examples if _profile_examples >= 1000 else 100,
-                                          stateful_step_count=50, deadline=None)
+TestCompactionMachine.settings = settings(
+    max_examples=_profile_examples if _profile_examples >= 1000 else 100, stateful_step_count=50, deadline=None
+)

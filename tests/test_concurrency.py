@@ -30,11 +30,11 @@ from hmem import Store, _io
 
 EMBED, HDC = 16, 256
 
+
 def kv(seed: int) -> tuple[np.ndarray, np.ndarray]:
     r = np.random.default_rng(seed)
     n = 1 + seed % 3
-    return (r.standard_normal((n, EMBED)).astype(np.float32),
-            r.standard_normal((n, EMBED)).astype(np.float32))
+    return (r.standard_normal((n, EMBED)).astype(np.float32), r.standard_normal((n, EMBED)).astype(np.float32))
 
 
 def entry(seed: int) -> tuple:
@@ -60,8 +60,7 @@ def _stress_seconds(default: float) -> float:
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in (_io.CRASH_ENV, "HMEM_STORE", "HMEM_DEBUG", "FORCE_COLOR")}
+    env = {k: v for k, v in os.environ.items() if k not in (_io.CRASH_ENV, "HMEM_STORE", "HMEM_DEBUG", "FORCE_COLOR")}
     env.update(NO_COLOR="1", COLUMNS="200")
     return env
 
@@ -82,8 +81,15 @@ class Procs:
         return self.spawn([sys.executable, "-m", "hmem", *map(str, args)])
 
     def spawn(self, argv: list[str]) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, cwd=self.tmp_path, env=_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=self.tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
         self.running.append(proc)
         return proc
 
@@ -213,7 +219,7 @@ def test_exactly_one_of_many_simultaneous_writers_wins(tmp_path, procs):
             (winners if item[0] == "won" else refusals).append((proc, item))
         assert len(winners) == 1, [item for _, item in winners]
         assert len(refusals) == contenders - 1
-        (winner, (_, winner_pid)), = winners
+        ((winner, (_, winner_pid)),) = winners
         for proc, (what, message) in refusals:
             assert what == "locked"
             assert finish(proc)[0] == 0
@@ -314,10 +320,17 @@ def test_writers_are_refused_while_the_lock_is_held_and_change_nothing(tmp_path,
     _, pid = expect_line(holder, "ready")
 
     # readers and dry runs take no lock: they run beside the writer
-    readers = [procs.hmem(*args) for args in (
-        ["stats", path, "--json"], ["query", path, "--query", "q.npy", "--layer", "2", "--json"],
-        ["verify", path, "--full", "--json"], ["put", path, "in.safetensors", "--dry-run", "--json"],
-        ["evict", path, "--target", "3", "--dry-run", "--json"], ["compact", path, "--dry-run", "--json"])]
+    readers = [
+        procs.hmem(*args)
+        for args in (
+            ["stats", path, "--json"],
+            ["query", path, "--query", "q.npy", "--layer", "2", "--json"],
+            ["verify", path, "--full", "--json"],
+            ["put", path, "in.safetensors", "--dry-run", "--json"],
+            ["evict", path, "--target", "3", "--dry-run", "--json"],
+            ["compact", path, "--dry-run", "--json"],
+        )
+    ]
     for proc in readers:
         code, out, err = finish(proc)
         assert code == 0, (proc.args, err)
@@ -327,11 +340,18 @@ def test_writers_are_refused_while_the_lock_is_held_and_change_nothing(tmp_path,
     (path / (_io.TEMP_PREFIX + "index.json.1.0")).write_bytes(b"half a commit")
     before = snapshot(path)
     assert f'"pid": {pid}' in before["lock"].decode()  # the holder's owner record
-    refused_cli = [procs.hmem(*args) for args in (
-        ["put", path, "in.safetensors"], ["put", path, "in.safetensors", "--lock-wait", "0.2"],
-        ["evict", path, "--target", "3", "--yes"], ["compact", path], ["compact", path, "--threshold", "0"],
-        ["query", path, "--query", "q.npy", "--layer", "2", "--count-access"],
-        ["verify", path, "--repair", "--yes"])]
+    refused_cli = [
+        procs.hmem(*args)
+        for args in (
+            ["put", path, "in.safetensors"],
+            ["put", path, "in.safetensors", "--lock-wait", "0.2"],
+            ["evict", path, "--target", "3", "--yes"],
+            ["compact", path],
+            ["compact", path, "--threshold", "0"],
+            ["query", path, "--query", "q.npy", "--layer", "2", "--count-access"],
+            ["verify", path, "--repair", "--yes"],
+        )
+    ]
     for proc in refused_cli:
         code, out, err = finish(proc)
         lines = err.strip().splitlines()
@@ -339,14 +359,18 @@ def test_writers_are_refused_while_the_lock_is_held_and_change_nothing(tmp_path,
         assert len(lines) == 1 and lines[-1].startswith("error: "), (proc.args, err)
         assert f"is locked for writing by pid {pid} on " in lines[-1] and "--lock-wait" in lines[-1], lines
         assert "Traceback" not in err
-    for attempt in (lambda: Store.open(path), lambda: Store.open(path, lock_wait=0.2),
-                    lambda: hmem.repair(path)):
+    for attempt in (lambda: Store.open(path), lambda: Store.open(path, lock_wait=0.2), lambda: hmem.repair(path)):
         with pytest.raises(hmem.StoreLockedError, match=f"pid {pid} on "):
             attempt()
     assert snapshot(path) == before  # no file made, changed or removed, the lock's record included
     holder.kill()
-    _report("concurrency", "refused while locked", cli_refusals=len(refused_cli), library_refusals=3,
-            readers_beside_the_writer=len(readers))
+    _report(
+        "concurrency",
+        "refused while locked",
+        cli_refusals=len(refused_cli),
+        library_refusals=3,
+        readers_beside_the_writer=len(readers),
+    )
 
 
 # ---- a killed holder ---------------------------------------------------------------------------
@@ -430,8 +454,13 @@ def test_lock_wait_waits_for_the_holder_and_gives_up_in_time(tmp_path, procs):
     assert 0.5 <= time.monotonic() - started < 5
     assert snapshot(path) == before
     holder.kill()
-    _report("concurrency", "lock wait", waited_cli=round(waited, 2), waited_library=round(waited_library, 2),
-            gave_up_after=round(gave_up, 2))
+    _report(
+        "concurrency",
+        "lock wait",
+        waited_cli=round(waited, 2),
+        waited_library=round(waited_library, 2),
+        gave_up_after=round(gave_up, 2),
+    )
 
 
 # ---- readers beside a busy writer ---------------------------------------------------------------
@@ -525,8 +554,8 @@ def test_readers_never_get_wrong_kv_while_a_writer_puts_evicts_and_compacts(tmp_
     for reader in readers:
         code, out, err = finish(reader)
         assert code == 0, err
-        assert "[\"wrong\"" not in out, out
-        (_, summary), = [json.loads(line) for line in out.splitlines()]
+        assert '["wrong"' not in out, out
+        ((_, summary),) = [json.loads(line) for line in out.splitlines()]
         assert summary["wrong"] == 0
         assert summary["queries"] >= 20, summary
         assert summary["final"] == 30
@@ -540,5 +569,11 @@ def test_readers_never_get_wrong_kv_while_a_writer_puts_evicts_and_compacts(tmp_
     assert done["compactions"] >= 3 and done["evictions"] >= 3 and done["puts"] >= 10, done
     Store.open(path).close()
     assert hmem.verify(path, full=True).ok
-    _report("concurrency", "readers beside a writer", writer=done, readers=len(readers), **totals,
-            sample_messages=messages[:3])
+    _report(
+        "concurrency",
+        "readers beside a writer",
+        writer=done,
+        readers=len(readers),
+        **totals,
+        sample_messages=messages[:3],
+    )

@@ -38,7 +38,16 @@ CLI_ENV = {"COLUMNS": "200", "NO_COLOR": "1", "HMEM_DEBUG": None}
 
 # Field offsets of a record (docs/format.md).
 F_ENTRY_ID, F_LAYER, F_N_TOKENS, F_IMPORTANCE, F_TIMESTAMP, F_ACCESS, F_SHARD, F_CHECKSUM, F_SIGNATURE = (
-    0, 8, 12, 16, 20, 28, 32, 36, 40)
+    0,
+    8,
+    12,
+    16,
+    20,
+    28,
+    32,
+    36,
+    40,
+)
 
 TARGET = 5  # the entry whose tensors and record are damaged: shard 1 (entries 4, 5, 6), layer 1
 
@@ -62,8 +71,11 @@ def tensor_span(path: Path, name: str) -> tuple[int, int]:
 def entries_past(path: Path, cut: int) -> set[int]:
     """Entries with a tensor byte at or past file offset `cut`."""
     length, header = shard_header(path)
-    return {int(name.split("_")[1]) for name, spec in header.items()
-            if name not in ("__metadata__", "hmem_index") and 8 + length + spec["data_offsets"][1] > cut}
+    return {
+        int(name.split("_")[1])
+        for name, spec in header.items()
+        if name not in ("__metadata__", "hmem_index") and 8 + length + spec["data_offsets"][1] > cut
+    }
 
 
 def flip(path: Path, offset: int, bit: int = 0) -> None:
@@ -103,6 +115,7 @@ def cut_shard(amount: str):
         path = shard_path(root, tpl, 7)
         size = path.stat().st_size
         truncate(path, {"1": size - 1, "8": size - 8, "half": size // 2}[amount])
+
     return damage
 
 
@@ -111,6 +124,7 @@ def cut_shard_lost(amount: str):
         path = shard_path(tpl.path, tpl, 7)
         size = path.stat().st_size
         return entries_past(path, {"1": size - 1, "8": size - 8, "half": size // 2}[amount]) & tpl.live
+
     return lost
 
 
@@ -152,12 +166,14 @@ def flip_tensor(kind: str):
         path = shard_path(root, tpl, TARGET)
         start, end = tensor_span(path, f"{kind}_{TARGET}")
         flip(path, (start + end) // 2, 6)
+
     return damage
 
 
 def flip_record(entry_id: int, offset: int, bit: int):
     def damage(root, tpl):
         flip(root / "entries.bin", record_position(tpl, entry_id) * RECORD + offset, bit)
+
     return damage
 
 
@@ -228,67 +244,169 @@ class Case:
         return 4 if any(s != "info" for s in self.findings.values()) else 0
 
 
-E, W, I = "error", "warning", "info"
-OVER_DROP_HEADER = ("BUG: repair locates and checks tensors only through the shard's JSON header, never "
-                    "through hmem_index: scan_shard gives up on the whole header at its first bad field (a cut "
-                    "tail, a flipped byte) and a wrong CRC digit there wins over the index, so repair drops "
-                    "entries whose data and hmem_index are intact (and which open+query still serve)")
-OVER_DROP_ORDER = ("BUG: repair drops the record after one whose entry_id fails its checksum (the order check "
-                   "runs on the untrusted id) without listing it in RepairReport.dropped")
+E, W, I = "error", "warning", "info"  # noqa: E741  (the verify report's three levels)
+OVER_DROP_HEADER = (
+    "BUG: repair locates and checks tensors only through the shard's JSON header, never "
+    "through hmem_index: scan_shard gives up on the whole header at its first bad field (a cut "
+    "tail, a flipped byte) and a wrong CRC digit there wins over the index, so repair drops "
+    "entries whose data and hmem_index are intact (and which open+query still serve)"
+)
+OVER_DROP_ORDER = (
+    "BUG: repair drops the record after one whose entry_id fails its checksum (the order check "
+    "runs on the untrusted id) without listing it in RepairReport.dropped"
+)
 
 CASES = [
-    Case("shard-deleted", delete_shard, {"shard.missing": E}, True, lambda tpl: live_in_shard(tpl, 7),
-         unreadable=lambda tpl: live_in_shard(tpl, 7)),
+    Case(
+        "shard-deleted",
+        delete_shard,
+        {"shard.missing": E},
+        True,
+        lambda tpl: live_in_shard(tpl, 7),
+        unreadable=lambda tpl: live_in_shard(tpl, 7),
+    ),
     # the cut takes the end of the last tensor; hmem_index still finds the others
-    Case("shard-cut-1-byte", cut_shard("1"), {"shard.size": E, "shard.header": E, "tensor.checksum": E}, True,
-         cut_shard_lost("1"), unreadable=lambda tpl: live_in_shard(tpl, 7)),
-    Case("shard-cut-8-bytes", cut_shard("8"), {"shard.size": E, "shard.header": E, "tensor.checksum": E}, True,
-         cut_shard_lost("8"), unreadable=lambda tpl: live_in_shard(tpl, 7)),
+    Case(
+        "shard-cut-1-byte",
+        cut_shard("1"),
+        {"shard.size": E, "shard.header": E, "tensor.checksum": E},
+        True,
+        cut_shard_lost("1"),
+        unreadable=lambda tpl: live_in_shard(tpl, 7),
+    ),
+    Case(
+        "shard-cut-8-bytes",
+        cut_shard("8"),
+        {"shard.size": E, "shard.header": E, "tensor.checksum": E},
+        True,
+        cut_shard_lost("8"),
+        unreadable=lambda tpl: live_in_shard(tpl, 7),
+    ),
     # half the file is within the JSON header and hmem_index here: every entry of the shard is lost
-    Case("shard-cut-half", cut_shard("half"), {"shard.size": E, "shard.header": E, "shard.index": E}, True,
-         cut_shard_lost("half"),
-         unreadable=lambda tpl: live_in_shard(tpl, 7)),
+    Case(
+        "shard-cut-half",
+        cut_shard("half"),
+        {"shard.size": E, "shard.header": E, "shard.index": E},
+        True,
+        cut_shard_lost("half"),
+        unreadable=lambda tpl: live_in_shard(tpl, 7),
+    ),
     # hmem reads shards through hmem_index, so damage to the JSON header alone costs no data
     Case("shard-header-json", flip_header_brace, {"shard.header": E}, True),
-    Case("shard-header-length", flip_header_length, {"shard.header": E}, True,
-         unreadable=lambda tpl: live_in_shard(tpl, TARGET)),
+    Case(
+        "shard-header-length",
+        flip_header_length,
+        {"shard.header": E},
+        True,
+        unreadable=lambda tpl: live_in_shard(tpl, TARGET),
+    ),
     # a wrong CRC digit in the JSON header: hmem_index's CRC holds, the data is intact
     Case("shard-header-crc", flip_header_crc, {"shard.mismatch": E}, True),
-    Case("shard-index-row", flip_index_row, {"shard.index": E}, True,
-         unreadable=lambda tpl: live_in_shard(tpl, TARGET)),
-    Case("shard-index-uid", flip_index_uid, {"shard.index": E}, True,
-         unreadable=lambda tpl: live_in_shard(tpl, TARGET)),
-    Case("tensor-k", flip_tensor("k"), {"tensor.checksum": E}, True, lambda tpl: {TARGET},
-         unreadable=lambda tpl: {TARGET}),
-    Case("tensor-v", flip_tensor("v"), {"tensor.checksum": E}, True, lambda tpl: {TARGET},
-         unreadable=lambda tpl: {TARGET}),
+    Case(
+        "shard-index-row", flip_index_row, {"shard.index": E}, True, unreadable=lambda tpl: live_in_shard(tpl, TARGET)
+    ),
+    Case(
+        "shard-index-uid", flip_index_uid, {"shard.index": E}, True, unreadable=lambda tpl: live_in_shard(tpl, TARGET)
+    ),
+    Case(
+        "tensor-k",
+        flip_tensor("k"),
+        {"tensor.checksum": E},
+        True,
+        lambda tpl: {TARGET},
+        unreadable=lambda tpl: {TARGET},
+    ),
+    Case(
+        "tensor-v",
+        flip_tensor("v"),
+        {"tensor.checksum": E},
+        True,
+        lambda tpl: {TARGET},
+        unreadable=lambda tpl: {TARGET},
+    ),
     # queries re-rank with the copy of the key in pooled.bin: none reads the damaged one
     Case("tensor-p", flip_tensor("p"), {"tensor.checksum": E}, True, lambda tpl: {TARGET}),
-    Case("tensor-ks", flip_tensor("ks"), {"tensor.checksum": E}, True, lambda tpl: {TARGET}, modes=(True,),
-         unreadable=lambda tpl: {TARGET}),
-    Case("tensor-vs", flip_tensor("vs"), {"tensor.checksum": E}, True, lambda tpl: {TARGET}, modes=(True,),
-         unreadable=lambda tpl: {TARGET}),
+    Case(
+        "tensor-ks",
+        flip_tensor("ks"),
+        {"tensor.checksum": E},
+        True,
+        lambda tpl: {TARGET},
+        modes=(True,),
+        unreadable=lambda tpl: {TARGET},
+    ),
+    Case(
+        "tensor-vs",
+        flip_tensor("vs"),
+        {"tensor.checksum": E},
+        True,
+        lambda tpl: {TARGET},
+        modes=(True,),
+        unreadable=lambda tpl: {TARGET},
+    ),
     # the fields of a record that fails its checksum are not consulted
-    Case("record-entry-id", flip_record(TARGET, F_ENTRY_ID + 5, 0), {"record.checksum": E}, False,
-         lambda tpl: {TARGET}, record_damage=True),
-    Case("record-layer", flip_record(TARGET, F_LAYER, 1), {"record.checksum": E}, False, lambda tpl: {TARGET},
-         record_damage=True),
-    Case("record-n-tokens", flip_record(TARGET, F_N_TOKENS, 0), {"record.checksum": E}, False,
-         lambda tpl: {TARGET}, record_damage=True),
-    Case("record-shard-idx", flip_record(TARGET, F_SHARD + 2, 4), {"record.checksum": E}, False,
-         lambda tpl: {TARGET}, record_damage=True),
-    Case("record-access-count", flip_record(TARGET, F_ACCESS, 3), {"record.checksum": E}, False,
-         lambda tpl: {TARGET}, record_damage=True),
-    Case("record-checksum", flip_record(TARGET, F_CHECKSUM, 7), {"record.checksum": E}, False,
-         lambda tpl: {TARGET}, record_damage=True),
-    Case("record-of-evicted", flip_record(8, F_IMPORTANCE + 3, 2), {"record.checksum": E}, False,
-         record_damage=True),
-    Case("signature", flip_record(TARGET, F_SIGNATURE + 11, 5), {"record.checksum": E}, False,
-         lambda tpl: {TARGET}, record_damage=True),
+    Case(
+        "record-entry-id",
+        flip_record(TARGET, F_ENTRY_ID + 5, 0),
+        {"record.checksum": E},
+        False,
+        lambda tpl: {TARGET},
+        record_damage=True,
+    ),
+    Case(
+        "record-layer",
+        flip_record(TARGET, F_LAYER, 1),
+        {"record.checksum": E},
+        False,
+        lambda tpl: {TARGET},
+        record_damage=True,
+    ),
+    Case(
+        "record-n-tokens",
+        flip_record(TARGET, F_N_TOKENS, 0),
+        {"record.checksum": E},
+        False,
+        lambda tpl: {TARGET},
+        record_damage=True,
+    ),
+    Case(
+        "record-shard-idx",
+        flip_record(TARGET, F_SHARD + 2, 4),
+        {"record.checksum": E},
+        False,
+        lambda tpl: {TARGET},
+        record_damage=True,
+    ),
+    Case(
+        "record-access-count",
+        flip_record(TARGET, F_ACCESS, 3),
+        {"record.checksum": E},
+        False,
+        lambda tpl: {TARGET},
+        record_damage=True,
+    ),
+    Case(
+        "record-checksum",
+        flip_record(TARGET, F_CHECKSUM, 7),
+        {"record.checksum": E},
+        False,
+        lambda tpl: {TARGET},
+        record_damage=True,
+    ),
+    Case("record-of-evicted", flip_record(8, F_IMPORTANCE + 3, 2), {"record.checksum": E}, False, record_damage=True),
+    Case(
+        "signature",
+        flip_record(TARGET, F_SIGNATURE + 11, 5),
+        {"record.checksum": E},
+        False,
+        lambda tpl: {TARGET},
+        record_damage=True,
+    ),
     Case("entries-junk-tail", append_junk, {"entries.tail": W}, True, action="tidied"),
     Case("entries-cut", cut_entries, {"entries.truncated": E}, False, lambda tpl: {14}, record_damage=True),
-    Case("entries-deleted", delete_entries, {"entries.missing": E}, False, lambda tpl: set(tpl.live),
-         record_damage=True),
+    Case(
+        "entries-deleted", delete_entries, {"entries.missing": E}, False, lambda tpl: set(tpl.live), record_damage=True
+    ),
     Case("index-deleted", delete_index, {"index.missing": E}, False, rebuilt=True),
     Case("index-invalid-json", garble_index, {"index.unreadable": E}, False, rebuilt=True),
     Case("index-old-checksum", renumber_index, {"index.checksum": E}, False, rebuilt=True),
@@ -297,8 +415,11 @@ CASES = [
     Case("foreign-file", foreign_file, {"file.foreign": I}, True, action="none"),
 ]
 
-MATRIX = [pytest.param(case, quantized, id=f"{case.name}-{'int8' if quantized else 'f32'}")
-          for case in CASES for quantized in case.modes]
+MATRIX = [
+    pytest.param(case, quantized, id=f"{case.name}-{'int8' if quantized else 'f32'}")
+    for case in CASES
+    for quantized in case.modes
+]
 
 # Filled as the matrix runs; HMEM_RELIABILITY_SUMMARY=<file> writes it out (docs/reliability.md figures).
 OUTCOMES: dict[str, dict] = {}
@@ -325,8 +446,9 @@ def findings_of(report) -> dict:
 
 
 @pytest.mark.parametrize(("case", "quantized"), MATRIX)
-def test_damage_is_found_refused_or_served_and_repaired(case, quantized, reliability_template, clone_store,
-                                                        dir_state, probe_store):
+def test_damage_is_found_refused_or_served_and_repaired(
+    case, quantized, reliability_template, clone_store, dir_state, probe_store
+):
     tpl = reliability_template(quantized)
     root = clone_store(tpl)
     case.damage(root, tpl)
@@ -428,10 +550,20 @@ def _assert_records_kept(root: Path, tpl, kept: set[int]) -> None:
     assert doc["next_entry_id"] > max(by_id, default=0)
 
 
-@pytest.mark.parametrize(("case", "quantized"), [
-    pytest.param(case, quantized, id=f"{case.name}-{'int8' if quantized else 'f32'}",
-                 marks=[pytest.mark.xfail(strict=True, reason=case.over_drops)] if case.over_drops else [])
-    for case in CASES for quantized in case.modes if case.action == "rewritten"])
+@pytest.mark.parametrize(
+    ("case", "quantized"),
+    [
+        pytest.param(
+            case,
+            quantized,
+            id=f"{case.name}-{'int8' if quantized else 'f32'}",
+            marks=[pytest.mark.xfail(strict=True, reason=case.over_drops)] if case.over_drops else [],
+        )
+        for case in CASES
+        for quantized in case.modes
+        if case.action == "rewritten"
+    ],
+)
 def test_repair_keeps_every_entry_whose_data_survived(case, quantized, reliability_template, clone_store):
     tpl = reliability_template(quantized)
     root = clone_store(tpl)
@@ -441,7 +573,6 @@ def test_repair_keeps_every_entry_whose_data_survived(case, quantized, reliabili
         kept = set(store.entry_ids())
     assert kept == tpl.live - case.lost(tpl), fixed.dropped
     assert len(fixed.dropped) == len(case.lost(tpl)) or case.record_damage
-
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
@@ -485,8 +616,13 @@ def _state(root: Path) -> dict:
         out = {"entries": st.entries, "evicted": st.evicted}
         for info in store.entries():
             got = store.get(info.entry_id)
-            out[info.entry_id] = (info.layer_idx, info.n_tokens, info.shard_idx, got.keys.tobytes(),
-                                  got.values.tobytes())
+            out[info.entry_id] = (
+                info.layer_idx,
+                info.n_tokens,
+                info.shard_idx,
+                got.keys.tobytes(),
+                got.values.tobytes(),
+            )
         return out
 
 
@@ -511,10 +647,12 @@ def crashed_flush(tmp_path_factory):
         path = base / "store"
         env = {k: v for k, v in os.environ.items() if k != "HMEM_CRASH_AT"}
         env["HMEM_CRASH_AT"] = "flush.records_written:2"  # the second flush
-        code = _CRASH_SCRIPT.format(data=str(base / "data.npz"), path=str(path), quant=quantized,
-                                    limit=2600 if quantized else 1600)
-        proc = subprocess.run([sys.executable, "-c", code], cwd=base, env=env, capture_output=True, text=True,
-                              timeout=60)
+        code = _CRASH_SCRIPT.format(
+            data=str(base / "data.npz"), path=str(path), quant=quantized, limit=2600 if quantized else 1600
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=base, env=env, capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == hmem._io.CRASH_EXIT_CODE == 86, proc.stderr
         assert proc.stdout.split() == ["committed"]
         doc = json.loads((path / "index.json").read_text())
@@ -536,8 +674,13 @@ def crashed_flush(tmp_path_factory):
             else:
                 got = np.frombuffer(keys, np.float32).reshape(a.shape)
                 assert np.all(np.abs(got - a) <= np.abs(a).max(axis=1, keepdims=True) / 254 + 1e-6)
-        built[quantized] = types.SimpleNamespace(path=path, committed=committed, committed_bytes=committed_bytes,
-                                                 committed_shards=committed_shards, new_shards=new_shards)
+        built[quantized] = types.SimpleNamespace(
+            path=path,
+            committed=committed,
+            committed_bytes=committed_bytes,
+            committed_shards=committed_shards,
+            new_shards=new_shards,
+        )
         return built[quantized]
 
     return get
@@ -550,8 +693,7 @@ def _recovers(crash, root: Path, dir_state) -> None:
     before = dir_state(root)
     report = hmem.verify(root, full=True)
     assert dir_state(root) == before
-    assert {(f.code, f.severity) for f in report.findings} <= {("entries.tail", W), ("file.orphan", W)}, \
-        report.findings
+    assert {(f.code, f.severity) for f in report.findings} <= {("entries.tail", W), ("file.orphan", W)}, report.findings
     tail = (root / "entries.bin").stat().st_size > crash.committed_bytes
     assert any(f.code == "entries.tail" for f in report.findings) == tail
     assert _state(root) == crash.committed
@@ -576,8 +718,9 @@ def _cut_copy(crash, tmp_path: Path, name: str) -> Path:
     return root
 
 
-@pytest.mark.parametrize("every", [pytest.param(False, id="sampled"),
-                                   pytest.param(True, id="every-byte", marks=pytest.mark.stress)])
+@pytest.mark.parametrize(
+    "every", [pytest.param(False, id="sampled"), pytest.param(True, id="every-byte", marks=pytest.mark.stress)]
+)
 @pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
 def test_entries_torn_in_the_last_uncommitted_record(quantized, every, crashed_flush, tmp_path, dir_state):
     crash = crashed_flush(quantized)
@@ -590,8 +733,9 @@ def test_entries_torn_in_the_last_uncommitted_record(quantized, every, crashed_f
         shutil.rmtree(root)
 
 
-@pytest.mark.parametrize("every", [pytest.param(False, id="sampled"),
-                                   pytest.param(True, id="every-byte", marks=pytest.mark.stress)])
+@pytest.mark.parametrize(
+    "every", [pytest.param(False, id="sampled"), pytest.param(True, id="every-byte", marks=pytest.mark.stress)]
+)
 @pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
 def test_newest_uncommitted_shard_torn_in_its_last_tensor(quantized, every, crashed_flush, tmp_path, dir_state):
     crash = crashed_flush(quantized)

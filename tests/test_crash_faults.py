@@ -49,13 +49,13 @@ from hmem.formats import records as record_format
 EMBED, HDC = 16, 256
 SHARD_MAX = 3000  # two or three entries a shard: batches roll over mid-way
 
+
 # Entries describe themselves: importance = seed, layer = seed % 3, and the
 # K/V come from the seed, so any entry found in a store can be checked.
 def kv(seed: int) -> tuple[np.ndarray, np.ndarray]:
     r = np.random.default_rng(seed)
     n = 1 + seed % 3
-    return (r.standard_normal((n, EMBED)).astype(np.float32),
-            r.standard_normal((n, EMBED)).astype(np.float32))
+    return (r.standard_normal((n, EMBED)).astype(np.float32), r.standard_normal((n, EMBED)).astype(np.float32))
 
 
 def entry(seed: int) -> tuple:
@@ -96,9 +96,15 @@ def describe(store) -> dict:
             kvs[eid] = own = f"corrupt: {exc.message}"
         rows.append((eid, info.layer_idx, info.n_tokens, info.importance, info.access_count, info.shard_idx, own))
     sources = [(s.sha256, s.bytes, s.name, s.first_id, s.entries) for s in store.imported_sources()]
-    return {"entries": st.entries, "evicted": st.evicted, "layers": st.layers,
-            "shards": [(s.file, s.entries, s.dead_entries) for s in st.shards], "records": rows, "kv": kvs,
-            "sources": sources}
+    return {
+        "entries": st.entries,
+        "evicted": st.evicted,
+        "layers": st.layers,
+        "shards": [(s.file, s.entries, s.dead_entries) for s in st.shards],
+        "records": rows,
+        "kv": kvs,
+        "sources": sources,
+    }
 
 
 def still_open(store) -> bool:
@@ -121,8 +127,11 @@ def state_of(path) -> dict:
 
 def files_of(path) -> dict[str, bytes]:
     """The bytes of a store's files, apart from temporary files and the lock."""
-    return {p.name: p.read_bytes() for p in sorted(Path(path).iterdir())
-            if p.is_file() and not p.name.startswith(_io.TEMP_PREFIX) and p.name != "lock"}
+    return {
+        p.name: p.read_bytes()
+        for p in sorted(Path(path).iterdir())
+        if p.is_file() and not p.name.startswith(_io.TEMP_PREFIX) and p.name != "lock"
+    }
 
 
 def assert_committed_files_untouched(path, before: dict[str, bytes], what: str = "") -> None:
@@ -219,7 +228,9 @@ def _limited_store(path: Path) -> None:
 SCENARIOS = {
     # put_many batches that seal shards part way, each followed by a flush;
     # access counts change in between (pending record updates)
-    "put_rollover": dict(setup=_base_store, code="""
+    "put_rollover": dict(
+        setup=_base_store,
+        code="""
 def scenario(path, ack, handed):
     s = hmem.Store.open(path)
     ids = s.put_many([entry(seed) for seed in range(101, 108)]); handed(ids)
@@ -231,10 +242,14 @@ def scenario(path, ack, handed):
     ids = s.put_many([entry(seed) for seed in range(301, 305)]); handed(ids)
     s.query(kv(7)[0], 7 % 3, 1)
     s.close(); ack("C", ids)
-""", points={"flush.shards_written", "flush.records_written", "flush.committed", "flush.updates_written"}),
+""",
+        points={"flush.shards_written", "flush.records_written", "flush.committed", "flush.updates_written"},
+    ),
     # evict and compact twice, with puts in between: every evict/compact
     # crash point is passed more than once (NAME:n)
-    "evict_compact": dict(setup=_base_store, code="""
+    "evict_compact": dict(
+        setup=_base_store,
+        code="""
 def scenario(path, ack, handed):
     s = hmem.Store.open(path)
     s.query(kv(3)[0], 0, 2)
@@ -245,12 +260,24 @@ def scenario(path, ack, handed):
     s.evict(6); ack("evict2")
     s.compact(); ack("compact2")
     s.close(); ack("close")
-""", points={"evict.marked", "flush.shards_written", "flush.records_written", "flush.committed",
-             "flush.updates_written", "compact.shards_written", "compact.records_written",
-             "compact.committed", "compact.finished"}),
+""",
+        points={
+            "evict.marked",
+            "flush.shards_written",
+            "flush.records_written",
+            "flush.committed",
+            "flush.updates_written",
+            "compact.shards_written",
+            "compact.records_written",
+            "compact.committed",
+            "compact.finished",
+        },
+    ),
     # a store with span signatures (longer records, [S, embed_dim] pooled
     # keys): puts that roll shards over, eviction and compaction
-    "spans": dict(setup=_spans_store, code="""
+    "spans": dict(
+        setup=_spans_store,
+        code="""
 def scenario(path, ack, handed):
     s = hmem.Store.open(path)
     ids = s.put_many([entry(seed) for seed in range(801, 808)]); handed(ids)
@@ -259,23 +286,44 @@ def scenario(path, ack, handed):
     s.evict(10); ack("evict")
     s.compact(); ack("compact")
     s.close(); ack("close")
-""", points={"flush.shards_written", "flush.records_written", "flush.committed", "flush.updates_written",
-             "evict.marked", "compact.shards_written", "compact.records_written", "compact.committed",
-             "compact.finished"}),
+""",
+        points={
+            "flush.shards_written",
+            "flush.records_written",
+            "flush.committed",
+            "flush.updates_written",
+            "evict.marked",
+            "compact.shards_written",
+            "compact.records_written",
+            "compact.committed",
+            "compact.finished",
+        },
+    ),
     # deletes by id, one with an id that names nothing, then a put
-    "delete": dict(setup=_base_store, code="""
+    "delete": dict(
+        setup=_base_store,
+        code="""
 def scenario(path, ack, handed):
     s = hmem.Store.open(path)
     plan = s.delete([2, 5, 7]); ack("delete1", plan.entry_ids)
     plan = s.delete([1, 999], missing_ok=True); ack("delete2", plan.entry_ids)
     ids = s.put_many([entry(seed) for seed in range(601, 603)]); handed(ids)
     s.close(); ack("close", ids)
-""", points={"delete.marked", "flush.shards_written", "flush.records_written", "flush.committed",
-             "flush.updates_written"}),
+""",
+        points={
+            "delete.marked",
+            "flush.shards_written",
+            "flush.records_written",
+            "flush.committed",
+            "flush.updates_written",
+        },
+    ),
     # imports of K/V files: each file's entries and its record in the import
     # registry (sources.jsonl) are committed together; the second import
     # finds two of its files already imported
-    "import": dict(setup=_base_store, code="""
+    "import": dict(
+        setup=_base_store,
+        code="""
 def scenario(path, ack, handed):
     from safetensors.numpy import save_file
     src = path + "-files"
@@ -293,35 +341,67 @@ def scenario(path, ack, handed):
         return ids
     ids = put([701, 702]); s.flush(); ack("import1", ids)
     ids = put([701, 702, 703]); s.close(); ack("import2", ids)
-""", points={"flush.shards_written", "flush.records_written", "flush.committed", "flush.updates_written"}),
+""",
+        points={"flush.shards_written", "flush.records_written", "flush.committed", "flush.updates_written"},
+    ),
     # puts past max_disk_bytes: each batch evicts the lowest-scored entries
     # and compacts before it is stored
-    "put_limits": dict(setup=_limited_store, code="""
+    "put_limits": dict(
+        setup=_limited_store,
+        code="""
 def scenario(path, ack, handed):
     s = hmem.Store.open(path)
     for batch in range(3):
         ids = s.put_many([entry(500 + 10 * batch + i) for i in range(6)]); handed(ids)
         s.flush(); ack(f"batch{batch}", ids)
     s.close(); ack("close")
-""", points={"flush.shards_written", "flush.records_written", "flush.committed", "flush.updates_written",
-             "compact.shards_written", "compact.records_written", "compact.committed", "compact.finished"}),
+""",
+        points={
+            "flush.shards_written",
+            "flush.records_written",
+            "flush.committed",
+            "flush.updates_written",
+            "compact.shards_written",
+            "compact.records_written",
+            "compact.committed",
+            "compact.finished",
+        },
+    ),
     # repair of a store with a flipped byte in one tensor
-    "repair_tensor": dict(setup=_damaged_tensor_store, code="""
+    "repair_tensor": dict(
+        setup=_damaged_tensor_store,
+        code="""
 def scenario(path, ack, handed):
     report = hmem.repair(path)
     ack(report.action, [])
-""", points={"repair.planned", "repair.shards_written", "repair.records_written", "repair.committed",
-             "repair.finished"}),
+""",
+        points={
+            "repair.planned",
+            "repair.shards_written",
+            "repair.records_written",
+            "repair.committed",
+            "repair.finished",
+        },
+    ),
     # repair of a store whose index.json is lost (rebuilt from the shards)
-    "repair_index": dict(setup=_lost_index_store, code="""
+    "repair_index": dict(
+        setup=_lost_index_store,
+        code="""
 def scenario(path, ack, handed):
     report = hmem.repair(path)
     ack(report.action, [])
-""", points={"repair.planned", "repair.shards_written", "repair.records_written", "repair.committed",
-             "repair.finished"}),
+""",
+        points={
+            "repair.planned",
+            "repair.shards_written",
+            "repair.records_written",
+            "repair.committed",
+            "repair.finished",
+        },
+    ),
 }
 
-_RUNNER = r'''
+_RUNNER = r"""
 import json, os, shutil, sys, traceback
 import numpy as np
 import hmem
@@ -390,7 +470,7 @@ else:  # run every job of a list in a forked child that crashes where the job sa
         _, status = os.waitpid(pid, 0)
         with open(job["dir"] + ".rc", "w") as f:
             f.write(str(os.waitstatus_to_exitcode(status)))
-'''
+"""
 
 _CHILD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -406,8 +486,9 @@ def _python(args: list, cwd: Path, timeout: float, env: dict | None = None) -> s
     full_env = {k: v for k, v in os.environ.items() if k != _io.CRASH_ENV}
     full_env.update(_CHILD_ENV)
     full_env.update(env or {})
-    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *map(str, args)], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 class Reference:
@@ -450,8 +531,10 @@ class Reference:
         _, _, _, commits, position = ops[number - 1]
         # once index.json was renamed into place, its commit is on disk even
         # though the reference had not counted it yet (the directory fsync follows)
-        renamed = any(c == commits and op == "rename" and name.startswith(_io.TEMP_PREFIX + "index.json")
-                      for n, op, name, c, _ in ops[: number - 1])
+        renamed = any(
+            c == commits and op == "rename" and name.startswith(_io.TEMP_PREFIX + "index.json")
+            for n, op, name, c, _ in ops[: number - 1]
+        )
         return commits + (1 if renamed else 0), position
 
     def run_jobs(self, jobs: list[dict], tmp_path: Path) -> None:
@@ -533,8 +616,9 @@ def test_a_crash_at_every_pass_of_every_crash_point_leaves_the_old_or_the_new_st
         assert ref.final["entries"] == ref.states[0]["entries"] - 1
     if name == "repair_index":
         assert ref.states[0] == {"error": "NotAStoreError"} and ref.final["entries"] > 0
-    jobs = [{"dir": str(tmp_path / f"{point}-{n}"), "crash_at": f"{point}:{n}", "crash_op": 0}
-            for point, n, _, _ in passes]
+    jobs = [
+        {"dir": str(tmp_path / f"{point}-{n}"), "crash_at": f"{point}:{n}", "crash_op": 0} for point, n, _, _ in passes
+    ]
     ref.run_jobs(jobs, tmp_path)
     outcomes = {"before_commit": 0, "after_commit": 0}
     for job, (point, n, commits, position) in zip(jobs, passes):
@@ -556,22 +640,28 @@ def _crash_point_names_in_source() -> set[str]:
         for node in ast.walk(ast.parse(file.read_text())):
             if not isinstance(node, ast.Call):
                 continue
-            prefixes.update(k.value.value for k in node.keywords
-                            if k.arg == "crash_prefix" and isinstance(k.value, ast.Constant))
+            prefixes.update(
+                k.value.value for k in node.keywords if k.arg == "crash_prefix" and isinstance(k.value, ast.Constant)
+            )
             func = node.func
             if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)) != "crash_point":
                 continue
             (arg,) = node.args
             if isinstance(arg, ast.Constant):
                 literal.add(arg.value)
-            elif (isinstance(arg, ast.JoinedStr) and len(arg.values) == 2
-                  and isinstance(arg.values[0], ast.FormattedValue)
-                  and getattr(arg.values[0].value, "id", None) == "crash_prefix"
-                  and isinstance(arg.values[1], ast.Constant) and arg.values[1].value.startswith(".")):
+            elif (
+                isinstance(arg, ast.JoinedStr)
+                and len(arg.values) == 2
+                and isinstance(arg.values[0], ast.FormattedValue)
+                and getattr(arg.values[0].value, "id", None) == "crash_prefix"
+                and isinstance(arg.values[1], ast.Constant)
+                and arg.values[1].value.startswith(".")
+            ):
                 suffixes.add(arg.values[1].value)
             else:
-                raise AssertionError(f"{file.name}:{node.lineno}: a crash_point name this test cannot "
-                                     "work out; teach it the new form")
+                raise AssertionError(
+                    f"{file.name}:{node.lineno}: a crash_point name this test cannot work out; teach it the new form"
+                )
     return literal | {p + s for p in prefixes for s in suffixes}
 
 
@@ -626,7 +716,7 @@ def test_a_crash_before_any_io_operation_leaves_the_old_or_the_new_state(name, r
 
 # ---- 2. SIGKILL at random moments -------------------------------------------------------------
 
-_KILL_WRITER = r'''
+_KILL_WRITER = r"""
 import json, sys
 import numpy as np
 import hmem
@@ -688,7 +778,7 @@ while True:
         pending = []
         store = hmem.Store.open(path, lock_wait=10)
         rec("open", round_no)
-'''
+"""
 
 
 def _read_side_file(side: Path) -> list:
@@ -712,16 +802,29 @@ def test_a_writer_killed_at_random_moments_loses_nothing_acknowledged(tmp_path):
     acked: dict[int, int] = {}  # entry id -> seed, for every flush that returned
     may_be_evicted: set[int] = set()  # an eviction had begun
     evicted: set[int] = set()  # an eviction returned
-    figures = {"rounds": 0, "acknowledged": 0, "acknowledged_checks": 0, "entries_checked": 0,
-               "full_verifies": 0, "evictions": 0, "compactions": 0, "killed_during": {}}
+    figures = {
+        "rounds": 0,
+        "acknowledged": 0,
+        "acknowledged_checks": 0,
+        "entries_checked": 0,
+        "full_verifies": 0,
+        "evictions": 0,
+        "compactions": 0,
+        "killed_during": {},
+    }
     started = time.monotonic()
     for round_no in range(rounds):
         if time.monotonic() - started > budget:
             break
         before = len(_read_side_file(side))
         with open(tmp_path / "writer.err", "w") as err:
-            proc = subprocess.Popen([sys.executable, str(writer), str(path), str(side), str(round_no)],
-                                    cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err)
+            proc = subprocess.Popen(
+                [sys.executable, str(writer), str(path), str(side), str(round_no)],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
         try:
             proc.wait(timeout=float(rng.uniform(0.25, 1.0)))
         except subprocess.TimeoutExpired:
@@ -750,8 +853,9 @@ def test_a_writer_killed_at_random_moments_loses_nothing_acknowledged(tmp_path):
                 eid, seed = info.entry_id, int(info.importance)
                 got = store.get(eid)
                 want_k, want_v = kv(seed)
-                assert got.keys.tobytes() == want_k.tobytes() and got.values.tobytes() == want_v.tobytes(), \
+                assert got.keys.tobytes() == want_k.tobytes() and got.values.tobytes() == want_v.tobytes(), (
                     f"entry {eid}"
+                )
                 assert info.layer_idx == seed % 3
                 live[eid] = seed
             # no id twice, evicted records included: entries.bin (the writer's
@@ -902,10 +1006,17 @@ class _Reopen(_Operation):
         Store.open(ctx["path"]).close()
 
 
-OPERATIONS = {"put": _Put(), "flush": _Flush(), "evict": _Evict(), "compact": _Compact(), "repair": _Repair(),
-              "reopen_after_flush_crash": _Reopen(
-                  "flush.records_written", "s.put_many([entry(x) for x in range(801, 806)]); s.flush()"),
-              "reopen_after_compact_crash": _Reopen("compact.committed", "s.compact()")}
+OPERATIONS = {
+    "put": _Put(),
+    "flush": _Flush(),
+    "evict": _Evict(),
+    "compact": _Compact(),
+    "repair": _Repair(),
+    "reopen_after_flush_crash": _Reopen(
+        "flush.records_written", "s.put_many([entry(x) for x in range(801, 806)]); s.flush()"
+    ),
+    "reopen_after_compact_crash": _Reopen("compact.committed", "s.compact()"),
+}
 FAULT_OPS = ("open", "write", "fsync", "rename", "unlink", "truncate")
 FAULT_MODES = [("once", errno.ENOSPC), ("persistent", errno.EIO)]
 if _long_run():
@@ -982,15 +1093,20 @@ def test_a_failing_disk_at_every_call_keeps_the_committed_state(name, mode, err,
         else:
             raise AssertionError(f"{name} still calls {op} after 500 calls")
     # every kind of operation the work needs was made to fail at least once
-    needs = {"put": {"open", "write", "fsync", "rename"}, "flush": {"open", "write", "fsync", "rename"},
-             "reopen_after_flush_crash": {"open", "fsync", "unlink", "truncate"},
-             "reopen_after_compact_crash": {"open", "fsync", "rename", "unlink", "truncate"},
-             "evict": {"open", "write", "fsync", "rename"}, "compact": {"open", "write", "fsync", "rename", "unlink"},
-             "repair": {"open", "write", "fsync", "rename", "unlink", "truncate"}}[name]
+    needs = {
+        "put": {"open", "write", "fsync", "rename"},
+        "flush": {"open", "write", "fsync", "rename"},
+        "reopen_after_flush_crash": {"open", "fsync", "unlink", "truncate"},
+        "reopen_after_compact_crash": {"open", "fsync", "rename", "unlink", "truncate"},
+        "evict": {"open", "write", "fsync", "rename"},
+        "compact": {"open", "write", "fsync", "rename", "unlink"},
+        "repair": {"open", "write", "fsync", "rename", "unlink", "truncate"},
+    }[name]
     assert needs <= set(injected), injected
     assert outcomes["before_commit"] and (outcomes["after_commit"] or not operation.content_changes), outcomes
-    _report("faults", f"{name} {mode} {errno.errorcode[err]}", injected=injected, total=sum(injected.values()),
-            **outcomes)
+    _report(
+        "faults", f"{name} {mode} {errno.errorcode[err]}", injected=injected, total=sum(injected.values()), **outcomes
+    )
 
 
 # ---- figures for docs/reliability.md ------------------------------------------------------------

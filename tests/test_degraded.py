@@ -64,6 +64,7 @@ def delete_shard(index: int):
     def damage(root: Path) -> dict[int, frozenset]:
         shard_path(root, index).unlink()
         return dict.fromkeys(SHARD_ENTRIES[index], ALL_KINDS)
+
     return damage
 
 
@@ -73,6 +74,7 @@ def truncate_shard(index: int, cut: int = 1):
         with open(path, "r+b") as f:
             f.truncate(path.stat().st_size - cut)
         return dict.fromkeys(SHARD_ENTRIES[index], ALL_KINDS)
+
     return damage
 
 
@@ -83,6 +85,7 @@ def flip_tensor(entry_id: int, kind: str):
         start, end = tensor_span(path, f"{kind}_{entry_id}")
         flip(path, (start + end) // 2, 6)
         return {entry_id: frozenset({kind})}
+
     return damage
 
 
@@ -93,6 +96,7 @@ def combined(*damages):
             for entry_id, kinds in d(root).items():
                 out[entry_id] = out.get(entry_id, frozenset()) | kinds
         return out
+
     return damage
 
 
@@ -201,8 +205,9 @@ def test_the_next_best_takes_a_skipped_entrys_place(name, top_k, factor, rerank,
     damaged = DAMAGE[name](root)
     with Store.open(root, read_only=True) as store:
         for (q, layer), clean in zip(tpl.queries, tpl.results):
-            found = store.query(q, layer, top_k=top_k, rerank=rerank, shortlist_factor=factor, on_damage="skip",
-                                count_access=False)
+            found = store.query(
+                q, layer, top_k=top_k, rerank=rerank, shortlist_factor=factor, on_damage="skip", count_access=False
+            )
             expected, skipped = expected_answer(clean, damaged, top_k, factor, rerank)
             assert_served_exactly(found, expected, tpl)
             assert {s.entry_id for s in found.skipped} == skipped
@@ -224,9 +229,10 @@ def test_a_batch_skips_as_its_queries_would_alone(name, rerank, verify_reads, re
     with Store.open(root, read_only=True, verify_reads=verify_reads) as store:
         for layer in sorted({layer for _, layer in tpl.queries}):
             items = [(q, clean) for (q, lay), clean in zip(tpl.queries, tpl.results) if lay == layer]
-            batch = store.query_many([q for q, _ in items] * 2, layer, top_k=2, rerank=rerank,
-                                     on_damage="skip", count_access=False)
-            for found, (q, clean) in zip(batch, items * 2):
+            batch = store.query_many(
+                [q for q, _ in items] * 2, layer, top_k=2, rerank=rerank, on_damage="skip", count_access=False
+            )
+            for found, (_q, clean) in zip(batch, items * 2):
                 expected, skipped = expected_answer(clean, damaged, 2, 4 if rerank else 1, rerank)
                 assert_served_exactly(found, expected, tpl)
                 assert {s.entry_id for s in found.skipped} == skipped
@@ -358,8 +364,7 @@ def test_random_damage_never_returns_wrong_kv(data, reliability_template):
                 assert skipped <= touched
                 assert len(skipped) == len(found.skipped)
                 healthy = {r[0]: frozenset() for r in clean}
-                expected, _ = expected_answer(clean, {**healthy, **dict.fromkeys(skipped, ALL_KINDS)}, top_k, 4,
-                                              rerank)
+                expected, _ = expected_answer(clean, {**healthy, **dict.fromkeys(skipped, ALL_KINDS)}, top_k, 4, rerank)
                 assert_served_exactly(found, expected, tpl)
 
 
@@ -371,8 +376,15 @@ def test_health_of_a_sound_store(quantized, reliability_template, clone_store):
     root = clone_store(reliability_template(quantized))
     with Store.open(root, read_only=True) as store:
         health = store.stats().health
-    assert health == hmem.StoreHealth(ok=True, problems=(), advice="", missing_shards=(), wrong_size_shards=(),
-                                      unreachable_entries=0, entries_file_problem="")
+    assert health == hmem.StoreHealth(
+        ok=True,
+        problems=(),
+        advice="",
+        missing_shards=(),
+        wrong_size_shards=(),
+        unreachable_entries=0,
+        entries_file_problem="",
+    )
 
 
 def test_health_names_a_missing_shard_and_counts_what_it_holds(reliability_template, clone_store):
@@ -398,8 +410,9 @@ def test_health_names_a_cut_shard(reliability_template, clone_store):
         health = store.stats().health
     assert not health.ok and health.wrong_size_shards == ("shard_0003.safetensors",)
     assert health.missing_shards == () and health.unreachable_entries == 2
-    assert health.problems == (f"shard shard_0003.safetensors is {size - 8} bytes, the store expects {size} "
-                               "(2 live entries)",)
+    assert health.problems == (
+        f"shard shard_0003.safetensors is {size - 8} bytes, the store expects {size} (2 live entries)",
+    )
 
 
 def test_health_counts_only_live_entries_and_reads_no_tensor(reliability_template, clone_store):
@@ -452,15 +465,17 @@ def test_cli_skip_damaged_exits_0_and_lists_the_skipped(damaged_copy, tmp_path):
     result = cli("query", *args, "--skip-damaged")
     assert result.exit_code == 0, result.stderr
     assert result.stderr.splitlines() == [
-        "warning: skipped damaged entry 7 (shard_0002.safetensors): shard shard_0002.safetensors is missing"]
-    assert f"4 result(s) from layer 0, ranked by cosine of pooled keys, in" in result.stdout
+        "warning: skipped damaged entry 7 (shard_0002.safetensors): shard shard_0002.safetensors is missing"
+    ]
+    assert "4 result(s) from layer 0, ranked by cosine of pooled keys, in" in result.stdout
     assert f"; 1 damaged entry skipped ({ADVICE})" in result.stdout
     with Store.open(root, read_only=True) as store:
         library = store.query(tpl.puts[1][0], 0, top_k=5, on_damage="skip")
     doc = json.loads(cli("query", *args, "--skip-damaged", "--json").stdout)
     assert [r["entry_id"] for r in doc["results"]] == [r.entry_id for r in library] == [1, 13, 4, 10]
-    assert doc["skipped"] == [{"entry_id": 7, "shard": "shard_0002.safetensors",
-                               "reason": "shard shard_0002.safetensors is missing"}]
+    assert doc["skipped"] == [
+        {"entry_id": 7, "shard": "shard_0002.safetensors", "reason": "shard shard_0002.safetensors is missing"}
+    ]
     quiet = cli("query", *args, "--skip-damaged", "--quiet")
     assert quiet.exit_code == 0 and quiet.stdout == "" and quiet.stderr == ""
     clean = cli("query", root, "--query", tmp_path / "q1.npy", "--layer", 1, "--skip-damaged", "--json")
@@ -475,7 +490,8 @@ def test_cli_skip_damaged_with_nothing_left_is_an_error(damaged_copy, tmp_path):
     lines = result.stderr.splitlines()
     assert sorted(lines[:2]) == [
         "warning: skipped damaged entry 6 (shard_0001.safetensors): shard shard_0001.safetensors is missing",
-        "warning: skipped damaged entry 9 (shard_0002.safetensors): shard shard_0002.safetensors is missing"]
+        "warning: skipped damaged entry 9 (shard_0002.safetensors): shard shard_0002.safetensors is missing",
+    ]
     assert lines[2:] == [f"error: no readable entry in layer 2: 2 damaged entries skipped ({ADVICE})"]
 
 
@@ -485,8 +501,15 @@ def test_cli_stats_health_line(reliability_template, clone_store):
     result = cli("stats", sound)
     assert result.exit_code == 0 and "\nhealth: ok\n" in result.stdout
     doc = json.loads(cli("stats", sound, "--json").stdout)
-    assert doc["health"] == {"ok": True, "problems": [], "advice": "", "missing_shards": [],
-                             "wrong_size_shards": [], "unreachable_entries": 0, "entries_file_problem": ""}
+    assert doc["health"] == {
+        "ok": True,
+        "problems": [],
+        "advice": "",
+        "missing_shards": [],
+        "wrong_size_shards": [],
+        "unreachable_entries": 0,
+        "entries_file_problem": "",
+    }
 
     root = clone_store(tpl, "damaged")
     delete_shard(2)(root)
@@ -494,8 +517,10 @@ def test_cli_stats_health_line(reliability_template, clone_store):
     flip_tensor(5, "k")(root)  # not seen by the cheap check
     result = cli("stats", root)
     assert result.exit_code == 0, result.stderr
-    line = ("health: 1 shard missing (shard_0002.safetensors), 1 shard of the wrong size (shard_0003.safetensors), "
-            f"4 of 11 live entries unreachable; {ADVICE}")
+    line = (
+        "health: 1 shard missing (shard_0002.safetensors), 1 shard of the wrong size (shard_0003.safetensors), "
+        f"4 of 11 live entries unreachable; {ADVICE}"
+    )
     assert line in result.stdout.splitlines()
     assert "shard_0002.safetensors (missing)" in result.stdout
     assert "shard_0003.safetensors (wrong size)" in result.stdout
@@ -520,9 +545,11 @@ def test_cli_stats_health_per_damage(name, reliability_template, clone_store):
     assert doc["ok"] == library.ok == (name == "tensor-k-flipped")
     assert doc["problems"] == list(library.problems)
     assert doc["unreachable_entries"] == library.unreachable_entries
-    expected = {"shard-deleted": "health: 1 shard missing (shard_0002.safetensors), 2 of 11 live entries "
-                                 f"unreachable; {ADVICE}",
-                "shard-truncated": "health: 1 shard of the wrong size (shard_0003.safetensors), 2 of 11 live "
-                                   f"entries unreachable; {ADVICE}",
-                "tensor-k-flipped": "health: ok"}[name]
+    expected = {
+        "shard-deleted": "health: 1 shard missing (shard_0002.safetensors), 2 of 11 live entries "
+        f"unreachable; {ADVICE}",
+        "shard-truncated": "health: 1 shard of the wrong size (shard_0003.safetensors), 2 of 11 live "
+        f"entries unreachable; {ADVICE}",
+        "tensor-k-flipped": "health: ok",
+    }[name]
     assert expected in cli("stats", root).stdout.splitlines()

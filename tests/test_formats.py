@@ -62,8 +62,10 @@ def test_encode_then_parse_gives_the_same_tensors_and_metadata():
 
 def test_the_header_is_compact_json_with_the_metadata_first():
     text = safetensors.encode([("a", "F32", (2,), 8), ("b", "I8", (3,), 3)], {"format": "x"})[8:]
-    assert text.rstrip(b" ") == (b'{"__metadata__":{"format":"x"},"a":{"dtype":"F32","shape":[2],'
-                                 b'"data_offsets":[0,8]},"b":{"dtype":"I8","shape":[3],"data_offsets":[8,11]}}')
+    assert text.rstrip(b" ") == (
+        b'{"__metadata__":{"format":"x"},"a":{"dtype":"F32","shape":[2],'
+        b'"data_offsets":[0,8]},"b":{"dtype":"I8","shape":[3],"data_offsets":[8,11]}}'
+    )
     assert b"__metadata__" not in safetensors.encode([("a", "F32", (2,), 8)])
 
 
@@ -123,10 +125,26 @@ MALFORMED = {
     "unknown dtype": (_one({"dtype": "F33"}), "dtype"),
 }
 NOT_CONTIGUOUS = {
-    "gap": (_raw({"a": {"dtype": "I8", "shape": [2], "data_offsets": [0, 2]},
-                  "b": {"dtype": "I8", "shape": [2], "data_offsets": [4, 6]}}, bytes(6)), "gap"),
-    "overlap": (_raw({"a": {"dtype": "I8", "shape": [4], "data_offsets": [0, 4]},
-                      "b": {"dtype": "I8", "shape": [2], "data_offsets": [2, 4]}}, bytes(4)), "overlap"),
+    "gap": (
+        _raw(
+            {
+                "a": {"dtype": "I8", "shape": [2], "data_offsets": [0, 2]},
+                "b": {"dtype": "I8", "shape": [2], "data_offsets": [4, 6]},
+            },
+            bytes(6),
+        ),
+        "gap",
+    ),
+    "overlap": (
+        _raw(
+            {
+                "a": {"dtype": "I8", "shape": [4], "data_offsets": [0, 4]},
+                "b": {"dtype": "I8", "shape": [2], "data_offsets": [2, 4]},
+            },
+            bytes(4),
+        ),
+        "overlap",
+    ),
     "bytes after the last tensor": (_one({}, bytes(12)), "tail"),
 }
 
@@ -164,8 +182,9 @@ def test_a_reader_may_restrict_dtypes_and_check_the_metadata():
 
 def test_a_shard_reader_words_a_damaged_header_its_own_way():
     def shard(spec: dict, data: bytes = bytes(8), fmt: str = "hmem-shard") -> bytes:
-        return _raw({"__metadata__": {"format": fmt}, "t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8],
-                                                           **spec}}, data)
+        return _raw(
+            {"__metadata__": {"format": fmt}, "t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], **spec}}, data
+        )
 
     cases = {
         b"abc": "too short to be safetensors (3 bytes)",
@@ -195,9 +214,17 @@ def test_names_and_record_size():
 
 def _directory(root: Path) -> None:
     root.mkdir()
-    for name in ("index.json", "entries.bin", "lock", "shard_0000.safetensors", "shard_0001.safetensors",
-                 "shard_0007.safetensors", _io.TEMP_PREFIX + "index.json.1.0",
-                 layout.REWRITE_PREFIX + "shard_0000.safetensors", "notes.txt"):
+    for name in (
+        "index.json",
+        "entries.bin",
+        "lock",
+        "shard_0000.safetensors",
+        "shard_0001.safetensors",
+        "shard_0007.safetensors",
+        _io.TEMP_PREFIX + "index.json.1.0",
+        layout.REWRITE_PREFIX + "shard_0000.safetensors",
+        "notes.txt",
+    ):
         (root / name).write_bytes(b"12345")
     (root / "lock").write_bytes(b'{"pid": 1}')
     (root / (_io.TEMP_PREFIX + "dir")).mkdir()
@@ -210,8 +237,16 @@ def test_classify_sorts_a_store_directory(tmp_path):
     shards = [ShardInfo(file=layout.shard_file(i), bytes=5, uid="", entries=0, index_crc=0) for i in range(2)]
     pending = Pending(renames=[(layout.REWRITE_PREFIX + "shard_0000.safetensors", "shard_0000.safetensors")])
     files = layout.classify(root, shards, pending)
-    assert files.committed == sorted(["index.json", "entries.bin", "lock", "shard_0000.safetensors",
-                                      "shard_0001.safetensors", layout.REWRITE_PREFIX + "shard_0000.safetensors"])
+    assert files.committed == sorted(
+        [
+            "index.json",
+            "entries.bin",
+            "lock",
+            "shard_0000.safetensors",
+            "shard_0001.safetensors",
+            layout.REWRITE_PREFIX + "shard_0000.safetensors",
+        ]
+    )
     assert files.temporary == [_io.TEMP_PREFIX + "dir", _io.TEMP_PREFIX + "index.json.1.0"]
     assert files.unnamed_shards == ["shard_0007.safetensors", "shard_0009.safetensors"]
     assert files.others == ["notes.txt"]
@@ -220,10 +255,21 @@ def test_classify_sorts_a_store_directory(tmp_path):
     assert files.foreign == [_io.TEMP_PREFIX + "dir", "notes.txt", "shard_0009.safetensors"]
     # without a commit, every shard and temporary file is an orphan
     bare = layout.classify(root)
-    assert bare.orphans == sorted([_io.TEMP_PREFIX + "index.json.1.0", layout.REWRITE_PREFIX + "shard_0000.safetensors",
-                                   "shard_0000.safetensors", "shard_0001.safetensors", "shard_0007.safetensors"])
-    assert layout.shard_names(root) == ["shard_0000.safetensors", "shard_0001.safetensors",
-                                        "shard_0007.safetensors", "shard_0009.safetensors"]
+    assert bare.orphans == sorted(
+        [
+            _io.TEMP_PREFIX + "index.json.1.0",
+            layout.REWRITE_PREFIX + "shard_0000.safetensors",
+            "shard_0000.safetensors",
+            "shard_0001.safetensors",
+            "shard_0007.safetensors",
+        ]
+    )
+    assert layout.shard_names(root) == [
+        "shard_0000.safetensors",
+        "shard_0001.safetensors",
+        "shard_0007.safetensors",
+        "shard_0009.safetensors",
+    ]
 
 
 def test_resolve_follows_a_pending_rename_until_it_is_done(tmp_path):
@@ -248,10 +294,21 @@ def test_directory_bytes_leaves_out_the_lock_owner_record_and_links(tmp_path):
 
 
 @settings(max_examples=40, deadline=None)
-@given(shards=st.lists(st.tuples(st.text(max_size=12), st.integers(0, 2**62), st.text(max_size=6),
-                                 st.integers(0, 2**40), st.integers(0, 2**32 - 1), st.integers(0, 9),
-                                 st.integers(0, 2**40)), max_size=6),
-       sources=st.booleans())
+@given(
+    shards=st.lists(
+        st.tuples(
+            st.text(max_size=12),
+            st.integers(0, 2**62),
+            st.text(max_size=6),
+            st.integers(0, 2**40),
+            st.integers(0, 2**32 - 1),
+            st.integers(0, 9),
+            st.integers(0, 2**40),
+        ),
+        max_size=6,
+    ),
+    sources=st.booleans(),
+)
 def test_index_json_is_the_indented_json_of_its_document(shards, sources):
     # manifest.to_bytes writes the shard list itself (json's indenting
     # encoder is slow for thousands of shards): the text must be exactly
@@ -260,10 +317,13 @@ def test_index_json_is_the_indented_json_of_its_document(shards, sources):
     from hmem.formats import manifest
     from hmem.formats.sources import SourcesInfo
 
-    mf = manifest.Manifest(config=StoreConfig(embed_dim=8), projection={"family": "srht", "blocks": [1, 2]},
-                           shards=[ShardInfo(*fields) for fields in shards],
-                           pending=Pending(renames=[("a\n\"b", "c")], deletes=["x"]),
-                           sources=SourcesInfo(bytes=10, crc32c=3) if sources else SourcesInfo())
+    mf = manifest.Manifest(
+        config=StoreConfig(embed_dim=8),
+        projection={"family": "srht", "blocks": [1, 2]},
+        shards=[ShardInfo(*fields) for fields in shards],
+        pending=Pending(renames=[('a\n"b', "c")], deletes=["x"]),
+        sources=SourcesInfo(bytes=10, crc32c=3) if sources else SourcesInfo(),
+    )
     data = mf.to_bytes()
     document = json.loads(data)
     assert data == (json.dumps(document, indent=1) + "\n").encode()
@@ -281,11 +341,12 @@ def test_index_json_is_the_indented_json_of_its_document(shards, sources):
         again = json.loads(mf.to_bytes())
         assert again["shards"][-1]["dead_entries"] == document["shards"][-1]["dead_entries"] + 1
         assert again["shards"][:-1] == document["shards"][:-1]
-        assert again["checksum"] == f"crc32c:{manifest._checksum({k: v for k, v in again.items() if k != 'checksum'}):08x}"
+        assert (
+            again["checksum"] == f"crc32c:{manifest._checksum({k: v for k, v in again.items() if k != 'checksum'}):08x}"
+        )
         mf.shards.append(ShardInfo("added", 1, "u", 2, 3))
         assert [ShardInfo(**s) for s in json.loads(mf.to_bytes())["shards"]] == mf.shards
         del mf.shards[0]
         data = mf.to_bytes()
         assert [ShardInfo(**s) for s in json.loads(data)["shards"]] == mf.shards
         assert data == (json.dumps(json.loads(data), indent=1) + "\n").encode()
-

@@ -32,8 +32,14 @@ from hmem import Store
 from hmem.cli.app import app
 
 EMBED, HDC = 16, 256
-BASE_ENV = {"COLUMNS": "200", "NO_COLOR": "1", "FORCE_COLOR": None, "TTY_COMPATIBLE": None,
-            "HMEM_STORE": None, "HMEM_DEBUG": None}
+BASE_ENV = {
+    "COLUMNS": "200",
+    "NO_COLOR": "1",
+    "FORCE_COLOR": None,
+    "TTY_COMPATIBLE": None,
+    "HMEM_STORE": None,
+    "HMEM_DEBUG": None,
+}
 F32 = np.float32
 
 
@@ -65,8 +71,17 @@ def content(path: Path) -> dict:
         for info in store.entries():
             got = store.get(info.entry_id)
             (hit,) = store.query(got.keys, info.layer_idx, 1, rerank=False, count_access=False)
-            rows.append((info.entry_id, info.layer_idx, info.n_tokens, info.importance, info.access_count,
-                         info.shard_idx, (hit.entry_id, hit.similarity)))
+            rows.append(
+                (
+                    info.entry_id,
+                    info.layer_idx,
+                    info.n_tokens,
+                    info.importance,
+                    info.access_count,
+                    info.shard_idx,
+                    (hit.entry_id, hit.similarity),
+                )
+            )
             kv[info.entry_id] = (got.keys.tobytes(), got.values.tobytes())
         st = store.stats()
         shards = [(s.file, s.entries, s.dead_entries) for s in st.shards]
@@ -84,18 +99,36 @@ class Fixture:
         self.template = root / "template"
         with Store.create(self.template, embed_dim=EMBED, hdc_dim=HDC, shard_max_bytes=6000) as store:
             for i in range(3):
-                store.put_many([(rng.standard_normal((2, EMBED)).astype(F32),
-                                 rng.standard_normal((2, EMBED)).astype(F32), i % 2, 1.0 + i) for _ in range(2)])
+                store.put_many(
+                    [
+                        (
+                            rng.standard_normal((2, EMBED)).astype(F32),
+                            rng.standard_normal((2, EMBED)).astype(F32),
+                            i % 2,
+                            1.0 + i,
+                        )
+                        for _ in range(2)
+                    ]
+                )
                 store.flush()
             store.evict(5)
         self.template_files = snapshot(self.template)
         self.template_content = content(self.template)
         # the good file: two numbered entries
-        self.good_kv = [(rng.standard_normal((3, EMBED)).astype(F32), rng.standard_normal((3, EMBED)).astype(F32))
-                        for _ in range(2)]
+        self.good_kv = [
+            (rng.standard_normal((3, EMBED)).astype(F32), rng.standard_normal((3, EMBED)).astype(F32)) for _ in range(2)
+        ]
         self.good = root / "zz_good.safetensors"
-        save_file({"k_0": self.good_kv[0][0], "v_0": self.good_kv[0][1],
-                   "k_1": self.good_kv[1][0], "v_1": self.good_kv[1][1]}, self.good, metadata={"layer": "1"})
+        save_file(
+            {
+                "k_0": self.good_kv[0][0],
+                "v_0": self.good_kv[0][1],
+                "k_1": self.good_kv[1][0],
+                "v_1": self.good_kv[1][1],
+            },
+            self.good,
+            metadata={"layer": "1"},
+        )
         # what the good file alone does to the store
         alone = self.copy("good-alone")
         result = cli("put", alone, self.good, "--json")
@@ -182,8 +215,11 @@ KB = K.tobytes()  # 192 bytes
 
 
 def kv_header(kd="F32", ks=(3, EMBED), ko=(0, 192), vd="F32", vs=(3, EMBED), vo=(192, 384), **extra) -> dict:
-    return {"keys": {"dtype": kd, "shape": list(ks), "data_offsets": list(ko)},
-            "values": {"dtype": vd, "shape": list(vs), "data_offsets": list(vo)}, **extra}
+    return {
+        "keys": {"dtype": kd, "shape": list(ks), "data_offsets": list(ko)},
+        "values": {"dtype": vd, "shape": list(vs), "data_offsets": list(vo)},
+        **extra,
+    }
 
 
 def _bad(value, dtype="<f4"):
@@ -206,14 +242,22 @@ MALFORMED = {
     "header JSON null": (raw(b"null"), "not a JSON object"),
     "header empty object": (raw(b"{}"), "no K/V pair"),
     "tensor entry not an object": (st_file({"keys": 5, "values": kv_header()["values"]}, KB * 2), "malformed"),
-    "tensor without dtype": (st_file({"keys": {"shape": [3, EMBED], "data_offsets": [0, 192]},
-                                      "values": kv_header()["values"]}, KB * 2), "malformed"),
-    "tensor without offsets": (st_file({"keys": {"dtype": "F32", "shape": [3, EMBED]},
-                                        "values": kv_header()["values"]}, KB * 2), "malformed"),
-    "shape not a list": (st_file({**kv_header(), "keys": {"dtype": "F32", "shape": 48, "data_offsets": [0, 192]}},
-                                 KB * 2), "malformed"),
-    "three offsets": (st_file({**kv_header(), "keys": {"dtype": "F32", "shape": [3, EMBED],
-                                                      "data_offsets": [0, 96, 192]}}, KB * 2), "malformed"),
+    "tensor without dtype": (
+        st_file({"keys": {"shape": [3, EMBED], "data_offsets": [0, 192]}, "values": kv_header()["values"]}, KB * 2),
+        "malformed",
+    ),
+    "tensor without offsets": (
+        st_file({"keys": {"dtype": "F32", "shape": [3, EMBED]}, "values": kv_header()["values"]}, KB * 2),
+        "malformed",
+    ),
+    "shape not a list": (
+        st_file({**kv_header(), "keys": {"dtype": "F32", "shape": 48, "data_offsets": [0, 192]}}, KB * 2),
+        "malformed",
+    ),
+    "three offsets": (
+        st_file({**kv_header(), "keys": {"dtype": "F32", "shape": [3, EMBED], "data_offsets": [0, 96, 192]}}, KB * 2),
+        "malformed",
+    ),
     "offsets not numbers": (st_file(kv_header(ko=("a", "b")), KB * 2), "malformed"),
     "offsets past the data": (st_file(kv_header(vo=(192, 10_000)), KB * 2), "outside the file's data"),
     "negative offsets": (st_file(kv_header(ko=(-192, 0)), KB * 2), "malformed header entry"),
@@ -229,25 +273,35 @@ MALFORMED = {
     "size does not match the shape": (st_file(kv_header(ks=(4, EMBED)), KB * 2), "does not match shape [4, 16]"),
     "NaN in keys": (st_file(kv_header(), _bad(np.nan) + KB), "NaN or infinite"),
     "Inf in values": (st_file(kv_header(), KB + _bad(np.inf)), "NaN or infinite"),
-    "-Inf in F16 keys": (st_file(kv_header(kd="F16", ko=(0, 96), vo=(96, 288)), _bad(-np.inf, "<f2") + KB),
-                         "NaN or infinite"),
-    "F64 too large for F32": (st_file(kv_header(kd="F64", ko=(0, 384), vo=(384, 576)), _bad(1e300, "<f8") + KB),
-                              "NaN or infinite"),
+    "-Inf in F16 keys": (
+        st_file(kv_header(kd="F16", ko=(0, 96), vo=(96, 288)), _bad(-np.inf, "<f2") + KB),
+        "NaN or infinite",
+    ),
+    "F64 too large for F32": (
+        st_file(kv_header(kd="F64", ko=(0, 384), vo=(384, 576)), _bad(1e300, "<f8") + KB),
+        "NaN or infinite",
+    ),
     "rows of the wrong width": (st_file(kv_header(ks=(4, 12), vs=(4, 12)), KB * 2), "embed_dim is 16"),
-    "K and V of different shapes": (st_file(kv_header(vs=(2, EMBED), vo=(192, 320)), (KB * 2)[:320]),
-                                    "differ in shape"),
+    "K and V of different shapes": (
+        st_file(kv_header(vs=(2, EMBED), vo=(192, 320)), (KB * 2)[:320]),
+        "differ in shape",
+    ),
     "no tokens": (st_file(kv_header(ks=(0, EMBED), ko=(0, 0), vs=(0, EMBED), vo=(0, 0)), b""), "no tokens"),
     "one-dimensional keys": (st_file(kv_header(ks=(48,), vs=(48,)), KB * 2), "must have shape"),
     "no K/V pair": (st_file({"foo": kv_header()["keys"], "bar": kv_header()["values"]}, KB * 2), "no K/V pair"),
     "keys without values": (st_file({"keys": kv_header()["keys"]}, KB), "has no values partner"),
-    "numbered keys without values": (st_file({"k_3": kv_header()["keys"], "v_4": kv_header()["values"]}, KB * 2),
-                                     "partner"),
+    "numbered keys without values": (
+        st_file({"k_3": kv_header()["keys"], "v_4": kv_header()["values"]}, KB * 2),
+        "partner",
+    ),
     "importance not a number": (st_file(kv_header(__metadata__={"importance": "high"}), KB * 2), "not a number"),
     "negative importance": (st_file(kv_header(__metadata__={"importance": "-1"}), KB * 2), "importance"),
     "layer not a number": (st_file(kv_header(__metadata__={"layer": "1e400"}), KB * 2), "not a number"),
     "layer past u32": (st_file(kv_header(__metadata__={"layer": "4294967296"}), KB * 2), "layer"),
-    "layer in the name past u32": (st_file({"layer.4294967296.k": kv_header()["keys"],
-                                            "layer.4294967296.v": kv_header()["values"]}, KB * 2), "layer"),
+    "layer in the name past u32": (
+        st_file({"layer.4294967296.k": kv_header()["keys"], "layer.4294967296.v": kv_header()["values"]}, KB * 2),
+        "layer",
+    ),
 }
 
 # Inputs that make hmem fail instead of skipping the file (see each reason).
@@ -257,31 +311,40 @@ MALFORMED_BUGS = {
         "BUG: hmem/kvfiles.py _File accepts tensors whose data_offsets overlap (here keys and values share "
         "the same 192 bytes, so V is stored as a copy of K); the safetensors format forbids overlaps and "
         "safetensors.safe_open refuses the file ('invalid offset'); expected the file skipped, got 1 entry "
-        "imported (exit 0)"),
+        "imported (exit 0)",
+    ),
     "shape whose size wraps int64": (
         st_file(kv_header(ks=(2**62, 4), ko=(0, 0), vs=(2**62, 4), vo=(0, 0)), b""),
         "BUG: hmem/kvfiles.py checks the byte size with np.prod(shape, dtype=int64), which wraps to 0 for "
         "shape [2**62, 4] and offsets [0, 0]; the reshape then raises ValueError and `hmem put` ends with "
-        "'internal error: ValueError: cannot reshape array of size 0' (exit 1) instead of skipping the file"),
+        "'internal error: ValueError: cannot reshape array of size 0' (exit 1) instead of skipping the file",
+    ),
     "shape past int64": (
         st_file(kv_header(ks=(10**30, EMBED)), KB * 2),
         "BUG: hmem/kvfiles.py np.prod(shape, dtype=int64) raises OverflowError for a dimension of 10**30; "
-        "`hmem put` ends with 'internal error: OverflowError' (exit 1) instead of skipping the file"),
+        "`hmem put` ends with 'internal error: OverflowError' (exit 1) instead of skipping the file",
+    ),
     "Infinity in the shape": (
-        raw(b'{"keys":{"dtype":"F32","shape":[Infinity,16],"data_offsets":[0,192]},'
-            b'"values":{"dtype":"F32","shape":[3,16],"data_offsets":[192,384]}}', KB * 2),
+        raw(
+            b'{"keys":{"dtype":"F32","shape":[Infinity,16],"data_offsets":[0,192]},'
+            b'"values":{"dtype":"F32","shape":[3,16],"data_offsets":[192,384]}}',
+            KB * 2,
+        ),
         "BUG: json.loads accepts Infinity, and int(float('inf')) in hmem/kvfiles.py raises OverflowError, "
         "which is not caught: 'internal error: OverflowError' (exit 1) instead of a skip "
-        "(NaN gives the right 'malformed header entry' skip)"),
+        "(NaN gives the right 'malformed header entry' skip)",
+    ),
     "deeply nested header": (
         raw(b"[" * 100_000 + b"]" * 100_000),
         "BUG: json.loads raises RecursionError on a header nested 100000 deep; hmem/kvfiles.py catches only "
-        "ValueError/UnicodeDecodeError, so `hmem put` ends with 'internal error: RecursionError' (exit 1)"),
+        "ValueError/UnicodeDecodeError, so `hmem put` ends with 'internal error: RecursionError' (exit 1)",
+    ),
     "5000-digit entry number": (
         st_file({"k_" + "9" * 5000: kv_header()["keys"], "v_" + "9" * 5000: kv_header()["values"]}, KB * 2),
         "BUG: int() of a tensor name's 5000-digit number passes Python's int_max_str_digits limit and raises "
         "ValueError in hmem/kvfiles.py read_entries: 'internal error: ValueError: Exceeds the limit (4300 "
-        "digits)' (exit 1) instead of a skip"),
+        "digits)' (exit 1) instead of a skip",
+    ),
 }
 
 
@@ -350,8 +413,14 @@ def test_a_named_pipe_is_skipped_not_waited_for(fx, tmp_path):
     path = fx.copy()
     env = {k: v for k, v in os.environ.items() if k not in ("HMEM_STORE", "HMEM_DEBUG", "HMEM_CRASH_AT")}
     try:
-        done = subprocess.run([sys.executable, "-m", "hmem", "put", str(path), str(fifo), str(fx.good), "--json"],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=4)
+        done = subprocess.run(
+            [sys.executable, "-m", "hmem", "put", str(path), str(fifo), str(fx.good), "--json"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=4,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("hmem put waited for a writer on a named pipe")
     assert done.returncode == 3, done.stderr
@@ -364,9 +433,14 @@ def test_a_bad_file_in_a_real_process_prints_no_traceback(fx, tmp_path):
     bad.write_bytes(MALFORMED["header not JSON"][0])
     path = fx.copy()
     env = {k: v for k, v in os.environ.items() if k not in ("HMEM_STORE", "HMEM_DEBUG", "HMEM_CRASH_AT")}
-    done = subprocess.run([sys.executable, "-m", "hmem", "put", str(path), str(bad), str(fx.good)],
-                          cwd=tmp_path, env={**env, "NO_COLOR": "1", "COLUMNS": "200"}, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "hmem", "put", str(path), str(bad), str(fx.good)],
+        cwd=tmp_path,
+        env={**env, "NO_COLOR": "1", "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 3
     assert "Traceback" not in done.stdout + done.stderr
     assert done.stderr == f"error: skipped {bad}: the header is not valid JSON\n"
@@ -377,16 +451,21 @@ def test_a_bad_file_in_a_real_process_prints_no_traceback(fx, tmp_path):
 
 # HMEM_FUZZ_EXAMPLES sets the examples per Hypothesis test; the long run (HMEM_STRESS_ROUNDS set) tries 600
 _EXAMPLES = int(os.environ.get("HMEM_FUZZ_EXAMPLES", 600 if "HMEM_STRESS_ROUNDS" in os.environ else 60))
-FUZZ = settings(max_examples=_EXAMPLES, deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @FUZZ
-@given(data=st.one_of(
-    st.binary(max_size=600),
-    st.binary(max_size=400).map(lambda body: struct.pack("<Q", len(body)) + body),  # a consistent length word
-    st.binary(max_size=400).map(lambda body: struct.pack("<Q", len(body)) + b"{" + body),
-))
+@given(
+    data=st.one_of(
+        st.binary(max_size=600),
+        st.binary(max_size=400).map(lambda body: struct.pack("<Q", len(body)) + body),  # a consistent length word
+        st.binary(max_size=400).map(lambda body: struct.pack("<Q", len(body)) + b"{" + body),
+    )
+)
 def test_random_bytes_are_skipped(fx, tmp_path, data):
     bad = tmp_path / "random.safetensors"
     bad.write_bytes(data)
@@ -396,9 +475,11 @@ def test_random_bytes_are_skipped(fx, tmp_path, data):
 def _valid_file() -> bytes:
     """A file of one entry (keys/values) with layer and importance metadata."""
     rng = np.random.default_rng(11)
-    header = {"__metadata__": {"layer": "2", "importance": "3"},
-              "keys": {"dtype": "F32", "shape": [2, EMBED], "data_offsets": [0, 128]},
-              "values": {"dtype": "F32", "shape": [2, EMBED], "data_offsets": [128, 256]}}
+    header = {
+        "__metadata__": {"layer": "2", "importance": "3"},
+        "keys": {"dtype": "F32", "shape": [2, EMBED], "data_offsets": [0, 128]},
+        "values": {"dtype": "F32", "shape": [2, EMBED], "data_offsets": [128, 256]},
+    }
     return st_file(header, rng.standard_normal((4, EMBED)).astype(F32).tobytes())
 
 
@@ -411,8 +492,11 @@ def _mutations():
     flip = st.tuples(st.just("set"), st.integers(0, n - 1), st.integers(0, 255))
     insert = st.tuples(st.just("insert"), st.integers(0, n), st.binary(min_size=1, max_size=8))
     delete = st.tuples(st.just("delete"), st.integers(0, n - 1), st.integers(1, 16))
-    header_text = st.tuples(st.just("set"), st.integers(8, 8 + int.from_bytes(VALID[:8], "little") - 1),
-                            st.sampled_from(b'0123456789-.,:[]{}"eE FIkv_'))
+    header_text = st.tuples(
+        st.just("set"),
+        st.integers(8, 8 + int.from_bytes(VALID[:8], "little") - 1),
+        st.sampled_from(b'0123456789-.,:[]{}"eE FIkv_'),
+    )
     return st.lists(st.one_of(flip, insert, delete, header_text, header_text), min_size=1, max_size=5)
 
 
@@ -506,8 +590,11 @@ GARBAGE_QUERIES = {
     "random bytes": ("q.npy", np.random.default_rng(3).bytes(300), "not a readable .npy file"),
     "truncated": ("q.npy", _npy(np.ones((4, EMBED), F32))[:100], "not a readable .npy file"),
     "header that is not a dict": ("q.npy", _npy_header("[1, 2, 3]"), "not a readable .npy file"),
-    "shape computed in the header": ("q.npy", _npy_header("{'descr': '<f4', 'fortran_order': False, "
-                                                          "'shape': (10**5, 16), }"), "not a readable .npy file"),
+    "shape computed in the header": (
+        "q.npy",
+        _npy_header("{'descr': '<f4', 'fortran_order': False, 'shape': (10**5, 16), }"),
+        "not a readable .npy file",
+    ),
     "object array": ("q.npy", _npy(np.array([1, None], dtype=object)), "not a readable .npy file"),
     "three dimensions": ("q.npy", _npy(np.ones((2, 2, EMBED), F32)), "must have shape"),
     "a scalar": ("q.npy", _npy(np.float32(3)), "must have shape"),
@@ -520,10 +607,16 @@ GARBAGE_QUERIES = {
     "Inf in float64": ("q.npy", _npy(np.full((1, EMBED), 1e300)), "NaN or infinite"),
     "safetensors garbage": ("q.safetensors", b"\x08" + b"\0" * 7 + b"not json", "not valid JSON"),
     "empty safetensors": ("q.safetensors", b"", "too short"),
-    "safetensors without a query tensor": ("q.safetensors", st_file(
-        {"a": kv_header()["keys"], "b": kv_header()["values"]}, KB * 2), "more than one tensor"),
-    "safetensors int query": ("q.safetensors", st_file({"query": {"dtype": "I32", "shape": [3, EMBED],
-                                                                   "data_offsets": [0, 192]}}, KB), "is I32"),
+    "safetensors without a query tensor": (
+        "q.safetensors",
+        st_file({"a": kv_header()["keys"], "b": kv_header()["values"]}, KB * 2),
+        "more than one tensor",
+    ),
+    "safetensors int query": (
+        "q.safetensors",
+        st_file({"query": {"dtype": "I32", "shape": [3, EMBED], "data_offsets": [0, 192]}}, KB),
+        "is I32",
+    ),
 }
 
 
@@ -569,8 +662,12 @@ def test_a_query_file_claiming_a_huge_shape_is_a_usage_error(fx, tmp_path):
 
 
 @FUZZ
-@given(data=st.one_of(st.binary(min_size=1, max_size=300),  # an empty file: the xfail case above
-                      st.binary(max_size=200).map(lambda b: b"\x93NUMPY\x01\x00" + b)))
+@given(
+    data=st.one_of(
+        st.binary(min_size=1, max_size=300),  # an empty file: the xfail case above
+        st.binary(max_size=200).map(lambda b: b"\x93NUMPY\x01\x00" + b),
+    )
+)
 def test_random_query_bytes_are_usage_errors(fx, tmp_path, data):
     query = tmp_path / "random.npy"
     query.write_bytes(data)
@@ -603,8 +700,17 @@ ABSURD = {
     "query --layer -1": ["query", "{store}", "--query", "{query}", "--layer", "-1"],
     "query --layer 2**32": ["query", "{store}", "--query", "{query}", "--layer", "4294967296"],
     "query --layer 10**20": ["query", "{store}", "--query", "{query}", "--layer", "99999999999999999999"],
-    "query --lock-wait -1": ["query", "{store}", "--query", "{query}", "--layer", "0", "--count-access",
-                             "--lock-wait", "-1"],
+    "query --lock-wait -1": [
+        "query",
+        "{store}",
+        "--query",
+        "{query}",
+        "--layer",
+        "0",
+        "--count-access",
+        "--lock-wait",
+        "-1",
+    ],
     "query --lock-wait nan": ["query", "{store}", "--query", "{query}", "--layer", "0", "--lock-wait", "nan"],
     "put --layer -1": ["put", "{store}", "{good}", "--layer", "-1"],
     "put --layer 2**32": ["put", "{store}", "{good}", "--layer", "4294967296"],
@@ -644,12 +750,14 @@ ABSURD_BUGS = {
         "BUG: hmem/cli/units.py parse_size does int(float(text) * unit); float('9' * 400) is inf and int(inf) "
         "raises OverflowError: `hmem init s -d 16 --max-disk 999...9` (400 digits) ends with 'internal error: "
         "OverflowError: cannot convert float infinity to integer' (exit 1) instead of exit 2 "
-        "(max_disk_bytes must be between 0 and 2**64-1)"),
+        "(max_disk_bytes must be between 0 and 2**64-1)",
+    ),
     "put --importance 1e39": (
         ["put", "{store}", "{good}", "--importance", "1e39"],
         "BUG: `hmem put --importance 1e39` is accepted as an option (finite, >= 0) but every entry is then "
         "refused as above the float32 range, so each file is 'skipped' with the misleading reason 'importance "
-        "must be finite and >= 0, got 1e+39' and the run exits 3 (partial) instead of 2 (usage: a bad option)"),
+        "must be finite and >= 0, got 1e+39' and the run exits 3 (partial) instead of 2 (usage: a bad option)",
+    ),
 }
 
 

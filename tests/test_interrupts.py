@@ -309,8 +309,12 @@ def test_import_refuses_the_store_and_files_inside_it(tmp_path):
     root, store = _store_with_files(tmp_path)
     (tmp_path / "link").symlink_to(root)
     inside = next(root.glob("shard_*.safetensors"))
-    for source, fragment in [(root, "is the store itself"), (tmp_path / "link", "is the store itself"),
-                             (inside, "lies inside the store"), (tmp_path / "link" / inside.name, "lies inside")]:
+    for source, fragment in [
+        (root, "is the store itself"),
+        (tmp_path / "link", "is the store itself"),
+        (inside, "lies inside the store"),
+        (tmp_path / "link" / inside.name, "lies inside"),
+    ]:
         with pytest.raises(hmem.InvalidArgumentError, match=fragment) as caught:
             hmem.import_files(store, [tmp_path / "data" / "dumps", source])
         assert str(source) in caught.value.message
@@ -323,8 +327,11 @@ def test_import_of_a_directory_holding_the_store_skips_the_store(tmp_path):
     (tmp_path / "data" / "dumps" / "to_a_shard.safetensors").symlink_to(next(root.glob("shard_*.safetensors")))
     with store:
         report = hmem.import_files(store, [tmp_path / "data"])
-        assert sorted(Path(f.path).name for f in report.files) == ["f0000.safetensors", "f0001.safetensors",
-                                                                    "f0002.safetensors"]
+        assert sorted(Path(f.path).name for f in report.files) == [
+            "f0000.safetensors",
+            "f0001.safetensors",
+            "f0002.safetensors",
+        ]
         assert report.entries_added == 3 and not report.skipped
 
 
@@ -373,9 +380,11 @@ class Tally:
         self.internal_errors = self.mismatches = 0
 
     def line(self) -> str:
-        return (f"{self.runs} runs, {self.signals} signals sent, {self.stopped} runs stopped by a signal "
-                f"({self.reported_stops} with an 'interrupted' report), exit codes {sorted(self.codes.items())}, "
-                f"{self.internal_errors} internal errors, {self.mismatches} mismatches")
+        return (
+            f"{self.runs} runs, {self.signals} signals sent, {self.stopped} runs stopped by a signal "
+            f"({self.reported_stops} with an 'interrupted' report), exit codes {sorted(self.codes.items())}, "
+            f"{self.internal_errors} internal errors, {self.mismatches} mismatches"
+        )
 
 
 @pytest.mark.stress
@@ -389,12 +398,21 @@ def test_cli_stops_cleanly_on_sigint_and_sigterm(fast_dir):
     tally = Tally()
     started = time.monotonic()
     for i in range(runs):
-        command = ["put", str(store), str(fast_dir / "in")] if i % 6 < 4 else (
-            ["compact", str(store)] if i % 6 == 4 else ["evict", str(store), "--keep", "0.8", "--yes"])
+        command = (
+            ["put", str(store), str(fast_dir / "in")]
+            if i % 6 < 4
+            else (["compact", str(store)] if i % 6 == 4 else ["evict", str(store), "--keep", "0.8", "--yes"])
+        )
         with Store.open(store, read_only=True) as reader:
             before_ids, before = reader.entry_ids(), reader.stats()
-        proc = subprocess.Popen([sys.executable, "-m", "hmem", *command, "--json"], cwd=fast_dir, env=_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hmem", *command, "--json"],
+            cwd=fast_dir,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         sent = []
         if _wait_until_it_holds_the_lock(proc, store):
             time.sleep(rng.uniform(0.0, 0.3))
@@ -427,8 +445,11 @@ def test_cli_stops_cleanly_on_sigint_and_sigterm(fast_dir):
         if document is None or "error" in document:  # stopped at once (outside a stoppable section, or a second signal)
             assert proc.returncode, what
             assert document is None or document["error"]["exit"] == proc.returncode, what
-            assert {"put": set(before_ids) <= set(ids), "evict": set(ids) <= set(before_ids),
-                    "compact": ids == before_ids}[command[0]], what
+            assert {
+                "put": set(before_ids) <= set(ids),
+                "evict": set(ids) <= set(before_ids),
+                "compact": ids == before_ids,
+            }[command[0]], what
             continue
         stop = document.get("interrupted")
         if stop is not None:
@@ -459,9 +480,11 @@ def _report_matches(command: str, document: dict, before_ids: list[int], ids: li
     """Whether the store holds what the run's report says it committed."""
     if command == "put":
         stop = document.get("interrupted")
-        if stop is not None and not (stop["entries_committed"] == document["entries_added"]
-                                     and stop["store_entries"] == after.entries
-                                     and stop["files_finished"] + stop["files_not_started"] == document["files"]):
+        if stop is not None and not (
+            stop["entries_committed"] == document["entries_added"]
+            and stop["store_entries"] == after.entries
+            and stop["files_finished"] + stop["files_not_started"] == document["files"]
+        ):
             return False
         # new ids are above every older one, so the count says it all
         return ids[: len(before_ids)] == before_ids and len(ids) == len(before_ids) + document["entries_added"]

@@ -97,8 +97,9 @@ def test_hmem_cpu_caps_every_kernel_module():
         "import hmem.kernels as k;"
         "print(*[m.PATH_NAMES[m.active_path()] for m in (k.checksum, k.hamming, k.projection, k.bitops)])"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=OUTSIDE_CHECKOUT, env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=OUTSIDE_CHECKOUT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["portable"] * 4
 
@@ -212,7 +213,9 @@ def search_cases(draw):
         bits[rng.random(bits.shape) < 4 / (nbytes * 8)] = 1
         sigs = np.packbits(bits, axis=1, bitorder="little")
     sigs = np.ascontiguousarray(sigs, dtype=np.uint8).reshape(n, nbytes)
-    query = sigs[rng.integers(0, n)].copy() if n and draw(st.booleans()) else rng.integers(0, 256, nbytes, dtype=np.uint8)
+    query = (
+        sigs[rng.integers(0, n)].copy() if n and draw(st.booleans()) else rng.integers(0, 256, nbytes, dtype=np.uint8)
+    )
     live = draw(st.sampled_from(["none-given", "all", "none", "random"]))
     alive = {
         "none-given": None,
@@ -598,8 +601,15 @@ def test_signature_of_sum_gives_the_signature_of_the_rows_on_every_path(case):
     rows, m, rounds, hdc_dim, seed = case
     want = reference_signature(rows, m, rounds, hdc_dim, seed)
     sums = np.zeros(rows.shape[1])
-    ref_projection.signature(rows, ref_projection.signs_table(seed, m, rounds, -(-hdc_dim // m)), m, rounds,
-                             hdc_dim, bytearray(hdc_dim // 8), sums)
+    ref_projection.signature(
+        rows,
+        ref_projection.signs_table(seed, m, rounds, -(-hdc_dim // m)),
+        m,
+        rounds,
+        hdc_dim,
+        bytearray(hdc_dim // 8),
+        sums,
+    )
     signs = _projection.signs_table(seed, m, rounds, -(-hdc_dim // m))
 
     def from_sum(module):
@@ -617,11 +627,13 @@ def test_signature_of_sum_refuses_bad_arguments(module):
     signs = ref_projection.signs_table(1, 128, 2, 1)
     out = np.zeros(16, dtype=np.uint8)
     module.signature_of_sum(np.ones(100), signs, 128, 2, 128, out)
-    for sums, m, hdc_dim, target in ((np.ones(129), 128, 128, out),  # more values than m
-                                     (np.ones(0), 128, 128, out),  # none
-                                     (np.ones(100), 96, 128, out),  # m not a power of two
-                                     (np.ones(100), 128, 124, out),  # hdc_dim not a multiple of 8
-                                     (np.ones(100), 128, 256, out)):  # out too small
+    for sums, m, hdc_dim, target in (
+        (np.ones(129), 128, 128, out),  # more values than m
+        (np.ones(0), 128, 128, out),  # none
+        (np.ones(100), 96, 128, out),  # m not a power of two
+        (np.ones(100), 128, 124, out),  # hdc_dim not a multiple of 8
+        (np.ones(100), 128, 256, out),
+    ):  # out too small
         with pytest.raises(ValueError):
             module.signature_of_sum(sums, signs, m, 2, hdc_dim, target)
 
@@ -637,8 +649,11 @@ def bf16_word_cases(draw):
         rows = make_rows(rng, n, a * b, style)
         words = (rows.view(np.uint32) >> 16).astype(np.uint16).reshape(n, a, b)
     order = draw(st.sampled_from(["tah", "ath", "hta"]))  # where the words lie: the view's strides
-    lying = {"tah": words, "ath": np.ascontiguousarray(words.transpose(1, 0, 2)).transpose(1, 0, 2),
-             "hta": np.ascontiguousarray(words.transpose(2, 0, 1)).transpose(1, 2, 0)}[order]
+    lying = {
+        "tah": words,
+        "ath": np.ascontiguousarray(words.transpose(1, 0, 2)).transpose(1, 0, 2),
+        "hta": np.ascontiguousarray(words.transpose(2, 0, 1)).transpose(1, 2, 0),
+    }[order]
     return words, lying
 
 

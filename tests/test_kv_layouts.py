@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -93,8 +94,10 @@ Expected = list[tuple[int, np.ndarray, np.ndarray, dict]]  # (layer, keys rows, 
 def entries_of(keys: np.ndarray, values: np.ndarray, layout: str, layer: int, source: str) -> Expected:
     ks, vs = flatten(keys, layout), flatten(values, layout)
     many = len(ks) > 1
-    return [(layer, k, v, {"source": source, "tokens": [0, len(k)], **({"batch": b} if many else {})})
-            for b, (k, v) in enumerate(zip(ks, vs))]
+    return [
+        (layer, k, v, {"source": source, "tokens": [0, len(k)], **({"batch": b} if many else {})})
+        for b, (k, v) in enumerate(zip(ks, vs))
+    ]
 
 
 def stored(store: hmem.Store, ids: list[int] | None = None) -> Expected:
@@ -129,8 +132,10 @@ def _layer(rng):
 
 def _numbered(rng):
     k0, v0, k1, v1 = randn(rng, T, E), randn(rng, T, E), randn(rng, 2, E), randn(rng, 2, E)
-    return ({"k_0": k0, "v_0": v0, "keys.1": k1, "values.1": v1},
-            entries_of(k0, v0, "td", 0, "f.safetensors") + entries_of(k1, v1, "td", 0, "f.safetensors"))
+    return (
+        {"k_0": k0, "v_0": v0, "keys.1": k1, "values.1": v1},
+        entries_of(k0, v0, "td", 0, "f.safetensors") + entries_of(k1, v1, "td", 0, "f.safetensors"),
+    )
 
 
 def _per_layer(name: Callable[[int, str], str]):
@@ -141,6 +146,7 @@ def _per_layer(name: Callable[[int, str], str]):
             files[name(layer, "k")], files[name(layer, "v")] = k, v
             want += entries_of(k, v, "bhtd", layer, "f.safetensors")
         return files, want
+
     return build
 
 
@@ -156,6 +162,7 @@ def _layout(layout: str, shape: tuple[int, ...], names: tuple[str, str] = ("keys
     def build(rng):
         k, v = randn(rng, *shape), randn(rng, *shape)
         return {names[0]: k, names[1]: v}, entries_of(k, v, layout, 0, "f.safetensors")
+
     return build
 
 
@@ -205,8 +212,7 @@ def test_the_docs_tables_list_exactly_the_rows_tested():
 
 def test_put_help_mentions_the_conventions():
     out = run("put", "--help").stdout
-    for fragment in ("past_key_values.{i}.key", "model.layers.{i}", "case-insensitive", "--layout",
-                     "--chunk-tokens"):
+    for fragment in ("past_key_values.{i}.key", "model.layers.{i}", "case-insensitive", "--layout", "--chunk-tokens"):
         assert fragment in out, fragment
 
 
@@ -266,11 +272,14 @@ def test_a_hugging_face_name_says_the_layout(rng):
         assert_entries(stored(s, list(report.files[0].entries)), entries_of(k, v, "bthd", 0, "plain.safetensors"))
 
 
-@pytest.mark.parametrize("layout, fragment", [
-    ("tdh", "layout must be one of td, thd, htd, bhtd, bthd, l2thd"),
-    ("l2thd", "layout l2thd is for one tensor holding every layer"),
-    ("bhtd", "which is not layout bhtd (4 dimensions)"),
-])
+@pytest.mark.parametrize(
+    "layout, fragment",
+    [
+        ("tdh", "layout must be one of td, thd, htd, bhtd, bthd, l2thd"),
+        ("l2thd", "layout l2thd is for one tensor holding every layer"),
+        ("bhtd", "which is not layout bhtd (4 dimensions)"),
+    ],
+)
 def test_a_wrong_layout_is_refused_and_stores_nothing(layout, fragment, rng):
     save_file({"keys": randn(rng, T, H, HD), "values": randn(rng, T, H, HD)}, "f.safetensors")
     new_store().close()
@@ -289,25 +298,38 @@ def test_a_refused_file_lists_its_tensor_names_and_the_conventions(rng):
     with pytest.raises(hmem.BadFileError) as err:
         hmem.read_kv_file(Path("odd.safetensors"), embed_dim=E)
     message = err.value.message
-    assert "no K/V pair found (tensors: blk0.attn_out, blk1.attn_out, blk2.attn_out, blk3.attn_out, " \
-           "blk4.attn_out, blk5.attn_out and 3 more)" in message
+    assert (
+        "no K/V pair found (tensors: blk0.attn_out, blk1.attn_out, blk2.attn_out, blk3.attn_out, "
+        "blk4.attn_out, blk5.attn_out and 3 more)" in message
+    )
     for short in ("kv", "layer", "numbered", "hf", "hf-tuple", "model-layers", "all-layers"):
         assert f"{short} (" in message
     assert "past_key_values.{i}.key" in message
 
 
-@pytest.mark.parametrize("name, shape, fragment", [
-    ("keys", (T, 5, HD), "has shape [6, 5, 8], which makes no rows of the store's embed_dim 32: as thd "
-     "[tokens, kv_heads, head_dim] its rows hold 40 values, as htd [kv_heads, tokens, head_dim] 48"),
-    ("keys", (1, 3, T, HD), "makes no rows of the store's embed_dim 32"),
-    ("keys", (T, E + 8), "tensor 'keys' has rows of 40 values; the store's embed_dim is 32"),
-    ("keys", (48,), "must have shape [tokens, embed_dim]"),
-    ("keys", (2, 2, T, H, HD), "must have shape"),
-    ("kv", (2, 2, T, H, HD + 1), "as l2thd [layers, 2, tokens, kv_heads, head_dim] its rows hold 36 values"),
-    ("kv", (2, 3, T, H, HD), "which is not layout l2thd"),
-    ("past_key_values.0.key", (1, T, H, HD), "as bhtd [batch, kv_heads, tokens, head_dim] (as its naming "
-     "convention hf says) its rows hold 48 values; the store's embed_dim is 32"),
-])
+@pytest.mark.parametrize(
+    "name, shape, fragment",
+    [
+        (
+            "keys",
+            (T, 5, HD),
+            "has shape [6, 5, 8], which makes no rows of the store's embed_dim 32: as thd "
+            "[tokens, kv_heads, head_dim] its rows hold 40 values, as htd [kv_heads, tokens, head_dim] 48",
+        ),
+        ("keys", (1, 3, T, HD), "makes no rows of the store's embed_dim 32"),
+        ("keys", (T, E + 8), "tensor 'keys' has rows of 40 values; the store's embed_dim is 32"),
+        ("keys", (48,), "must have shape [tokens, embed_dim]"),
+        ("keys", (2, 2, T, H, HD), "must have shape"),
+        ("kv", (2, 2, T, H, HD + 1), "as l2thd [layers, 2, tokens, kv_heads, head_dim] its rows hold 36 values"),
+        ("kv", (2, 3, T, H, HD), "which is not layout l2thd"),
+        (
+            "past_key_values.0.key",
+            (1, T, H, HD),
+            "as bhtd [batch, kv_heads, tokens, head_dim] (as its naming "
+            "convention hf says) its rows hold 48 values; the store's embed_dim is 32",
+        ),
+    ],
+)
 def test_a_shape_no_layout_fits_is_refused_with_what_it_would_make(name, shape, fragment, rng):
     tensors = {name: randn(rng, *shape)}
     if name != "kv":  # the all-layers tensor has no partner
@@ -349,10 +371,14 @@ def test_each_batch_row_is_its_own_entry(rng):
     with new_store() as s:
         ids = list(hmem.import_files(s, ["batch.safetensors"]).files[0].entries)
         got = stored(s, ids)
-        assert [m for *_, m in got] == [{"source": "batch.safetensors", "tokens": [0, T], "batch": b}
-                                        for b in range(3)]
-        assert_entries(got, [(5, k[b].transpose(1, 0, 2).reshape(T, E), v[b].transpose(1, 0, 2).reshape(T, E),
-                              got[b][3]) for b in range(3)])
+        assert [m for *_, m in got] == [{"source": "batch.safetensors", "tokens": [0, T], "batch": b} for b in range(3)]
+        assert_entries(
+            got,
+            [
+                (5, k[b].transpose(1, 0, 2).reshape(T, E), v[b].transpose(1, 0, 2).reshape(T, E), got[b][3])
+                for b in range(3)
+            ],
+        )
 
 
 def test_an_unnamed_all_layers_tensor_with_layout_l2thd(rng):
@@ -362,8 +388,11 @@ def test_an_unnamed_all_layers_tensor_with_layout_l2thd(rng):
         (skip,) = hmem.import_files(s, ["chunk.safetensors"]).skipped
         assert "no K/V pair found (tensors: lmcache_chunk_0)" in skip.skipped
         report = hmem.import_files(s, ["chunk.safetensors"], layout="l2thd")
-        want = [e for layer in range(2) for e in entries_of(chunk[layer, 0], chunk[layer, 1], "thd", layer,
-                                                             "chunk.safetensors")]
+        want = [
+            e
+            for layer in range(2)
+            for e in entries_of(chunk[layer, 0], chunk[layer, 1], "thd", layer, "chunk.safetensors")
+        ]
         assert_entries(stored(s, list(report.files[0].entries)), want)
 
 
@@ -378,8 +407,14 @@ def test_chunks_are_consecutive_token_ranges_in_order(rng):
         for b, (kr, vr) in enumerate(zip(flatten(k, "bhtd"), flatten(v, "bhtd"))):
             for c, start in enumerate(range(0, tokens, size)):
                 stop = min(start + size, tokens)
-                want.append((1, kr[start:stop], vr[start:stop],
-                             {"source": "long.safetensors", "chunk": c, "tokens": [start, stop], "batch": b}))
+                want.append(
+                    (
+                        1,
+                        kr[start:stop],
+                        vr[start:stop],
+                        {"source": "long.safetensors", "chunk": c, "tokens": [start, stop], "batch": b},
+                    )
+                )
         assert [len(w[1]) for w in want] == [4, 4, 3, 4, 4, 3]  # the last chunk is short
         assert_entries(stored(s, ids), want)
 
@@ -438,12 +473,12 @@ def test_half_inputs_are_bit_exact_in_a_store_of_their_dtype(storage, rng):
             assert not (rows.view(np.uint32) & 0xFFFF).any()
 
 
-
 WIDE_H, WIDE_HD = 4, 64  # rows of 256 values: an entry of 64 tokens or more is put on its own (not joined)
 
 
-def _bf16_import_against_put_many(folder: Path, storage: str, files: dict[str, tuple[str, int]],
-                                  chunk: int | None, spans: bool, seed: int) -> None:
+def _bf16_import_against_put_many(
+    folder: Path, storage: str, files: dict[str, tuple[str, int]], chunk: int | None, spans: bool, seed: int
+) -> None:
     """Import BF16 files (name -> (layout, tokens)) in one import_files, and
     put the float32 rows hmem.read_kv_file makes of them with put_many into
     a second store: both hold the same K/V, bit for bit, and answer a query
@@ -489,12 +524,17 @@ def test_a_bf16_file_of_large_entries_stores_what_put_many_stores(tmp_path, stor
 
 
 @settings(max_examples=16, deadline=None)
-@given(storage=st.sampled_from(["f32", "bf16", "f16", "int8"]), big=st.integers(64, 200),
-       small=st.integers(1, 8).filter(lambda n: n != WIDE_H),  # as many tokens as heads: ambiguous, refused
-       chunk=st.one_of(st.none(), st.integers(32, 128)), spans=st.booleans(),
-       seed=st.integers(0, 2**32 - 1))
-def test_bf16_files_large_and_small_store_what_put_many_stores(tmp_path_factory, storage, big, small, chunk,
-                                                               spans, seed):
+@given(
+    storage=st.sampled_from(["f32", "bf16", "f16", "int8"]),
+    big=st.integers(64, 200),
+    small=st.integers(1, 8).filter(lambda n: n != WIDE_H),  # as many tokens as heads: ambiguous, refused
+    chunk=st.one_of(st.none(), st.integers(32, 128)),
+    spans=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_bf16_files_large_and_small_store_what_put_many_stores(
+    tmp_path_factory, storage, big, small, chunk, spans, seed
+):
     """Small and large BF16 entries in one import (joined or put one by
     one, as the batch's sizes decide), with span signatures or without."""
     folder = tmp_path_factory.mktemp("bf16")
@@ -522,16 +562,27 @@ def test_a_nonfinite_bf16_word_in_a_large_entry_skips_its_file(tmp_path, storage
 
 
 SOURCE_DTYPES = ("F32", "F16", "F64", "BF16")
-SHAPES_OF = {"td": lambda b, t: (t, E), "thd": lambda b, t: (t, H, HD), "htd": lambda b, t: (H, t, HD),
-             "bhtd": lambda b, t: (b, H, t, HD), "bthd": lambda b, t: (b, t, H, HD)}
+SHAPES_OF = {
+    "td": lambda b, t: (t, E),
+    "thd": lambda b, t: (t, H, HD),
+    "htd": lambda b, t: (H, t, HD),
+    "bhtd": lambda b, t: (b, H, t, HD),
+    "bthd": lambda b, t: (b, t, H, HD),
+}
 
 
 @settings(max_examples=40, deadline=None)
-@given(layout=st.sampled_from(sorted(SHAPES_OF)), dtype=st.sampled_from(SOURCE_DTYPES),
-       batches=st.integers(1, 3), tokens=st.integers(1, 9), chunk=st.one_of(st.none(), st.integers(1, 10)),
-       seed=st.integers(0, 2**32 - 1))
-def test_every_layout_and_dtype_imports_exactly_in_chunks(tmp_path_factory, layout, dtype, batches, tokens,
-                                                          chunk, seed):
+@given(
+    layout=st.sampled_from(sorted(SHAPES_OF)),
+    dtype=st.sampled_from(SOURCE_DTYPES),
+    batches=st.integers(1, 3),
+    tokens=st.integers(1, 9),
+    chunk=st.one_of(st.none(), st.integers(1, 10)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_every_layout_and_dtype_imports_exactly_in_chunks(
+    tmp_path_factory, layout, dtype, batches, tokens, chunk, seed
+):
     """Each chunk's rows are made straight from the file (transposed and
     widened in one pass): they equal the reference flattening of the whole
     tensor, cut afterwards, for every source dtype."""
@@ -594,8 +645,22 @@ def _filled(rng) -> tuple[list[np.ndarray], list[np.ndarray]]:
 def test_export_hf_round_trips_through_put(rng):
     keys, values = _filled(rng)
     np.save("q.npy", keys[1])
-    doc = run_json("query", "store", "--query", "q.npy", "--layer", 2, "--top-k", 3, "--export", "hits.safetensors",
-                   "--export-layout", "hf", "--kv-heads", H)
+    doc = run_json(
+        "query",
+        "store",
+        "--query",
+        "q.npy",
+        "--layer",
+        2,
+        "--top-k",
+        3,
+        "--export",
+        "hits.safetensors",
+        "--export-layout",
+        "hf",
+        "--kv-heads",
+        H,
+    )
     ids = [r["entry_id"] for r in doc["results"]]
     assert len(ids) == 3 and ids[0] == 2  # the best hit is the query's own entry
     with hmem.Store.open("store", read_only=True) as s:
@@ -626,12 +691,15 @@ def test_the_default_export_is_unchanged(rng):
     assert len(names) == 4 and all(re.fullmatch(r"[kv]_\d+", n) for n in names)
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--export-layout", "hf"], "--export-layout hf needs --kv-heads N"),
-    (["--kv-heads", 4], "--kv-heads applies to --export-layout hf only"),
-    (["--export-layout", "bhtd", "--kv-heads", 4], "--export-layout must be one of entries, hf"),
-    (["--export-layout", "hf", "--kv-heads", 5], "--kv-heads 5 does not divide the store's embed_dim 32"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--export-layout", "hf"], "--export-layout hf needs --kv-heads N"),
+        (["--kv-heads", 4], "--kv-heads applies to --export-layout hf only"),
+        (["--export-layout", "bhtd", "--kv-heads", 4], "--export-layout must be one of entries, hf"),
+        (["--export-layout", "hf", "--kv-heads", 5], "--kv-heads 5 does not divide the store's embed_dim 32"),
+    ],
+)
 def test_bad_export_options_are_usage_errors_and_write_nothing(args, fragment, rng):
     keys, _ = _filled(rng)
     np.save("q.npy", keys[0])

@@ -261,8 +261,10 @@ def check_layers(imports: Iterable[Import]) -> list[str]:
         src, dst = component(imp.source), component(imp.target)
         if src is None or dst is None:
             unknown = imp.source if src is None else imp.target
-            bad.append(f"{imp.where}: {unknown} belongs to no layer -- rule: every module of hmem has a "
-                       f"layer ({DOC}); add its folder there and to LAYERS in this test")
+            bad.append(
+                f"{imp.where}: {unknown} belongs to no layer -- rule: every module of hmem has a "
+                f"layer ({DOC}); add its folder there and to LAYERS in this test"
+            )
             continue
         if src == dst or LAYERS[dst] < LAYERS[src] or (src, dst) in SAME_LAYER_ALLOWED:
             continue
@@ -292,11 +294,7 @@ def check_cli_public_only(imports: Iterable[Import]) -> list[str]:
 
 
 def check_library_never_imports_cli(imports: Iterable[Import]) -> list[str]:
-    return [
-        _violation(imp, RULE_NO_CLI)
-        for imp in imports
-        if not _is_cli(imp.source) and _inside(imp.target, CLI)
-    ]
+    return [_violation(imp, RULE_NO_CLI) for imp in imports if not _is_cli(imp.source) and _inside(imp.target, CLI)]
 
 
 def check_no_cycles(imports: Iterable[Import]) -> list[str]:
@@ -403,9 +401,30 @@ def check_no_cycles(imports: Iterable[Import]) -> list[str]:
 #   only: hmem._io's own functions are how everything else writes.
 
 OS_WRITES = {
-    "write", "pwrite", "writev", "pwritev", "rename", "renames", "replace", "unlink", "remove",
-    "removedirs", "rmdir", "truncate", "ftruncate", "makedirs", "mkdir", "mkfifo", "mknod", "link",
-    "symlink", "fsync", "fdatasync", "posix_fallocate", "copy_file_range", "sendfile",
+    "write",
+    "pwrite",
+    "writev",
+    "pwritev",
+    "rename",
+    "renames",
+    "replace",
+    "unlink",
+    "remove",
+    "removedirs",
+    "rmdir",
+    "truncate",
+    "ftruncate",
+    "makedirs",
+    "mkdir",
+    "mkfifo",
+    "mknod",
+    "link",
+    "symlink",
+    "fsync",
+    "fdatasync",
+    "posix_fallocate",
+    "copy_file_range",
+    "sendfile",
 }
 OS_WRITE_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_APPEND"}
 # tempfile.TemporaryDirectory is allowed: a private scratch directory that
@@ -413,10 +432,29 @@ OS_WRITE_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_APPEND"}
 # demo runs in one); docs/architecture.md states this exception.
 TEMPFILE_MAKERS = {"mkstemp", "mkdtemp", "NamedTemporaryFile", "TemporaryFile", "SpooledTemporaryFile"}
 NUMPY_WRITES = {"save", "savez", "savez_compressed", "savetxt"}
-OPENERS = {"open", "io.open", "os.fdopen", "gzip.open", "bz2.open", "lzma.open", "codecs.open", "tarfile.open",
-           "zipfile.ZipFile", "io.FileIO"}
-PATH_ONLY_METHODS = {"write_bytes", "write_text", "unlink", "mkdir", "rmdir", "touch", "symlink_to", "hardlink_to",
-                     "tofile"}
+OPENERS = {
+    "open",
+    "io.open",
+    "os.fdopen",
+    "gzip.open",
+    "bz2.open",
+    "lzma.open",
+    "codecs.open",
+    "tarfile.open",
+    "zipfile.ZipFile",
+    "io.FileIO",
+}
+PATH_ONLY_METHODS = {
+    "write_bytes",
+    "write_text",
+    "unlink",
+    "mkdir",
+    "rmdir",
+    "touch",
+    "symlink_to",
+    "hardlink_to",
+    "tofile",
+}
 RENAMING_METHODS = {"rename", "replace"}
 
 
@@ -507,9 +545,15 @@ def _write_reason(call: ast.Call, bindings: dict[str, str]) -> str | None:
         if name == "mmap.mmap":
             access = _argument(call, 3, "access")
             fileno = _argument(call, 0, "fileno")
-            anonymous = (isinstance(fileno, ast.UnaryOp) and isinstance(fileno.op, ast.USub)
-                         and isinstance(fileno.operand, ast.Constant) and fileno.operand.value == 1)
-            if not anonymous and not (isinstance(access, ast.Attribute) and access.attr in ("ACCESS_READ", "ACCESS_COPY")):
+            anonymous = (
+                isinstance(fileno, ast.UnaryOp)
+                and isinstance(fileno.op, ast.USub)
+                and isinstance(fileno.operand, ast.Constant)
+                and fileno.operand.value == 1
+            )
+            if not anonymous and not (
+                isinstance(access, ast.Attribute) and access.attr in ("ACCESS_READ", "ACCESS_COPY")
+            ):
                 return "mmap.mmap() that may write"
         if name == "torch.save" or attr == "save_file" or name == "save_file":
             return f"{name}()"
@@ -657,8 +701,16 @@ _BASE = {
     "hmem.cli.app": "from hmem import Store\nfrom hmem.cli import output\n",
     "hmem.cli.output": "import rich\n",
 }
-_PACKAGES = {"hmem", "hmem.kernels", "hmem.kernels._native", "hmem.kernels.reference", "hmem.formats",
-             "hmem.store", "hmem.prefix_hit", "hmem.cli"}
+_PACKAGES = {
+    "hmem",
+    "hmem.kernels",
+    "hmem.kernels._native",
+    "hmem.kernels.reference",
+    "hmem.formats",
+    "hmem.store",
+    "hmem.prefix_hit",
+    "hmem.cli",
+}
 
 
 def _imports_with(**changes: str) -> list[Import]:
@@ -669,8 +721,14 @@ def _imports_with(**changes: str) -> list[Import]:
 
 def test_self_the_clean_synthetic_package_passes_every_checker():
     imports = _imports_with()
-    for check in (check_kernels, check_layers, check_prefix_hit, check_cli_public_only,
-                  check_library_never_imports_cli, check_no_cycles):
+    for check in (
+        check_kernels,
+        check_layers,
+        check_prefix_hit,
+        check_cli_public_only,
+        check_library_never_imports_cli,
+        check_no_cycles,
+    ):
         assert check(imports) == [], check.__name__
     edges = {(i.source, i.target) for i in imports}
     assert ("hmem.store.store", "hmem.store.lock") in edges  # from . import lock
@@ -681,8 +739,11 @@ def test_self_the_clean_synthetic_package_passes_every_checker():
 def test_self_kernels_checker():
     bad = check_kernels(_imports_with(hmem__kernels__reference__bitops="from hmem.errors import HmemError\n"))
     assert len(bad) == 1 and bad[0].startswith("hmem/kernels/reference/bitops.py:1:") and RULE_KERNELS in bad[0]
-    bad = check_kernels(_imports_with(hmem__kernels___native___bitops="from libc.stdint cimport uint8_t\n"
-                                                                       "from hmem.kernels cimport helpers\n"))
+    bad = check_kernels(
+        _imports_with(
+            hmem__kernels___native___bitops="from libc.stdint cimport uint8_t\nfrom hmem.kernels cimport helpers\n"
+        )
+    )
     assert len(bad) == 1 and bad[0].startswith("hmem/kernels/_native/_bitops.pyx:2:")
     bad = check_kernels(_imports_with(hmem__kernels="from hmem.errors import E\nfrom hmem import config\n"))
     assert len(bad) == 1 and bad[0].startswith("hmem/kernels/__init__.py:2:") and "hmem.config" in bad[0]
@@ -741,86 +802,100 @@ def test_self_cycle_checker():
     assert len(bad) == 1
     assert "hmem/store/store.py:1" in bad[0] and "hmem/store/lock.py:1" in bad[0] and RULE_NO_CYCLES in bad[0]
     # three modules, and the same cycle through TYPE_CHECKING is no cycle
-    imports = _imports_with(hmem__store__lock="from hmem.formats.manifest import M\n",
-                            hmem__formats__manifest="from hmem.store.store import Store\n")
+    imports = _imports_with(
+        hmem__store__lock="from hmem.formats.manifest import M\n",
+        hmem__formats__manifest="from hmem.store.store import Store\n",
+    )
     assert len(check_no_cycles(imports)) == 1 and "3 modules" in check_no_cycles(imports)[0]
     tc = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hmem.store.store import Store\n"
-    assert check_no_cycles(_imports_with(hmem__store__lock="from hmem.formats.manifest import M\n",
-                                         hmem__formats__manifest=tc)) == []
+    assert (
+        check_no_cycles(
+            _imports_with(hmem__store__lock="from hmem.formats.manifest import M\n", hmem__formats__manifest=tc)
+        )
+        == []
+    )
 
 
-@pytest.mark.parametrize("line", [
-    "os.replace(a, b)",
-    "os.unlink(p)",
-    "os.fsync(fd)",
-    "os.makedirs(d, exist_ok=True)",
-    "_os.rename(a, b)",
-    "rm(p)",
-    "os.open(p, os.O_WRONLY | os.O_CREAT)",
-    "os.open(p, flags)",
-    "shutil.rmtree(d)",
-    "shutil.copy2(a, b)",
-    "shutil.move(a, b)",
-    "tempfile.mkstemp()",
-    "np.save(p, x)",
-    "np.savez(p, x=x)",
-    "np.memmap(p, dtype='u1')",
-    "x.tofile(p)",
-    "mmap.mmap(fd, 0)",
-    "save_file({'k': x}, p)",
-    "st.save_file({'k': x}, p)",
-    "open(p, 'w')",
-    "open(p, mode='ab')",
-    "open(p, 'r+b')",
-    "open(p, mode)",
-    "io.open(p, 'wb')",
-    "os.fdopen(fd, 'w')",
-    "zipfile.ZipFile(p, 'w')",
-    "path.open('w')",
-    "path.write_bytes(b'')",
-    "(root / 'x').write_text('')",
-    "self.path.unlink(missing_ok=True)",
-    "Path(p).mkdir(parents=True)",
-    "p.touch()",
-    "p.rmdir()",
-    "tmp.rename(final)",
-    "tmp.replace(final)",
-    "(d / 'a').replace(d / 'b')",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "os.replace(a, b)",
+        "os.unlink(p)",
+        "os.fsync(fd)",
+        "os.makedirs(d, exist_ok=True)",
+        "_os.rename(a, b)",
+        "rm(p)",
+        "os.open(p, os.O_WRONLY | os.O_CREAT)",
+        "os.open(p, flags)",
+        "shutil.rmtree(d)",
+        "shutil.copy2(a, b)",
+        "shutil.move(a, b)",
+        "tempfile.mkstemp()",
+        "np.save(p, x)",
+        "np.savez(p, x=x)",
+        "np.memmap(p, dtype='u1')",
+        "x.tofile(p)",
+        "mmap.mmap(fd, 0)",
+        "save_file({'k': x}, p)",
+        "st.save_file({'k': x}, p)",
+        "open(p, 'w')",
+        "open(p, mode='ab')",
+        "open(p, 'r+b')",
+        "open(p, mode)",
+        "io.open(p, 'wb')",
+        "os.fdopen(fd, 'w')",
+        "zipfile.ZipFile(p, 'w')",
+        "path.open('w')",
+        "path.write_bytes(b'')",
+        "(root / 'x').write_text('')",
+        "self.path.unlink(missing_ok=True)",
+        "Path(p).mkdir(parents=True)",
+        "p.touch()",
+        "p.rmdir()",
+        "tmp.rename(final)",
+        "tmp.replace(final)",
+        "(d / 'a').replace(d / 'b')",
+    ],
+)
 def test_self_write_checker_flags(line):
-    header = ("import os\nimport os as _os\nimport shutil, tempfile, io, mmap, zipfile\nimport numpy as np\n"
-              "from os import remove as rm\nfrom safetensors.numpy import save_file\nimport safetensors.numpy as st\n"
-              "from pathlib import Path\n")
+    header = (
+        "import os\nimport os as _os\nimport shutil, tempfile, io, mmap, zipfile\nimport numpy as np\n"
+        "from os import remove as rm\nfrom safetensors.numpy import save_file\nimport safetensors.numpy as st\n"
+        "from pathlib import Path\n"
+    )
     [file] = _synthetic({"hmem.store.thing": header + line + "\n"})
     bad = check_only_io_writes([file])
     assert len(bad) == 1, bad
     assert bad[0].startswith("hmem/store/thing.py:9:") and RULE_ONLY_IO_WRITES in bad[0]
 
 
-@pytest.mark.parametrize("line", [
-    "text.replace(' ', '')",
-    "name.replace('a', 'b', 1)",
-    "when.replace(tzinfo=None)",
-    "dataclasses.replace(info)",
-    "dataclasses.replace(mf, generation=2)",
-    "_io.unlink(p)",
-    "_io.rename(a, b)",
-    "_io.write_file(p, parts)",
-    "open(p)",
-    "open(p, 'rb')",
-    "open(p, mode='r')",
-    "Store.open(store, read_only=True)",
-    "path.open()",
-    "path.read_bytes()",
-    "os.open(p, os.O_RDONLY | os.O_CLOEXEC)",
-    "os.path.exists(p)",
-    "os.fspath(p)",
-    "mmap.mmap(fd, n, access=mmap.ACCESS_READ)",
-    "mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)",
-    "np.memmap(p, dtype='u1', mode='r')",
-    "np.frombuffer(b, np.uint8)",
-    "series.rename(columns={})",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "text.replace(' ', '')",
+        "name.replace('a', 'b', 1)",
+        "when.replace(tzinfo=None)",
+        "dataclasses.replace(info)",
+        "dataclasses.replace(mf, generation=2)",
+        "_io.unlink(p)",
+        "_io.rename(a, b)",
+        "_io.write_file(p, parts)",
+        "open(p)",
+        "open(p, 'rb')",
+        "open(p, mode='r')",
+        "Store.open(store, read_only=True)",
+        "path.open()",
+        "path.read_bytes()",
+        "os.open(p, os.O_RDONLY | os.O_CLOEXEC)",
+        "os.path.exists(p)",
+        "os.fspath(p)",
+        "mmap.mmap(fd, n, access=mmap.ACCESS_READ)",
+        "mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)",
+        "np.memmap(p, dtype='u1', mode='r')",
+        "np.frombuffer(b, np.uint8)",
+        "series.rename(columns={})",
+    ],
+)
 def test_self_write_checker_passes(line):
     header = "import os, mmap, dataclasses\nimport numpy as np\nfrom hmem import _io\nfrom hmem import Store\n"
     [file] = _synthetic({"hmem.store.thing": header + line + "\n"})

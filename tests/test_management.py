@@ -51,7 +51,6 @@ class FakeClock:
         return self.now
 
 
-
 @pytest.fixture
 def clock(monkeypatch):
     c = FakeClock()
@@ -71,16 +70,19 @@ class Model:
         self.entries: dict[int, dict] = {}
 
     def add(self, eid, keys, values, layer, importance, ts):
-        self.entries[eid] = dict(keys=keys, values=values, layer=layer, importance=float(np.float32(importance)),
-                                 ts=ts, access=0)
+        self.entries[eid] = dict(
+            keys=keys, values=values, layer=layer, importance=float(np.float32(importance)), ts=ts, access=0
+        )
 
     def order(self) -> list[int]:
         """Live ids, first to evict first: lowest score, then older timestamp, then lower id."""
-        return sorted(self.entries, key=lambda i: (score(self.entries[i]["importance"], self.entries[i]["access"]),
-                                                    self.entries[i]["ts"], i))
+        return sorted(
+            self.entries,
+            key=lambda i: (score(self.entries[i]["importance"], self.entries[i]["access"]), self.entries[i]["ts"], i),
+        )
 
     def evict(self, count: int) -> list[int]:
-        victims = self.order()[:max(0, count)]
+        victims = self.order()[: max(0, count)]
         for i in victims:
             del self.entries[i]
         return victims
@@ -89,7 +91,7 @@ class Model:
 def live_ids(store, layers=None) -> set[int]:
     """Every live entry id, through the public query API (no access counted)."""
     out = set()
-    for layer in (layers if layers is not None else store.stats().layers):
+    for layer in layers if layers is not None else store.stats().layers:
         q = np.ones((1, store.config.embed_dim), F)
         out.update(h.entry_id for h in store.query(q, layer, 1 << 20, rerank=False, count_access=False))
     return out
@@ -115,8 +117,19 @@ def store_state(store, path, snapshot_dir):
     for info in store.entries():
         got = store.get(info.entry_id)
         entries.append((info, own_hit(store, info.entry_id), got.keys.tobytes(), got.values.tobytes()))
-    return files, (st.entries, st.evicted, st.unflushed, st.layers, st.next_entry_id, st.total_accesses,
-                   [(s.file, s.bytes, s.entries, s.dead_entries, s.dead_bytes) for s in st.shards]), entries
+    return (
+        files,
+        (
+            st.entries,
+            st.evicted,
+            st.unflushed,
+            st.layers,
+            st.next_entry_id,
+            st.total_accesses,
+            [(s.file, s.bytes, s.entries, s.dead_entries, s.dead_bytes) for s in st.shards],
+        ),
+        entries,
+    )
 
 
 def answers(store, queries, top_k=6):
@@ -125,8 +138,21 @@ def answers(store, queries, top_k=6):
     for q, layer in queries:
         for rerank in (False, True):
             for h in store.query(q, layer, top_k, rerank=rerank, count_access=False):
-                out.append((h.entry_id, h.layer_idx, h.score, h.similarity, h.cosine, h.n_tokens, h.importance,
-                            h.timestamp, h.access_count, h.keys.tobytes(), h.values.tobytes()))
+                out.append(
+                    (
+                        h.entry_id,
+                        h.layer_idx,
+                        h.score,
+                        h.similarity,
+                        h.cosine,
+                        h.n_tokens,
+                        h.importance,
+                        h.timestamp,
+                        h.access_count,
+                        h.keys.tobytes(),
+                        h.values.tobytes(),
+                    )
+                )
     return out
 
 
@@ -136,8 +162,16 @@ def live_records(store) -> dict[int, tuple]:
     out = {}
     for e in store.entries():
         got = store.get(e.entry_id)
-        out[e.entry_id] = (e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count,
-                           own_hit(store, e.entry_id), got.keys.tobytes(), got.values.tobytes())
+        out[e.entry_id] = (
+            e.layer_idx,
+            e.n_tokens,
+            e.importance,
+            e.created,
+            e.access_count,
+            own_hit(store, e.entry_id),
+            got.keys.tobytes(),
+            got.values.tobytes(),
+        )
     return out
 
 
@@ -205,7 +239,7 @@ def test_evict_follows_score_then_older_timestamp_then_lower_id(store_factory, c
         assert plan.entry_ids == (expected[len(expected) - 1 - target],)
         assert plan.count == 1 and plan.entries_before == target + 1 and plan.target_entries == target
         assert store.evict(target) == 1
-        assert live_ids(store, [0, 1]) == set(expected[len(expected) - target:])
+        assert live_ids(store, [0, 1]) == set(expected[len(expected) - target :])
     assert store.stats().entries == 0 and store.stats().evicted == len(expected)
 
 
@@ -235,8 +269,15 @@ def test_evict_matches_the_model_on_random_stores(tmp_path, clock):
         for _ in range(int(rng.integers(10, 30))):
             clock.now = int(rng.integers(0, 4))  # many equal timestamps
             n = int(rng.integers(1, 4))
-            batch = [(gauss(rng, int(rng.integers(1, 4))), None, int(rng.integers(0, 2)),
-                      float(rng.choice([0.25, 0.5, 1.0, 2.0]))) for _ in range(n)]
+            batch = [
+                (
+                    gauss(rng, int(rng.integers(1, 4))),
+                    None,
+                    int(rng.integers(0, 2)),
+                    float(rng.choice([0.25, 0.5, 1.0, 2.0])),
+                )
+                for _ in range(n)
+            ]
             batch = [(k, k * 3, layer, imp) for k, _, layer, imp in batch]
             ids = store.put_many(batch) if n > 1 else [store.put(*batch[0])]
             for eid, (k, v, layer, imp) in zip(ids, batch):
@@ -340,7 +381,7 @@ def test_evicted_entries_never_come_back(tmp_path):
     gone = set(plan.entry_ids)
 
     def check(s):
-        for eid, (k, layer) in data.items():
+        for _eid, (k, layer) in data.items():
             for rerank in (True, False):
                 got = {h.entry_id for h in s.query(k, layer, 100, rerank=rerank, count_access=False)}
                 assert got == {i for i, (_, lay) in data.items() if lay == layer} - gone
@@ -405,11 +446,12 @@ def test_max_entries_evicts_the_lowest_scored_first(tmp_path, clock):
         for step in range(60):
             clock.now = int(rng.integers(0, 5))
             n = int(rng.choice([1, 1, 2, 3, limit]))
-            batch = [(gauss(rng, int(rng.integers(1, 3))), None, 0, float(rng.choice([0.5, 1.0, 2.0])))
-                     for _ in range(n)]
+            batch = [
+                (gauss(rng, int(rng.integers(1, 3))), None, 0, float(rng.choice([0.5, 1.0, 2.0]))) for _ in range(n)
+            ]
             batch = [(k, -k, layer, imp) for k, _, layer, imp in batch]
             over = len(model.entries) + n - limit
-            expected_victims = model.order()[:max(0, over)]
+            expected_victims = model.order()[: max(0, over)]
             ids = store.put_many(batch) if n > 1 or step % 2 else [store.put(*batch[0])]
             model.evict(len(expected_victims))
             for eid, (k, v, layer, imp) in zip(ids, batch):
@@ -426,8 +468,9 @@ def test_max_entries_evicts_the_lowest_scored_first(tmp_path, clock):
         with Store.open(tmp_path / "s") as again:
             assert live_ids(again, [0]) == set(model.entries)
             for eid, e in model.entries.items():
-                (h,) = [h for h in again.query(e["keys"], 0, limit, rerank=False, count_access=False)
-                        if h.entry_id == eid]
+                (h,) = [
+                    h for h in again.query(e["keys"], 0, limit, rerank=False, count_access=False) if h.entry_id == eid
+                ]
                 assert h.keys.tobytes() == e["keys"].tobytes() and h.values.tobytes() == e["values"].tobytes()
     finally:
         store.close()
@@ -486,7 +529,7 @@ def _disk_run(tmp_path, clock, *, limit, flush_every, queries, seed, steps, prec
             gone = set(model.entries) - live
             assert eid in live
             # whatever went, went in eviction order
-            assert gone == set(order[: len(gone)]), (gone, order[:len(gone)])
+            assert gone == set(order[: len(gone)]), (gone, order[: len(gone)])
             model.evict(len(gone))
             model.add(eid, k, k, 0, imp, clock.now)
             if gone:
@@ -507,8 +550,9 @@ def _disk_run(tmp_path, clock, *, limit, flush_every, queries, seed, steps, prec
 def test_disk_limit_evicts_the_lowest_scored_and_compacts(tmp_path, clock):
     limit = 60_000
     checked = 0
-    for store, model, i in _disk_run(tmp_path, clock, limit=limit, flush_every=4, queries=False, seed=13,
-                                     steps=160, precious_every=8):
+    for store, model, i in _disk_run(
+        tmp_path, clock, limit=limit, flush_every=4, queries=False, seed=13, steps=160, precious_every=8
+    ):
         if i < 150:
             continue
         checked += 1
@@ -701,8 +745,13 @@ def test_compaction_of_a_store_with_nothing_live(tmp_path):
     try:
         report = store.compact()
         assert report.performed and report.entries == 0 and report.shards_after == 0
-        assert sorted(p.name for p in path.iterdir()) == ["commit.stamp", "entries.bin", "index.json", "lock",
-                                                          "pooled.bin"]
+        assert sorted(p.name for p in path.iterdir()) == [
+            "commit.stamp",
+            "entries.bin",
+            "index.json",
+            "lock",
+            "pooled.bin",
+        ]
         assert (path / "entries.bin").stat().st_size == 0 and (path / "pooled.bin").stat().st_size == 0
         k = gauss(rng, 2)
         eid = store.put(k, k, layer_idx=0)
@@ -719,7 +768,7 @@ def test_compaction_merges_small_shards_of_frequent_flushes(store_factory):
     rng = np.random.default_rng(20)
     store = store_factory(shard_max_bytes=6000)
     data = {}
-    for i in range(12):
+    for _i in range(12):
         k = gauss(rng, 2)
         data[store.put(k, k, layer_idx=0)] = k
         store.flush()  # one shard per flush
@@ -736,16 +785,20 @@ def test_compaction_merges_small_shards_of_frequent_flushes(store_factory):
 # Many random stores: compaction keeps every answer, and neither the data
 # files (shards, entries.bin, leftovers) nor the whole store grow.
 @settings(max_examples=25)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 30), shard_max=st.sampled_from([900, 1500, 4000, 1 << 20]),
-       flush_p=st.sampled_from([0.0, 0.3, 1.0]), keep=st.floats(0, 1.2), orphan=st.booleans(),
-       quantized=st.booleans())
-def test_compaction_keeps_every_answer_and_never_grows_the_data(seed, n, shard_max, flush_p, keep, orphan,
-                                                                quantized):
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 30),
+    shard_max=st.sampled_from([900, 1500, 4000, 1 << 20]),
+    flush_p=st.sampled_from([0.0, 0.3, 1.0]),
+    keep=st.floats(0, 1.2),
+    orphan=st.booleans(),
+    quantized=st.booleans(),
+)
+def test_compaction_keeps_every_answer_and_never_grows_the_data(seed, n, shard_max, flush_p, keep, orphan, quantized):
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "s"
-        store = Store.create(path, embed_dim=EMBED, hdc_dim=HDC, shard_max_bytes=shard_max,
-                             quantize_stored=quantized)
+        store = Store.create(path, embed_dim=EMBED, hdc_dim=HDC, shard_max_bytes=shard_max, quantize_stored=quantized)
         try:
             data = {}
             for i in range(n):
@@ -823,7 +876,7 @@ def test_a_reader_opened_before_compaction_never_returns_wrong_data(tmp_path):
             k = data[h.entry_id][0]
             assert h.keys.tobytes() == k.tobytes() and h.values.tobytes() == (k * 2).tobytes()
         outcomes = {"ok": 0, "refused": 0}
-        for eid, (k, layer) in data.items():
+        for k, layer in data.values():
             for rerank in (False, True):
                 try:
                     hits = reader.query(k, layer, 4, rerank=rerank)
@@ -838,7 +891,7 @@ def test_a_reader_opened_before_compaction_never_returns_wrong_data(tmp_path):
         assert sum(outcomes.values()) == 2 * len(data)
         with Store.open(path, read_only=True) as fresh:
             assert fresh.stats().entries == 8 and fresh.stats().evicted == 0
-            for eid, (k, layer) in data.items():
+            for k, layer in data.values():
                 hits = fresh.query(k, layer, 20, rerank=False)
                 assert {h.entry_id for h in hits} == {i for i, (_, lay) in data.items() if lay == layer} - gone
                 for h in hits:
@@ -858,12 +911,19 @@ def describe(store) -> dict:
     st_ = store.stats()
     rows, kv = [], {}
     for e in store.entries():
-        rows.append((e.entry_id, e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count,
-                     own_hit(store, e.entry_id)))
+        rows.append(
+            (e.entry_id, e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count, own_hit(store, e.entry_id))
+        )
         got = store.get(e.entry_id)
         kv[e.entry_id] = (got.keys.tobytes(), got.values.tobytes())
-    return {"entries": st_.entries, "evicted": st_.evicted, "layers": st_.layers,
-            "shards": [(s.file, s.entries, s.dead_entries) for s in st_.shards], "records": rows, "kv": kv}
+    return {
+        "entries": st_.entries,
+        "evicted": st_.evicted,
+        "layers": st_.layers,
+        "shards": [(s.file, s.entries, s.dead_entries) for s in st_.shards],
+        "records": rows,
+        "kv": kv,
+    }
 
 
 def state_of(path) -> dict:
@@ -885,10 +945,21 @@ def assert_clean(path: Path):
     # still lists) sees exactly the records entries.bin holds
     live = recs[recs["shard_idx"] != EVICTED]
     with Store.open(path, read_only=True) as reader:
-        assert [(e.entry_id, e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count, e.shard_idx)
-                for e in reader.entries()] == [
-            (int(r["entry_id"]), int(r["layer_idx"]), int(r["n_tokens"]), float(r["importance"]),
-             int(r["timestamp"]), int(r["access_count"]), int(r["shard_idx"])) for r in live]
+        assert [
+            (e.entry_id, e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count, e.shard_idx)
+            for e in reader.entries()
+        ] == [
+            (
+                int(r["entry_id"]),
+                int(r["layer_idx"]),
+                int(r["n_tokens"]),
+                float(r["importance"]),
+                int(r["timestamp"]),
+                int(r["access_count"]),
+                int(r["shard_idx"]),
+            )
+            for r in live
+        ]
         assert reader.stats().evicted == len(recs) - len(live)
 
 
@@ -961,8 +1032,7 @@ def test_a_crash_during_evict_or_compact_leaves_the_old_or_the_new_state(tmp_pat
         assert old["evicted"] == 5 and new["evicted"] == 0 and new["entries"] == old["entries"] == 7
         assert len(new["shards"]) < len(old["shards"])
 
-    crashed = run_python(template.format(path=str(path), data=str(tmp_path / "data.npy")),
-                         env={"HMEM_CRASH_AT": point})
+    crashed = run_python(template.format(path=str(path), data=str(tmp_path / "data.npy")), env={"HMEM_CRASH_AT": point})
     assert crashed.returncode == _io.CRASH_EXIT_CODE, crashed.stderr
     assert "done" not in crashed.stdout
     expected = new if expect == "new" else old

@@ -37,8 +37,10 @@ FAST = {"timeout": 5, "max_retries": 1}
 
 def _kv(seed: int, tokens: int = 6) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((tokens, DIM)).astype(np.float32),
-            rng.standard_normal((tokens, DIM)).astype(np.float32))
+    return (
+        rng.standard_normal((tokens, DIM)).astype(np.float32),
+        rng.standard_normal((tokens, DIM)).astype(np.float32),
+    )
 
 
 def _fill(store: Store, seeds, layer: int = 0) -> dict[int, int]:
@@ -56,12 +58,12 @@ def _check_kv(store: Store, id_to_seed: dict[int, int]) -> None:
 
 
 def _manifest(s3_server, url: str) -> dict:
-    prefix = url[len("s3://hmem-tests/"):]
+    prefix = url[len("s3://hmem-tests/") :]
     return json.loads(s3_server.objects(prefix)["manifest.json"])
 
 
 def _prefix(url: str) -> str:
-    return url[len("s3://hmem-tests/"):]
+    return url[len("s3://hmem-tests/") :]
 
 
 # ---- the basics ------------------------------------------------------------------------
@@ -69,8 +71,10 @@ def _prefix(url: str) -> str:
 
 def test_round_trip_matches_a_local_store(s3_url, tmp_path):
     seeds = range(40)
-    with Store.create(s3_url, embed_dim=DIM, hdc_dim=512) as remote, \
-            Store.create(tmp_path / "local", embed_dim=DIM, hdc_dim=512) as local:
+    with (
+        Store.create(s3_url, embed_dim=DIM, hdc_dim=512) as remote,
+        Store.create(tmp_path / "local", embed_dim=DIM, hdc_dim=512) as local,
+    ):
         assert _fill(remote, seeds) == _fill(local, seeds)
         remote.flush()
     with Store.open(s3_url, read_only=True) as reader, Store.open(tmp_path / "local", read_only=True) as local:
@@ -460,8 +464,9 @@ def test_a_writer_whose_lease_was_taken_cannot_commit(s3_server, s3_url):
     # state: its expiry is moved back; the new writer sees an expired lease).
     lease = old._remote.lease
     lease._stop.set()
-    s3_server.put_object(_prefix(s3_url), "lease.json",
-                         json.dumps({"token": lease.token, "owner": lease.owner, "expires": 0}).encode())
+    s3_server.put_object(
+        _prefix(s3_url), "lease.json", json.dumps({"token": lease.token, "owner": lease.owner, "expires": 0}).encode()
+    )
     with Store.open(s3_url) as new:
         added = _fill(new, [50, 51])
         new.flush()
@@ -514,8 +519,11 @@ def test_an_unanswering_server_times_out_cleanly(s3_env, tmp_path):
     try:
         started = time.monotonic()
         with pytest.raises(StorageError, match="cannot"):
-            Store.open("s3://hmem-tests/silent", read_only=True,
-                       storage_options={"endpoint": endpoint, "timeout": 1, "max_retries": 0})
+            Store.open(
+                "s3://hmem-tests/silent",
+                read_only=True,
+                storage_options={"endpoint": endpoint, "timeout": 1, "max_retries": 0},
+            )
         assert time.monotonic() - started < 15
         assert not list((tmp_path / "hmem-cache").glob("remote-*"))  # the working copy is removed
     finally:
@@ -647,14 +655,22 @@ def test_retired_objects_are_removed_after_their_grace_time(s3_server, s3_url):
     try:
         named = _manifest(s3_server, s3_url)
         keys = set(s3_server.objects(_prefix(s3_url)))
-        wanted = {"manifest.json", "lease.json", *(s["key"] for s in named["state"]), *(s["key"] for s in named["shards"].values()),
-                  *(r["key"] for r in named["retired"])}
+        wanted = {
+            "manifest.json",
+            "lease.json",
+            *(s["key"] for s in named["state"]),
+            *(s["key"] for s in named["shards"].values()),
+            *(r["key"] for r in named["retired"]),
+        }
         assert keys == wanted
         with pytest.raises(StoreChangedError):
             reader.get(sorted(ids)[7])  # its shard object is gone
         assert reader.refresh() is True
-        _check_kv(reader, {i: s for i, s in ids.items() if i not in sorted(ids)[:5]} | {
-            i: 42 for i in reader.entry_ids() if i not in ids})
+        _check_kv(
+            reader,
+            {i: s for i, s in ids.items() if i not in sorted(ids)[:5]}
+            | {i: 42 for i in reader.entry_ids() if i not in ids},
+        )
     finally:
         reader.close()
 
@@ -698,7 +714,9 @@ def test_readers_see_exactly_the_writers_commits_through_any_mix_of_changes(s3_u
     with Store.create(s3_url, embed_dim=DIM, hdc_dim=512, shard_max_bytes=32 << 10) as writer:
         live: dict[int, int] = {}
         for step in range(30):
-            action = rng.choice(["put", "put", "query", "delete", "evict", "compact"], p=[.3, .2, .25, .1, .1, .05])
+            action = rng.choice(
+                ["put", "put", "query", "delete", "evict", "compact"], p=[0.3, 0.2, 0.25, 0.1, 0.1, 0.05]
+            )
             if action == "put" or not live:
                 count = int(rng.integers(1, 8))
                 live.update(_fill(writer, range(next_seed, next_seed + count), layer=int(rng.integers(0, 2))))
@@ -737,8 +755,9 @@ def test_the_disk_limit_counts_the_objects_not_the_working_copy(s3_url):
     with Store.open(s3_url, read_only=True) as reader:
         assert reader.stats().bytes_on_disk == size
     # a store created with the same data under a limit keeps under it
-    with Store.create(s3_url + "-limited", embed_dim=DIM, hdc_dim=512, shard_max_bytes=64 << 10,
-                      max_disk_bytes=limit) as writer:
+    with Store.create(
+        s3_url + "-limited", embed_dim=DIM, hdc_dim=512, shard_max_bytes=64 << 10, max_disk_bytes=limit
+    ) as writer:
         for part in range(4):
             _fill(writer, range(part * 50, part * 50 + 50))
             writer.flush()
@@ -761,7 +780,7 @@ def test_the_server_stopping_during_a_large_upload_leaves_old_or_new(s3_url, own
     writer.flush()
     rng = np.random.default_rng(5)
     big = {}
-    for n in range(8):  # about 8 MiB of new shard bytes
+    for _n in range(8):  # about 8 MiB of new shard bytes
         keys = rng.standard_normal((4096, DIM)).astype(np.float32)
         big[writer.put(keys, keys, 0)] = keys
     stopper = threading.Timer(0.05, server.stop)
@@ -839,7 +858,7 @@ def test_reader_threads_share_one_store_while_a_writer_commits(s3_url):
                     reader.refresh()
         except StoreChangedError:
             pass  # documented: a shard retired and removed under an old commit; refresh and go on
-        except BaseException as exc:  # noqa: BLE001 (reported below)
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
@@ -883,7 +902,7 @@ def test_state_objects_apply_as_their_pieces_in_order(pieces):
             length = int(rng.integers(1, 9))
             data = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
             chosen.append((number, start, data))
-            expected[number][start:start + length] = data
+            expected[number][start : start + length] = data
     body = fmt.encode_state(chosen)
     fmt.apply_state(body, files, "state/x")
     assert files == expected

@@ -31,8 +31,8 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -125,18 +125,40 @@ def world(tmp_path_factory) -> dict:
         hmem.write_kv_file(p, dict(zip(("keys", "values"), kv(seed))), {"layer": str(seed % 2)})
         inputs.append(p)
     np.save(root / "q.npy", kv(3)[0])
-    return {"root": root, "inputs": inputs, "query": root / "q.npy",
-            "new": {content(*kv(seed)) for seed in range(100, 106)}, "before": snapshot(root / "template")}
+    return {
+        "root": root,
+        "inputs": inputs,
+        "query": root / "q.npy",
+        "new": {content(*kv(seed)) for seed in range(100, 106)},
+        "before": snapshot(root / "template"),
+    }
 
 
 COMMANDS: dict[str, Callable[[dict, Path, Path], list]] = {
     "put": lambda w, store, work: ["put", store, *w["inputs"], "--json"],
     "evict": lambda w, store, work: ["evict", store, "--target", TARGET, "--yes", "--json"],
     "compact": lambda w, store, work: ["compact", store, "--json"],
-    "query --count-access": lambda w, store, work: ["query", store, "--query", w["query"], "--layer", 1,
-                                                    "--count-access", "--json"],
-    "query --export": lambda w, store, work: ["query", store, "--query", w["query"], "--layer", 1,
-                                              "--export", work / "out.safetensors", "--json"],
+    "query --count-access": lambda w, store, work: [
+        "query",
+        store,
+        "--query",
+        w["query"],
+        "--layer",
+        1,
+        "--count-access",
+        "--json",
+    ],
+    "query --export": lambda w, store, work: [
+        "query",
+        store,
+        "--query",
+        w["query"],
+        "--layer",
+        1,
+        "--export",
+        work / "out.safetensors",
+        "--json",
+    ],
     "demo": lambda w, store, work: ["demo", work / "demo", "--json"],
 }
 
@@ -218,8 +240,7 @@ CONDITIONS = {
 
 @pytest.mark.parametrize("condition", list(CONDITIONS))
 @pytest.mark.parametrize("command", list(COMMANDS))
-def test_an_os_error_is_one_line_with_its_exit_code_and_the_store_stays_consistent(world, command, condition,
-                                                                                   tmp_path):
+def test_an_os_error_is_one_line_with_its_exit_code_and_the_store_stays_consistent(world, command, condition, tmp_path):
     err, code, ops = CONDITIONS[condition]
     calls = calls_of(world, command, tmp_path)
     outcomes = {"failed": 0, "absorbed": 0}
@@ -272,19 +293,22 @@ def test_storage_errors_are_os_errors_with_errno_filename_and_strerror(tmp_path)
     assert hmem.verify(store, full=True).ok
 
 
-@pytest.mark.parametrize("err, cls, words", [
-    (errno.EACCES, hmem.PermissionDeniedError, "Permission denied"),
-    (errno.EPERM, hmem.PermissionDeniedError, "Operation not permitted"),
-    (errno.EROFS, hmem.PermissionDeniedError, "Read-only file system"),
-    (errno.ENOSPC, hmem.NoSpaceError, "No space left on device"),
-    (errno.EDQUOT, hmem.NoSpaceError, "quota"),
-    (errno.ENOENT, hmem.PathError, "No such file or directory"),
-    (errno.ENOTDIR, hmem.PathError, "Not a directory"),
-    (errno.EISDIR, hmem.PathError, "Is a directory"),
-    (errno.ENAMETOOLONG, hmem.PathError, "File name too long"),
-    (errno.ELOOP, hmem.PathError, "symbolic links"),
-    (errno.EIO, hmem.StorageError, "Input/output error"),
-])
+@pytest.mark.parametrize(
+    "err, cls, words",
+    [
+        (errno.EACCES, hmem.PermissionDeniedError, "Permission denied"),
+        (errno.EPERM, hmem.PermissionDeniedError, "Operation not permitted"),
+        (errno.EROFS, hmem.PermissionDeniedError, "Read-only file system"),
+        (errno.ENOSPC, hmem.NoSpaceError, "No space left on device"),
+        (errno.EDQUOT, hmem.NoSpaceError, "quota"),
+        (errno.ENOENT, hmem.PathError, "No such file or directory"),
+        (errno.ENOTDIR, hmem.PathError, "Not a directory"),
+        (errno.EISDIR, hmem.PathError, "Is a directory"),
+        (errno.ENAMETOOLONG, hmem.PathError, "File name too long"),
+        (errno.ELOOP, hmem.PathError, "symbolic links"),
+        (errno.EIO, hmem.StorageError, "Input/output error"),
+    ],
+)
 def test_each_errno_has_its_class(tmp_path, err, cls, words):
     path = tmp_path / "out.safetensors"
     _io.set_fault_hook(Inject("open", 1, err))
@@ -311,9 +335,11 @@ def test_export_into_a_missing_directory_onto_a_directory_or_under_a_file(world,
     (tmp_path / "a-file").write_bytes(b"x")
     (tmp_path / "a-dir").mkdir()
     files_before = {p.name: p.read_bytes() for p in store.iterdir()}
-    for target, words in [(tmp_path / "missing" / "out.safetensors", "No such file or directory"),
-                          (tmp_path / "a-dir", "Is a directory"),
-                          (tmp_path / "a-file" / "out.safetensors", "Not a directory")]:
+    for target, words in [
+        (tmp_path / "missing" / "out.safetensors", "No such file or directory"),
+        (tmp_path / "a-dir", "Is a directory"),
+        (tmp_path / "a-file" / "out.safetensors", "Not a directory"),
+    ]:
         for extra in ([], ["--count-access"]):
             result = run("query", store, "--query", world["query"], "--layer", 1, "--export", target, *extra)
             assert_one_error_line(result, ExitCode.BAD_PATH, str(target), words)
@@ -367,9 +393,10 @@ def test_a_read_only_bind_mount(world, tmp_path):
         remounted = _sh("mount", "-o", "remount,ro,bind", str(store))
         if remounted.returncode:
             pytest.skip(f"cannot remount read-only here: {remounted.stderr.strip()}")
-        for name, args in WRITING.items():
-            line = assert_one_error_line(run(*args(world, store)), ExitCode.NO_PERMISSION, str(store),
-                                         "Read-only file system")
+        for _name, args in WRITING.items():
+            line = assert_one_error_line(
+                run(*args(world, store)), ExitCode.NO_PERMISSION, str(store), "Read-only file system"
+            )
             assert "remount" in line, line
         assert run("stats", store).exit_code == 0  # reading still works
         assert run("query", store, "--query", world["query"], "--layer", 1).exit_code == 0
@@ -391,8 +418,9 @@ def test_an_immutable_store_directory(world, tmp_path):
         for name, args in WRITING.items():
             before = snapshot(store)
             result = run(*args(world, store))
-            assert_one_error_line(result, ExitCode.NO_PERMISSION, str(store), "Operation not permitted",
-                                  "check the permissions")
+            assert_one_error_line(
+                result, ExitCode.NO_PERMISSION, str(store), "Operation not permitted", "check the permissions"
+            )
             now = snapshot(store)
             assert now == before or name == "evict" and set(now) <= set(before)
     finally:
@@ -421,9 +449,22 @@ def test_a_store_another_user_may_not_write(world, tmp_path):
         w = {**world, "query": qfile, "inputs": [kvfile]}
         env = {**os.environ, "NO_COLOR": "1", "HOME": str(shared)}
         for name, args in WRITING.items():
-            proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-                                   "-m", "hmem", *map(str, args(w, store))], capture_output=True, text=True, env=env,
-                                  cwd=OUTSIDE_CHECKOUT)
+            proc = subprocess.run(
+                [
+                    "setpriv",
+                    "--reuid=65534",
+                    "--regid=65534",
+                    "--clear-groups",
+                    sys.executable,
+                    "-m",
+                    "hmem",
+                    *map(str, args(w, store)),
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=OUTSIDE_CHECKOUT,
+            )
             assert proc.returncode == ExitCode.NO_PERMISSION, (name, proc.returncode, proc.stderr)
             lines = proc.stderr.strip().splitlines()
             assert len(lines) == 1 and "Permission denied" in lines[0] and str(store) in lines[0], proc.stderr
@@ -490,8 +531,18 @@ def test_a_full_file_system_during_put_and_compact(tmp_path):
         problems = {f.code for f in hmem.verify(store, full=True).problems}
         assert problems <= LEFTOVERS, problems
         assert run("verify", store, "--full", "--json").exit_code in (0, ExitCode.PROBLEMS_FOUND)
-        print("FIGURES", json.dumps({"full_disk": {"entries": len(acknowledged), "puts_before_full": i - 12,
-                                                   "df": shutil.disk_usage(mnt).free}}))
+        print(
+            "FIGURES",
+            json.dumps(
+                {
+                    "full_disk": {
+                        "entries": len(acknowledged),
+                        "puts_before_full": i - 12,
+                        "df": shutil.disk_usage(mnt).free,
+                    }
+                }
+            ),
+        )
     finally:
         assert _sh("umount", str(mnt)).returncode == 0
 
@@ -513,8 +564,13 @@ def _hmem(args: list, stdout: int, unbuffered: bool | None = None) -> subprocess
     if unbuffered is not None:
         env.pop("PYTHONUNBUFFERED", None)
         env.update({"PYTHONUNBUFFERED": "1"} if unbuffered else {})
-    return subprocess.Popen([sys.executable, "-m", "hmem", *map(str, args)], stdout=stdout,
-                            stderr=subprocess.PIPE, env=env, cwd=OUTSIDE_CHECKOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "hmem", *map(str, args)],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=OUTSIDE_CHECKOUT,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -549,8 +605,11 @@ def test_a_reader_that_stops_after_one_line(shards_store, json_flag, unbuffered)
     assert first.strip() == b"{" if json_flag else first.strip()
 
 
-@pytest.mark.parametrize("args", [["stats", "{store}"], ["stats", "{store}", "--json"], ["--version"]],
-                         ids=["stats", "stats-json", "version"])
+@pytest.mark.parametrize(
+    "args",
+    [["stats", "{store}"], ["stats", "{store}", "--json"], ["--version"]],
+    ids=["stats", "stats-json", "version"],
+)
 def test_a_reader_gone_before_hmem_writes(shards_store, args):
     r, w = os.pipe()
     os.close(r)
@@ -583,8 +642,9 @@ def test_output_that_reaches_the_pipe_only_at_the_final_flush():
     120; hmem flushes first, then points stdout at os.devnull."""
     r, w = os.pipe()
     os.close(r)
-    proc = subprocess.run([sys.executable, "-c", PROBE], stdout=w, stderr=subprocess.PIPE, timeout=60,
-                          cwd=OUTSIDE_CHECKOUT)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], stdout=w, stderr=subprocess.PIPE, timeout=60, cwd=OUTSIDE_CHECKOUT
+    )
     os.close(w)
     assert (proc.returncode, proc.stderr) == (ExitCode.BROKEN_PIPE, b"")
 

@@ -39,8 +39,10 @@ def fill(path, rng, n=60, flushes=3, **config):
 
 def answers(path, queries, **options):
     with hmem.Store.open(path, read_only=True) as store:
-        return [[(r.entry_id, r.cosine, r.similarity) for r in store.query(q, 0, top_k=4, count_access=False, **options)]
-                for q in queries]
+        return [
+            [(r.entry_id, r.cosine, r.similarity) for r in store.query(q, 0, top_k=4, count_access=False, **options)]
+            for q in queries
+        ]
 
 
 def rows_of(path):
@@ -51,7 +53,7 @@ def flip(shard, tensor: str) -> None:
     """Flip a bit of one tensor's bytes in a shard file."""
     raw = bytearray(shard.read_bytes())
     n = int.from_bytes(raw[:8], "little")
-    start = 8 + n + json.loads(raw[8:8 + n])[tensor]["data_offsets"][0]
+    start = 8 + n + json.loads(raw[8 : 8 + n])[tensor]["data_offsets"][0]
     raw[start] ^= 0x08
     shard.write_bytes(bytes(raw))
 

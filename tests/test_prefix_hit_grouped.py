@@ -56,9 +56,7 @@ class RowModel:
         assert all(len(r) == C for r in rows)
         self.C = C
         # serves[i][L], L = 0..C
-        self.serves = [
-            [L == 0 or all(row[lo_of(w, L) : L]) for L in range(C + 1)] for row, w in zip(rows, windows)
-        ]
+        self.serves = [[L == 0 or all(row[lo_of(w, L) : L]) for L in range(C + 1)] for row, w in zip(rows, windows)]
         self.servable = [all(s[L] for s in self.serves) for L in range(1, C + 1)]
         self.hit = max((L for L in range(1, C + 1) if self.servable[L - 1]), default=0)
         self.retain = [[lo_of(w, self.hit) <= j < self.hit for j in range(C)] for w in windows]
@@ -301,8 +299,12 @@ def test_unfold_grouped_clamps_the_hit_to_c():
     for hit in (6, 99, 10**12, 2**64):
         assert unfold_grouped(hit, C, windows) == top
     assert unfold_grouped(0, C, windows) == [Bitmap(C)] * 4
-    assert unfold_grouped(2, C, windows) == [Bitmap.prefix(C, 2), Bitmap.prefix(C, 2), Bitmap.from_indices([1], C),
-                                             Bitmap.prefix(C, 2)]
+    assert unfold_grouped(2, C, windows) == [
+        Bitmap.prefix(C, 2),
+        Bitmap.prefix(C, 2),
+        Bitmap.from_indices([1], C),
+        Bitmap.prefix(C, 2),
+    ]
 
 
 def test_accepted_forms_of_rows_and_windows():
@@ -542,7 +544,10 @@ def test_explain_prefix_hit_on_rows_matches_the_model(case, layout, shape_given)
     flat = explain_prefix_hit(presence_map([[r] for r in rows], C, layout), C, 1, windows, layout)
     assert not flat.from_rows and flat.retain_rows == ()
     assert (flat.hit, flat.servable, flat.retain, flat.groups) == (
-        report.hit, report.servable, report.retain, report.groups,
+        report.hit,
+        report.servable,
+        report.retain,
+        report.groups,
     )
 
 
@@ -619,8 +624,15 @@ def test_inputs_are_not_modified_and_results_are_fresh(case):
     assert windows == windows_before
 
     # every result is its own Bitmap: no two share bytes, none is an input row
-    results = [servable, *retain, *unfolded, report.servable, report.retain, *report.retain_rows,
-               *(g.present for g in report.groups)]
+    results = [
+        servable,
+        *retain,
+        *unfolded,
+        report.servable,
+        report.retain,
+        *report.retain_rows,
+        *(g.present for g in report.groups),
+    ]
     ids = {id(r.buffer) for r in results} | {id(b) for b in buffers}
     assert len(ids) == len(results) + len(rows)
 
@@ -690,8 +702,12 @@ def check_kernels(rows_bits, windows, hit, extra: bytes = b"", pad_garbage: int 
         assert got_row[:nb] == want_row and got_row[nb:] == b"\x00\x00"
 
 
-@given(case=grouped_cases(max_chunks=300, max_rows=6, windows=KERNEL_WINDOWS), data=st.data(),
-       extra=st.binary(max_size=9), pad_garbage=st.integers(0, 255))
+@given(
+    case=grouped_cases(max_chunks=300, max_rows=6, windows=KERNEL_WINDOWS),
+    data=st.data(),
+    extra=st.binary(max_size=9),
+    pad_garbage=st.integers(0, 255),
+)
 @example(case=([[True, True, False, True, True]], [2]), data=None, extra=b"", pad_garbage=0)
 @example(case=([[True] * 513, [False] * 512 + [True]], [-1, 1]), data=None, extra=b"\xff", pad_garbage=0xFF)
 def test_row_kernels_match_the_reference(case, data, extra, pad_garbage):

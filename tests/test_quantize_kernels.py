@@ -18,11 +18,10 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from hmem import Store, kernels
-
 from hmem.formats import records
-from hmem.store import quantize
 from hmem.kernels._native import _quantize as native
 from hmem.kernels.reference import quantize as ref
+from hmem.store import quantize
 
 F = np.float32
 F32_MAX = float(np.finfo(F).max)
@@ -158,18 +157,31 @@ def test_exact_half_ties_round_to_even(e):
         assert np.array_equal(out[0], (want_q.astype(np.float64) * 2.0**e).astype(F))
 
 
-@pytest.mark.parametrize("rows", [
-    np.zeros((3, 8), F),
-    np.full((2, 5), -0.0, F),
-    np.array([[F32_MAX, -F32_MAX, 1.0, 0.0]], F),
-    np.array([[1e-45, -1e-45, 0.0]], F),  # the smallest subnormals: scale rounds to 0
-    np.array([[3.0e-39, 1e-40, -2e-39]], F),  # a subnormal peak
-    np.array([[5.0], [-7.5], [0.0], [1e-30]], F),  # one column
-    np.linspace(-3, 3, 129, dtype=F)[None, :],  # one row
-    np.zeros((0, 4), F),
-    np.zeros((3, 0), F),
-], ids=["zeros", "negative-zeros", "f32-max", "min-subnormal", "subnormal-peak", "one-column", "one-row",
-        "no-rows", "no-columns"])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        np.zeros((3, 8), F),
+        np.full((2, 5), -0.0, F),
+        np.array([[F32_MAX, -F32_MAX, 1.0, 0.0]], F),
+        np.array([[1e-45, -1e-45, 0.0]], F),  # the smallest subnormals: scale rounds to 0
+        np.array([[3.0e-39, 1e-40, -2e-39]], F),  # a subnormal peak
+        np.array([[5.0], [-7.5], [0.0], [1e-30]], F),  # one column
+        np.linspace(-3, 3, 129, dtype=F)[None, :],  # one row
+        np.zeros((0, 4), F),
+        np.zeros((3, 0), F),
+    ],
+    ids=[
+        "zeros",
+        "negative-zeros",
+        "f32-max",
+        "min-subnormal",
+        "subnormal-peak",
+        "one-column",
+        "one-row",
+        "no-rows",
+        "no-columns",
+    ],
+)
 def test_edge_matrices(rows, on_every_cpu_path):
     want = run(ref, rows)
     for got in on_every_cpu_path(lambda: run(native, rows)).values():
@@ -268,8 +280,10 @@ def test_a_quantized_store_reads_within_half_a_scale_with_f32_signatures(batch, 
 @pytest.mark.parametrize("embed_dim", [256, 512])
 def test_a_quantized_store_uses_about_a_quarter_of_the_disk(tmp_path, embed_dim):
     rng = np.random.default_rng(embed_dim)
-    data = [(rng.standard_normal((n, embed_dim)).astype(F), rng.standard_normal((n, embed_dim)).astype(F))
-            for n in (16, 24, 32, 48, 64)]
+    data = [
+        (rng.standard_normal((n, embed_dim)).astype(F), rng.standard_normal((n, embed_dim)).astype(F))
+        for n in (16, 24, 32, 48, 64)
+    ]
     sizes = {}
     for quantized in (False, True):
         path = tmp_path / f"{embed_dim}-{quantized}"
@@ -325,8 +339,11 @@ def test_compaction_copies_int8_data_bit_for_bit(tmp_path):
         queries = [(k, layer) for k, layer in data.values()]
 
         def answers(s):
-            return [(h.entry_id, h.score, h.keys.tobytes(), h.values.tobytes())
-                    for q, layer in queries for h in s.query(q, layer, 5, count_access=False)]
+            return [
+                (h.entry_id, h.score, h.keys.tobytes(), h.values.tobytes())
+                for q, layer in queries
+                for h in s.query(q, layer, 5, count_access=False)
+            ]
 
         expected = answers(store)
         report = store.compact()

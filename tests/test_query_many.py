@@ -10,10 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmem
-from hmem import InvalidArgumentError
+from hmem import InvalidArgumentError, threads
 from hmem.kernels._native import _hamming as native
 from hmem.kernels.reference import hamming as ref
-from hmem import threads
 from hmem.store import search
 
 
@@ -39,8 +38,10 @@ def queries(seed: int, count: int) -> list[np.ndarray]:
 
 
 def facts(results: hmem.QueryResults) -> list[tuple]:
-    return [(r.entry_id, r.layer_idx, r.score, r.similarity, r.cosine, r.access_count,
-             r.keys.tobytes(), r.values.tobytes()) for r in results]
+    return [
+        (r.entry_id, r.layer_idx, r.score, r.similarity, r.cosine, r.access_count, r.keys.tobytes(), r.values.tobytes())
+        for r in results
+    ]
 
 
 def twin_stores(store_factory, **config):
@@ -91,8 +92,9 @@ def test_forms_of_the_batch(store_factory):
     got = store.query_many(stacked, 2, top_k=3, count_access=False)
     assert [facts(r) for r in got] == [facts(r) for r in expected]
     assert store.query_many([], 2) == []
-    assert facts(store.query_many(tuple(qs), 2, count_access=False)[0]) == \
-        facts(store.query(qs[0], 2, count_access=False))
+    assert facts(store.query_many(tuple(qs), 2, count_access=False)[0]) == facts(
+        store.query(qs[0], 2, count_access=False)
+    )
     # a layer with no entries answers every query with nothing
     assert [len(r) for r in store.query_many(qs, 9)] == [0] * len(qs)
 
@@ -224,6 +226,7 @@ def test_gather_rows_matches_the_reference():
 
 def test_large_arrays_are_mapped_writable():
     from hmem import memory
+
     big = memory.filled_soon((memory.POPULATE_MIN_BYTES // 512 + 1, 512), np.uint8)
     assert big.flags.c_contiguous and big.flags.writeable
     big[:] = 7
@@ -234,6 +237,7 @@ def test_large_arrays_are_mapped_writable():
 
 def test_a_store_opened_with_mapped_matrices_answers_the_same(store_factory, tmp_path, monkeypatch):
     from hmem import memory
+
     store = store_factory("s")
     fill(store, seed=9)
     store.delete(store.entry_ids(1)[::4])

@@ -47,8 +47,9 @@ import pytest
 from typer.testing import CliRunner
 
 torch = pytest.importorskip("torch", reason="the real-decoder round trip needs torch (pip install 'hmem[hf]')")
-transformers = pytest.importorskip("transformers",
-                                   reason="the real-decoder round trip needs transformers (pip install 'hmem[hf]')")
+transformers = pytest.importorskip(
+    "transformers", reason="the real-decoder round trip needs transformers (pip install 'hmem[hf]')"
+)
 
 import hmem  # noqa: E402
 from hmem.cli.app import app  # noqa: E402
@@ -69,9 +70,10 @@ CASES = [
 ]
 LOSSY = [case for case in CASES if case[2]]
 
-needs_layers = pytest.mark.skipif(not hasattr(transformers.DynamicCache(), "layers"),
-                                  reason="hybrid models need the per-layer caches of newer transformers "
-                                         "(DynamicCache.layers)")
+needs_layers = pytest.mark.skipif(
+    not hasattr(transformers.DynamicCache(), "layers"),
+    reason="hybrid models need the per-layer caches of newer transformers (DynamicCache.layers)",
+)
 
 
 # ---- models, run as users run them ------------------------------------------------------
@@ -129,8 +131,11 @@ class Run:
     def held(self) -> list[tuple[int, Any, Any]]:
         """(layer, keys, values) of the layers that hold K/V."""
         layers = getattr(self.cache, "layers", None)
-        pairs = (zip(self.cache.key_cache, self.cache.value_cache) if layers is None  # transformers < 4.56
-                 else ((getattr(x, "keys", None), getattr(x, "values", None)) for x in layers))
+        pairs = (
+            zip(self.cache.key_cache, self.cache.value_cache)
+            if layers is None  # transformers < 4.56
+            else ((getattr(x, "keys", None), getattr(x, "values", None)) for x in layers)
+        )
         return [(i, k, v) for i, (k, v) in enumerate(pairs) if k is not None]
 
 
@@ -139,33 +144,61 @@ def _seeded(build: Any, dtype: str, seed: int) -> Run:
     return Run(build().to(DTYPES[dtype]).eval(), seed)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def llama(dtype: str, seed: int = 0) -> Run:
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=KV_HEADS, max_position_embeddings=256, initializer_range=0.1)
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+    )
     return _seeded(lambda: transformers.LlamaForCausalLM(config), dtype, seed)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gemma3() -> Run:
     # layer 0 slides: transformers counts the sequence from layer 0, the case that needs the length restored
     config = transformers.Gemma3TextConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, sliding_window=8, max_position_embeddings=256,
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        sliding_window=8,
+        max_position_embeddings=256,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        initializer_range=0.1)
+        initializer_range=0.1,
+    )
     return _seeded(lambda: transformers.Gemma3ForCausalLM(config), "float32", 0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def jamba() -> Run:
     # layers 0 and 2 are mamba, 1 and 3 attention; the mamba layers run torch's reference kernels
     config = transformers.JambaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=KV_HEADS, attn_layer_period=2, attn_layer_offset=1, num_experts=1,
-        expert_layer_period=4, expert_layer_offset=3, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
-        mamba_dt_rank=8, initializer_range=0.1)
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=KV_HEADS,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=1,
+        expert_layer_period=4,
+        expert_layer_offset=3,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+        initializer_range=0.1,
+    )
     return _seeded(lambda: transformers.JambaForCausalLM(config), "float32", 0)
 
 
@@ -197,8 +230,9 @@ def read_back(store: Path) -> dict[int, list[hmem.StoredEntry]]:
     """Each layer's entries, in token order."""
     with hmem.Store.open(store, read_only=True) as s:
         layers = sorted({info.layer_idx for info in s.entries()})
-        return {layer: sorted((s.get(i) for i in s.entry_ids(layer)), key=lambda e: e.meta["tokens"][0])
-                for layer in layers}
+        return {
+            layer: sorted((s.get(i) for i in s.entry_ids(layer)), key=lambda e: e.meta["tokens"][0]) for layer in layers
+        }
 
 
 def restore(run: Run, entries: dict[int, list[hmem.StoredEntry]], seq_len: int | None = None) -> Any:
@@ -336,8 +370,10 @@ def test_a_restored_cache_matches_the_models_own_tensors_bit_for_bit(tmp_path):
         assert k.dtype == torch.bfloat16 and torch.equal(k, keys) and torch.equal(v, values)
 
 
-@pytest.mark.skipif("cache" not in inspect.signature(transformers.LlamaForCausalLM.forward).parameters,
-                    reason="the README's example is written for transformers 5 (the `cache` argument)")
+@pytest.mark.skipif(
+    "cache" not in inspect.signature(transformers.LlamaForCausalLM.forward).parameters,
+    reason="the README's example is written for transformers 5 (the `cache` argument)",
+)
 def test_the_readmes_example_runs():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme.split("## Real models' K/V", 1)[1].split("\n## ", 1)[0]
@@ -356,11 +392,14 @@ def test_a_bfloat16_cache_stores_what_its_float32_copy_stores(tmp_path, storage,
     contiguous tensors or strided views, and answers a query alike."""
     g = torch.Generator().manual_seed(11)
     heads, dim, tokens = 2, 128, 300
-    layers = [(torch.randn(1, heads, tokens, dim, generator=g).to(torch.bfloat16),
-               torch.randn(1, heads, tokens, dim, generator=g).to(torch.bfloat16)),
-              # a [1, heads, tokens, dim] view of a [1, tokens, heads, dim] tensor (strided)
-              tuple(torch.randn(1, tokens, heads, dim, generator=g).to(torch.bfloat16).transpose(1, 2)
-                    for _ in range(2))]
+    layers = [
+        (
+            torch.randn(1, heads, tokens, dim, generator=g).to(torch.bfloat16),
+            torch.randn(1, heads, tokens, dim, generator=g).to(torch.bfloat16),
+        ),
+        # a [1, heads, tokens, dim] view of a [1, tokens, heads, dim] tensor (strided)
+        tuple(torch.randn(1, tokens, heads, dim, generator=g).to(torch.bfloat16).transpose(1, 2) for _ in range(2)),
+    ]
     widened = [(k.float(), v.float()) for k, v in layers]
     stores = {}
     for name, cache in (("words", layers), ("float32", widened)):

@@ -49,8 +49,10 @@ def _assert_pairs_adjacent(store_path: Path, expected_ids: set[int]) -> None:
 
 
 def _entries(rng, lengths) -> list[tuple[np.ndarray, np.ndarray, int]]:
-    return [(rng.standard_normal((n, DIM)).astype(np.float32), rng.standard_normal((n, DIM)).astype(np.float32), 0)
-            for n in lengths]
+    return [
+        (rng.standard_normal((n, DIM)).astype(np.float32), rng.standard_normal((n, DIM)).astype(np.float32), 0)
+        for n in lengths
+    ]
 
 
 # (lengths of one put_many): joined and equal; joined and of different
@@ -104,8 +106,12 @@ def test_bfloat16_words_widened_into_an_f32_store_lie_side_by_side(tmp_path):
     generator = torch.Generator().manual_seed(5)
     # one layer of [batch 1, 2 kv heads, 3100 tokens, 8]: chunks of 1200, 1200 and 700 tokens, over
     # 64 KiB each on average, so prepared one by one and widened as they are copied into the shard
-    cache = [(torch.randn(1, 2, 3100, 8, generator=generator, dtype=torch.float32).to(torch.bfloat16),
-              torch.randn(1, 2, 3100, 8, generator=generator, dtype=torch.float32).to(torch.bfloat16))]
+    cache = [
+        (
+            torch.randn(1, 2, 3100, 8, generator=generator, dtype=torch.float32).to(torch.bfloat16),
+            torch.randn(1, 2, 3100, 8, generator=generator, dtype=torch.float32).to(torch.bfloat16),
+        )
+    ]
     path = tmp_path / "s"
     with Store.create(path, embed_dim=DIM, hdc_dim=256) as store:
         ids = store.put_cache(cache, chunk_tokens=1200)[0]

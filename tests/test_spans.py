@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 
 import hmem
 from hmem import InvalidArgumentError, Store, StoreConfig
+
 # Private on purpose: span_bounds is checked against the rule docs/format.md
 # fixes, and the span signatures against the store's own projection of
 # each span computed alone (no public API exposes either).
@@ -131,8 +132,11 @@ def test_record_and_pooled_row_sizes(store_factory, tmp_path):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 300), min_size=1, max_size=8), st.integers(1, 63),
-       st.sampled_from(["overlapping", "disjoint"]))
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=8),
+    st.integers(1, 63),
+    st.sampled_from(["overlapping", "disjoint"]),
+)
 def test_span_bounds_cover_each_entry_in_order(lengths, spans, layout):
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     first, end = span_bounds(starts, spans, layout=layout)
@@ -156,10 +160,15 @@ def _has_sink(k: np.ndarray) -> bool:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 40), st.sampled_from([1.0, 2.5, 20.0])), min_size=1, max_size=12),
-       st.integers(2, 9), st.integers(0, 2**32), st.sampled_from(["overlapping", "disjoint"]))
-def test_span_signatures_are_the_signature_prefixes_of_the_span_means(tmp_path_factory, shapes, per_entry, seed,
-                                                                    layout):
+@given(
+    st.lists(st.tuples(st.integers(1, 40), st.sampled_from([1.0, 2.5, 20.0])), min_size=1, max_size=12),
+    st.integers(2, 9),
+    st.integers(0, 2**32),
+    st.sampled_from(["overlapping", "disjoint"]),
+)
+def test_span_signatures_are_the_signature_prefixes_of_the_span_means(
+    tmp_path_factory, shapes, per_entry, seed, layout
+):
     """Each record's span j is the first 512 bits of the signature of span
     j's rows (the rows after a sink first row), computed one span at a time,
     whichever way put_many prepared the batch; the p tensor holds the span
@@ -282,8 +291,10 @@ def test_evicted_entries_leave_the_span_search(store_factory):
 
 
 def _answers(store, keys) -> list[list[int]]:
-    return [[r.entry_id for r in store.query(_span_query(keys[e], 20, 10, seed=e), 0, 3, count_access=False)]
-            for e in range(0, 60, 4)]
+    return [
+        [r.entry_id for r in store.query(_span_query(keys[e], 20, 10, seed=e), 0, 3, count_access=False)]
+        for e in range(0, 60, 4)
+    ]
 
 
 @pytest.mark.parametrize("layout", ["overlapping", "disjoint"])
@@ -330,17 +341,18 @@ def test_the_cli_creates_a_store_with_spans(tmp_path):
 
     from hmem.cli.app import app
 
-    result = CliRunner().invoke(app, ["init", str(tmp_path / "s"), "-d", "16", "--signatures-per-entry", "5",
-                                      "--json"])
+    result = CliRunner().invoke(app, ["init", str(tmp_path / "s"), "-d", "16", "--signatures-per-entry", "5", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["config"]["signatures_per_entry"] == 5
     assert StoreConfig.from_dict(json.loads((tmp_path / "s" / "index.json").read_text())["config"]).spans == 4
-    result = CliRunner().invoke(app, ["init", str(tmp_path / "d"), "-d", "16", "--signatures-per-entry", "5",
-                                      "--span-layout", "disjoint"])
+    result = CliRunner().invoke(
+        app, ["init", str(tmp_path / "d"), "-d", "16", "--signatures-per-entry", "5", "--span-layout", "disjoint"]
+    )
     assert result.exit_code == 0, result.output
     assert Store.open(tmp_path / "d", read_only=True).config.span_layout == "disjoint"
-    result = CliRunner().invoke(app, ["init", str(tmp_path / "bad"), "-d", "16", "--signatures-per-entry", "5",
-                                      "--span-layout", "halves"])
+    result = CliRunner().invoke(
+        app, ["init", str(tmp_path / "bad"), "-d", "16", "--signatures-per-entry", "5", "--span-layout", "halves"]
+    )
     assert result.exit_code != 0 and "span_layout" in result.output and not (tmp_path / "bad").exists()
 
 
@@ -396,8 +408,9 @@ def test_the_cli_queries_by_span(store_factory, tmp_path):
     spans = runner.invoke(app, ["query", str(tmp_path / "s"), "--query", str(query), "-l", "0", "-k", "1", "--json"])
     assert spans.exit_code == 0, spans.output
     assert json.loads(spans.output)["results"][0]["entry_id"] == ids[9]
-    mean = runner.invoke(app, ["query", str(tmp_path / "s"), "--query", str(query), "-l", "0", "-k", "1",
-                               "--search", "full", "--json"])
+    mean = runner.invoke(
+        app, ["query", str(tmp_path / "s"), "--query", str(query), "-l", "0", "-k", "1", "--search", "full", "--json"]
+    )
     assert mean.exit_code == 0, mean.output
     stats = runner.invoke(app, ["stats", str(tmp_path / "s")])
     assert "8 signatures per entry" in stats.output

@@ -26,12 +26,15 @@ def tree_hash(root: Path) -> dict[str, str]:
 
 
 def kv(rng: np.random.Generator, tokens: int = 3) -> tuple[np.ndarray, np.ndarray]:
-    return (rng.standard_normal((tokens, DIM)).astype(np.float32),
-            rng.standard_normal((tokens, DIM)).astype(np.float32))
+    return (
+        rng.standard_normal((tokens, DIM)).astype(np.float32),
+        rng.standard_normal((tokens, DIM)).astype(np.float32),
+    )
 
 
-def build(root: Path, *, sessions: int, evict_and_compact_at: int | None = None,
-          shard_max_bytes: int = 4096) -> tuple[list[bytes], dict[int, tuple[np.ndarray, np.ndarray]]]:
+def build(
+    root: Path, *, sessions: int, evict_and_compact_at: int | None = None, shard_max_bytes: int = 4096
+) -> tuple[list[bytes], dict[int, tuple[np.ndarray, np.ndarray]]]:
     """A store written by `sessions` writer sessions of two flushes each;
     returns index.json as it was after every flush (oldest first) and the
     entries live at the end {id: (keys, values)}."""
@@ -154,8 +157,15 @@ def test_the_cli_case_from_a_backup(tmp_path):
     assert runner.invoke(app, ["put", str(store), str(source)]).exit_code == 0
     old = (store / "index.json").read_bytes()
     for _ in range(2):
-        assert runner.invoke(app, ["put", str(store), str(source), "--again"] if _supports_again(runner) else
-                             ["put", str(store), str(source)]).exit_code == 0
+        assert (
+            runner.invoke(
+                app,
+                ["put", str(store), str(source), "--again"]
+                if _supports_again(runner)
+                else ["put", str(store), str(source)],
+            ).exit_code
+            == 0
+        )
     (store / "index.json").write_bytes(old)
     checked = runner.invoke(app, ["verify", str(store)])
     assert checked.exit_code == 4 and "index.stale" in checked.stdout and "roll forward" in checked.stdout
@@ -190,6 +200,7 @@ def test_a_newer_format_is_never_rewritten(tmp_path):
     (root / "lock").unlink(missing_ok=True)
     # a format test: rewrite index.json as a newer hmem would, its checksum fixed
     from hmem.formats import manifest
+
     doc = json.loads((root / "index.json").read_bytes())
     doc["format_version"] = manifest.FORMAT_VERSION + 1
     doc.pop("checksum", None)

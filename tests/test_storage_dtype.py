@@ -32,8 +32,9 @@ def rows_of(storage: str, rng: np.random.Generator, tokens: int = 8) -> np.ndarr
 def test_rows_of_the_storage_dtype_round_trip_bit_exact(tmp_path, storage):
     rng = np.random.default_rng(1)
     puts = {}
-    with hmem.Store.create(tmp_path / "s", embed_dim=DIM, hdc_dim=256, storage_dtype=storage,
-                           shard_max_bytes=8192) as store:
+    with hmem.Store.create(
+        tmp_path / "s", embed_dim=DIM, hdc_dim=256, storage_dtype=storage, shard_max_bytes=8192
+    ) as store:
         for i in range(30):
             k, v = rows_of(storage, rng), rows_of(storage, rng)
             puts[store.put(k, v, layer_idx=i % 3)] = (k, v)
@@ -97,8 +98,13 @@ def test_torch_half_inputs_round_trip(tmp_path):
 
 
 @settings(max_examples=200)
-@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-2.0**127, max_value=2.0**127),
-                min_size=1, max_size=64))
+@given(
+    st.lists(
+        st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-(2.0**127), max_value=2.0**127),
+        min_size=1,
+        max_size=64,
+    )
+)
 def test_bf16_rounding_is_round_to_nearest_even(values):
     rows = np.array(values, dtype=np.float32)
     words = to_bf16_words(rows)
@@ -130,8 +136,9 @@ def test_int8_keeps_its_old_name_and_old_configs_open(tmp_path):
 def test_repair_of_a_bf16_store_keeps_the_rest_bit_exact(tmp_path):
     rng = np.random.default_rng(5)
     puts = {}
-    with hmem.Store.create(tmp_path / "s", embed_dim=DIM, hdc_dim=256, storage_dtype="bf16",
-                           shard_max_bytes=4096) as store:
+    with hmem.Store.create(
+        tmp_path / "s", embed_dim=DIM, hdc_dim=256, storage_dtype="bf16", shard_max_bytes=4096
+    ) as store:
         for _ in range(12):
             k, v = rows_of("bf16", rng), rows_of("bf16", rng)
             puts[store.put(k, v)] = (k, v)

@@ -22,9 +22,9 @@ from safetensors import safe_open
 
 import hmem
 from hmem import Entry, Store, StoreConfig
+from hmem.kernels import checksum as crc_kernels
 from hmem.kernels.reference import hamming as ref_hamming
 from hmem.kernels.reference import projection as ref_projection
-from hmem.kernels import checksum as crc_kernels
 
 MiB = 1 << 20
 
@@ -51,7 +51,7 @@ def projected_values(keys: np.ndarray, embed_dim: int, hdc_dim: int, seed: int) 
     for b in range(blocks):
         v = s.copy()
         for r in range(3):
-            flip = signs[(b * 3 + r) * m:(b * 3 + r + 1) * m]
+            flip = signs[(b * 3 + r) * m : (b * 3 + r + 1) * m]
             v[flip] = -v[flip]
             ref_projection.fwht(v)
         out.append(v)
@@ -142,17 +142,32 @@ def test_create_refuses_config_and_settings_together(tmp_path):
 
 
 def test_config_is_saved_and_used_on_reopen(tmp_path, ref_signature, store_internals):
-    cfg = StoreConfig(embed_dim=24, hdc_dim=512, seed=12345, max_entries=1000, max_disk_bytes=10**9,
-                      shard_max_bytes=9999, max_open_shards=3, quantize_stored=True)
+    cfg = StoreConfig(
+        embed_dim=24,
+        hdc_dim=512,
+        seed=12345,
+        max_entries=1000,
+        max_disk_bytes=10**9,
+        shard_max_bytes=9999,
+        max_open_shards=3,
+        quantize_stored=True,
+    )
     rng = np.random.default_rng(1)
     keys = gauss(rng, 3, 24)
     with Store.create(tmp_path / "s", cfg) as store:
         assert store.config == cfg
         store.put(keys, keys)
     saved = json.loads((tmp_path / "s" / "index.json").read_text())["config"]
-    assert saved == {"embed_dim": 24, "hdc_dim": 512, "seed": 12345, "max_entries": 1000,
-                     "max_disk_bytes": 10**9, "shard_max_bytes": 9999, "max_open_shards": 3,
-                     "quantize_stored": True}
+    assert saved == {
+        "embed_dim": 24,
+        "hdc_dim": 512,
+        "seed": 12345,
+        "max_entries": 1000,
+        "max_disk_bytes": 10**9,
+        "shard_max_bytes": 9999,
+        "max_open_shards": 3,
+        "quantize_stored": True,
+    }
     with Store.open(tmp_path / "s") as store:
         assert store.config == cfg
         assert store.stats().config == cfg
@@ -185,8 +200,7 @@ def test_create_makes_index_entries_and_lock(tmp_path):
         assert doc["format"] == "hmem-store" and doc["format_version"] == 1
         assert doc["record_count"] == 0 and doc["shards"] == [] and doc["next_entry_id"] == 1
         assert doc["record_size"] == 40 + 256 // 8
-        assert doc["projection"] == {"family": "srht", "generator": "splitmix64", "rounds": 3,
-                                     "block": 64, "blocks": 4}
+        assert doc["projection"] == {"family": "srht", "generator": "splitmix64", "rounds": 3, "block": 64, "blocks": 4}
         assert store.stats().entries == 0 and store.stats().shards == []
         assert not store.read_only
     finally:
@@ -267,13 +281,17 @@ def test_open_refuses_an_unknown_format_version(tmp_path, rewrite_index, version
     Store.open(tmp_path / "s").close()
 
 
-@pytest.mark.parametrize("edit", [
-    lambda doc: doc["config"].update(future_setting=1),
-    lambda doc: doc["config"].update(hdc_dim=100),
-    lambda doc: doc["projection"].update(rounds=4),
-    lambda doc: doc["projection"].update(family="dense-gaussian"),
-    lambda doc: doc["projection"].update(generator="mt19937"),
-], ids=["unknown-setting", "bad-hdc-dim", "rounds", "family", "generator"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda doc: doc["config"].update(future_setting=1),
+        lambda doc: doc["config"].update(hdc_dim=100),
+        lambda doc: doc["projection"].update(rounds=4),
+        lambda doc: doc["projection"].update(family="dense-gaussian"),
+        lambda doc: doc["projection"].update(generator="mt19937"),
+    ],
+    ids=["unknown-setting", "bad-hdc-dim", "rounds", "family", "generator"],
+)
 def test_open_refuses_settings_or_a_projection_it_cannot_honour(tmp_path, rewrite_index, edit):
     Store.create(tmp_path / "s", embed_dim=16, hdc_dim=256).close()
     rewrite_index(tmp_path / "s", edit)
@@ -356,7 +374,7 @@ def test_ids_strictly_increase_and_are_never_reused(tmp_path):
     assert store.put_many([]) == []
     store.close()
     assert ids == list(range(1, 9))
-    for round_ in range(3):
+    for _round in range(3):
         store = Store.open(tmp_path / "s")
         assert store.stats().next_entry_id == ids[-1] + 1
         ids += [one(store)]
@@ -447,8 +465,7 @@ with hmem.Store.create({path!r}, embed_dim=40, hdc_dim=1024, seed=987654321) as 
 """
 
 
-def test_signature_is_the_same_in_another_process_and_after_reopen(tmp_path, run_python, ref_signature,
-                                                                  read_records):
+def test_signature_is_the_same_in_another_process_and_after_reopen(tmp_path, run_python, ref_signature, read_records):
     proc = run_python(_SIG_IN_SUBPROCESS.format(path=str(tmp_path / "child")), check=True)
     rows = np.random.default_rng(77).standard_normal((5, 40)).astype(np.float32)
     expected = ref_signature(rows, 40, 1024, 987654321)
@@ -523,7 +540,7 @@ def test_signatures_for_any_embed_and_hdc_dims(tmp_path, ref_signature, read_rec
     keys = [gauss(rng, int(rng.integers(1, 4)), embed_dim) for _ in range(4)]
     with Store.create(tmp_path / "s", embed_dim=embed_dim, hdc_dim=hdc_dim, seed=embed_dim) as store:
         ids = [store.put(k, k) for k in keys]
-        for eid, k in zip(ids, keys):
+        for _eid, k in zip(ids, keys):
             assert store.query(k, 0, 1, rerank=False)[0].similarity == 1.0
     recs = read_records(tmp_path / "s")
     assert recs.dtype.itemsize == 40 + hdc_dim // 8
@@ -564,7 +581,7 @@ def test_layers_are_searched_separately(store_factory):
         layer = layers[i % len(layers)]
         k = shared if i % 4 == 0 else gauss(rng, 2)
         by_layer[layer].append(store.put(k, k, layer_idx=layer))
-    for flushed in (False, True):
+    for _flushed in (False, True):
         for layer in layers:
             for rerank in (True, False):
                 hits = store.query(shared, layer, 100, rerank=rerank)
@@ -572,7 +589,7 @@ def test_layers_are_searched_separately(store_factory):
                 assert all(h.layer_idx == layer for h in hits)
         assert store.query(shared, 3, 5) == []
         assert store.query(shared, 2**32 - 2, 5) == []
-        assert store.stats().layers == {layer: 6 for layer in layers}
+        assert store.stats().layers == dict.fromkeys(layers, 6)
         store.flush()
 
 
@@ -711,7 +728,7 @@ def test_rerank_orders_a_signature_shortlist_by_pooled_cosine(store_factory, ref
     pooled = np.stack([k.mean(axis=0, dtype=np.float64).astype(np.float32) for k in keys]).astype(np.float64)
     sigs = np.stack([ref_signature(k, 16, 256, 1) for k in keys])
     store.flush()
-    for trial in range(5):
+    for _trial in range(5):
         q = base + gauss(rng, 2, scale=0.8)
         target = q.mean(axis=0, dtype=np.float64)
         cos = pooled @ target / (np.linalg.norm(pooled, axis=1) * np.linalg.norm(target))
@@ -772,9 +789,27 @@ def test_result_fields(tmp_path):
 
 def test_float32_round_trip_is_bit_exact(tmp_path):
     rng = np.random.default_rng(12)
-    specials = np.array([0.0, -0.0, 1e-45, -1e-45, 1.1754942e-38, 3.4028235e38, -3.4028235e38,
-                         1.0, -1.0, 0.1, np.pi, 65504.0, 1e-30, -7.0, 2.0**-126, 123456.789],
-                        dtype=np.float32)
+    specials = np.array(
+        [
+            0.0,
+            -0.0,
+            1e-45,
+            -1e-45,
+            1.1754942e-38,
+            3.4028235e38,
+            -3.4028235e38,
+            1.0,
+            -1.0,
+            0.1,
+            np.pi,
+            65504.0,
+            1e-30,
+            -7.0,
+            2.0**-126,
+            123456.789,
+        ],
+        dtype=np.float32,
+    )
     entries = [(gauss(rng, n, scale=s), gauss(rng, n, scale=s)) for n, s in ((1, 1.0), (7, 1e-20), (33, 1e30))]
     entries.append((specials.reshape(1, 16), specials[::-1].reshape(1, 16).copy()))
     entries.append((np.asfortranarray(gauss(rng, 4)), gauss(rng, 8)[::2]))  # non-contiguous input
@@ -933,7 +968,8 @@ def test_threads_share_a_store(store_factory):
     store.flush()
     for eid, k in found.items():
         hits = store.query(k, 0, 1, count_access=False) + [
-            h for layer in (1, 2, 3) for h in store.query(k, layer, 1, count_access=False)]
+            h for layer in (1, 2, 3) for h in store.query(k, layer, 1, count_access=False)
+        ]
         assert any(h.entry_id == eid and same_bytes(h.keys, k) for h in hits)
 
 
@@ -1056,7 +1092,10 @@ def test_flush_seals_the_open_shard(tmp_path):
         store.flush()  # nothing new: no new shard
         assert len(store.stats().shards) == 3
     assert sorted(p.name for p in (tmp_path / "s").glob("shard_*")) == [
-        "shard_0000.safetensors", "shard_0001.safetensors", "shard_0002.safetensors"]
+        "shard_0000.safetensors",
+        "shard_0001.safetensors",
+        "shard_0002.safetensors",
+    ]
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -1098,12 +1137,13 @@ def test_shards_are_standard_safetensors(tmp_path, quantized):
     # the data region: hmem_index at offset 0, then every F32 tensor, then every I8 tensor
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     header.pop("__metadata__")
     assert (8 + n) % 8 == 0
     assert header["hmem_index"]["dtype"] == "I64" and header["hmem_index"]["data_offsets"][0] == 0
-    spans = {dt: [spec["data_offsets"] for spec in header.values() if spec["dtype"] == dt]
-             for dt in ("I64", "F32", "I8")}
+    spans = {
+        dt: [spec["data_offsets"] for spec in header.values() if spec["dtype"] == dt] for dt in ("I64", "F32", "I8")
+    }
     assert max(e for _, e in spans["I64"]) <= min(s_ for s_, _ in spans["F32"])
     if quantized:
         assert max(e for _, e in spans["F32"]) <= min(s_ for s_, _ in spans["I8"])
@@ -1133,8 +1173,7 @@ def test_shards_are_standard_safetensors(tmp_path, quantized):
 
 def test_open_shards_stay_within_max_open_shards(tmp_path, store_internals):
     rng = np.random.default_rng(21)
-    store = Store.create(tmp_path / "s", embed_dim=16, hdc_dim=256, shard_max_bytes=1200,
-                         max_open_shards=2)
+    store = Store.create(tmp_path / "s", embed_dim=16, hdc_dim=256, shard_max_bytes=1200, max_open_shards=2)
     data = {}
     for i in range(14):
         k = gauss(rng, 3)
@@ -1204,25 +1243,49 @@ def test_flush_then_reopen_gives_back_everything(tmp_path, read_records, ref_sig
         for q, layer in queries:
             for rerank in (True, False):
                 for h in s.query(q, layer, 4, rerank=rerank, count_access=False):
-                    results.append((h.entry_id, h.layer_idx, h.score, h.similarity, h.cosine, h.n_tokens,
-                                    h.importance, h.timestamp, h.access_count, h.shard_idx,
-                                    h.keys.tobytes(), h.values.tobytes()))
+                    results.append(
+                        (
+                            h.entry_id,
+                            h.layer_idx,
+                            h.score,
+                            h.similarity,
+                            h.cosine,
+                            h.n_tokens,
+                            h.importance,
+                            h.timestamp,
+                            h.access_count,
+                            h.shard_idx,
+                            h.keys.tobytes(),
+                            h.values.tobytes(),
+                        )
+                    )
         shards = [(sh.index, sh.file, sh.bytes, sh.entries) for sh in st.shards]
         return (st.entries, st.evicted, st.layers, shards), results
 
     state, results = snapshot(store)
     assert state[0] == 30 and state[2] == {0: 8, 1: 8, 2: 7, 3: 7} and len(state[3]) > 3
-    assert store.size() == store.stats().bytes_on_disk == sum(p.stat().st_size for p in path.iterdir()
-                                                                     if p.name != "lock")
+    assert (
+        store.size() == store.stats().bytes_on_disk == sum(p.stat().st_size for p in path.iterdir() if p.name != "lock")
+    )
     recs = read_records(path)
     # entries.bin holds what the writer holds: every entry's metadata, and
     # the signature the format defines for its keys (ids 1.. in put order)
     in_memory = list(store.entries())
     assert len(in_memory) == len(recs) == 30
-    assert [(int(r["entry_id"]), int(r["layer_idx"]), int(r["n_tokens"]), float(r["importance"]),
-             int(r["timestamp"]), int(r["access_count"]), int(r["shard_idx"])) for r in recs] == [
-        (e.entry_id, e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count, e.shard_idx)
-        for e in in_memory]
+    assert [
+        (
+            int(r["entry_id"]),
+            int(r["layer_idx"]),
+            int(r["n_tokens"]),
+            float(r["importance"]),
+            int(r["timestamp"]),
+            int(r["access_count"]),
+            int(r["shard_idx"]),
+        )
+        for r in recs
+    ] == [
+        (e.entry_id, e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count, e.shard_idx) for e in in_memory
+    ]
     assert [e.entry_id for e in in_memory] == list(range(1, 31))
     for r, k in zip(recs, keys):
         assert same_bytes(r["signature"], ref_signature(k, 32, 512, 11))
@@ -1493,8 +1556,13 @@ def test_writer_lock_across_processes(tmp_path, ending):
     path = tmp_path / "s"
     with Store.create(path, embed_dim=16, hdc_dim=256) as store:
         store.put(np.ones((1, 16), F), np.ones((1, 16), F))
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK.format(path=str(path))], cwd=tmp_path,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK.format(path=str(path))],
+        cwd=tmp_path,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         child_pid = int(proc.stdout.readline())
         with pytest.raises(hmem.StoreLockedError) as info:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from safetensors import safe_open
 
 import hmem
@@ -41,11 +40,26 @@ def describe(store) -> dict:
     for info in store.entries():
         got = store.get(info.entry_id)
         (hit,) = store.query(got.keys, info.layer_idx, 1, rerank=False, count_access=False)
-        rows.append((info.entry_id, info.layer_idx, info.n_tokens, info.importance, info.access_count,
-                     info.shard_idx, (hit.entry_id, hit.similarity)))
+        rows.append(
+            (
+                info.entry_id,
+                info.layer_idx,
+                info.n_tokens,
+                info.importance,
+                info.access_count,
+                info.shard_idx,
+                (hit.entry_id, hit.similarity),
+            )
+        )
         kv.append((got.keys.tobytes(), got.values.tobytes()))
-    return {"entries": st.entries, "evicted": st.evicted, "layers": st.layers,
-            "shards": [(s.file, s.entries) for s in st.shards], "records": rows, "kv": kv}
+    return {
+        "entries": st.entries,
+        "evicted": st.evicted,
+        "layers": st.layers,
+        "shards": [(s.file, s.entries) for s in st.shards],
+        "records": rows,
+        "kv": kv,
+    }
 
 
 def state_of(path) -> dict:
@@ -71,10 +85,21 @@ def assert_clean(path):
     # a reader applies what index.json still lists: it must see entries.bin as it is
     live = recs[recs["shard_idx"] != hmem.formats.records.EVICTED]
     with Store.open(path, read_only=True) as reader:
-        assert [(e.entry_id, e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count, e.shard_idx)
-                for e in reader.entries()] == [
-            (int(r["entry_id"]), int(r["layer_idx"]), int(r["n_tokens"]), float(r["importance"]),
-             int(r["timestamp"]), int(r["access_count"]), int(r["shard_idx"])) for r in live]
+        assert [
+            (e.entry_id, e.layer_idx, e.n_tokens, e.importance, e.created, e.access_count, e.shard_idx)
+            for e in reader.entries()
+        ] == [
+            (
+                int(r["entry_id"]),
+                int(r["layer_idx"]),
+                int(r["n_tokens"]),
+                float(r["importance"]),
+                int(r["timestamp"]),
+                int(r["access_count"]),
+                int(r["shard_idx"]),
+            )
+            for r in live
+        ]
         assert reader.stats().evicted == len(recs) - len(live)
 
 
@@ -93,7 +118,7 @@ def test_record_bytes_follow_the_documented_layout(tmp_path, read_index):
     assert len(raw) == 2 * RECORD
     expect = [(1, 7, 3, 0.25, 0, 0), (2, 0xFFFFFFFF, 1, 3.0, 2, 1)]
     for i, (eid, layer, n_tokens, imp, count, shard) in enumerate(expect):
-        rec = raw[i * RECORD:(i + 1) * RECORD]
+        rec = raw[i * RECORD : (i + 1) * RECORD]
         assert struct.unpack_from("<Q", rec, 0)[0] == eid
         assert struct.unpack_from("<I", rec, 8)[0] == layer
         assert struct.unpack_from("<I", rec, 12)[0] == n_tokens
@@ -134,8 +159,7 @@ def test_index_json_fields_and_checksum(tmp_path, read_index, index_checksum):
     assert doc["format"] == "hmem-store" and doc["format_version"] == 1
     assert doc["written_by"] == f"hmem {hmem.__version__}"
     assert doc["record_count"] == 5 and doc["next_entry_id"] == 6  # close commits the exact next id
-    assert doc["projection"] == {"family": "srht", "generator": "splitmix64", "rounds": 3, "block": 64,
-                                 "blocks": 4}
+    assert doc["projection"] == {"family": "srht", "generator": "splitmix64", "rounds": 3, "block": 64, "blocks": 4}
     assert len(doc["shards"]) >= 2
     for i, s in enumerate(doc["shards"]):
         assert set(s) == {"file", "bytes", "uid", "entries", "index_crc", "dead_entries", "dead_bytes"}
@@ -251,8 +275,9 @@ def test_a_crash_during_flush_leaves_the_old_or_the_new_state(tmp_path, run_pyth
     assert new_state["entries"] == 15
     assert [r[4] for r in new_state["records"][:6]] != [r[4] for r in old_state["records"]]
 
-    crashed = run_python(_FLUSH_SCRIPT.format(path=str(path), old=str(tmp_path / "old.npy")),
-                         env={"HMEM_CRASH_AT": point})
+    crashed = run_python(
+        _FLUSH_SCRIPT.format(path=str(path), old=str(tmp_path / "old.npy")), env={"HMEM_CRASH_AT": point}
+    )
     assert crashed.returncode == _io.CRASH_EXIT_CODE, crashed.stderr
     assert "flushed" not in crashed.stdout
     handed_out = json.loads(crashed.stdout.splitlines()[0])
@@ -287,8 +312,10 @@ def test_a_crash_leaves_nothing_a_reader_trips_on(tmp_path, run_python):
     path = tmp_path / "s"
     _old_store(path)
     before = state_of(path)
-    crashed = run_python(_FLUSH_SCRIPT.format(path=str(path), old=str(tmp_path / "old.npy")),
-                         env={"HMEM_CRASH_AT": "flush.records_written"})
+    crashed = run_python(
+        _FLUSH_SCRIPT.format(path=str(path), old=str(tmp_path / "old.npy")),
+        env={"HMEM_CRASH_AT": "flush.records_written"},
+    )
     assert crashed.returncode == _io.CRASH_EXIT_CODE
     doc = json.loads((path / "index.json").read_text())
     extra = sorted(p.name for p in path.glob("shard_*") if p.name not in {s["file"] for s in doc["shards"]})
@@ -306,8 +333,10 @@ def test_truncating_an_uncommitted_tail_anywhere_recovers_the_committed_state(tm
     path = tmp_path / "s"
     _old_store(path)
     committed = state_of(path)
-    crashed = run_python(_FLUSH_SCRIPT.format(path=str(path), old=str(tmp_path / "old.npy")),
-                         env={"HMEM_CRASH_AT": "flush.records_written"})
+    crashed = run_python(
+        _FLUSH_SCRIPT.format(path=str(path), old=str(tmp_path / "old.npy")),
+        env={"HMEM_CRASH_AT": "flush.records_written"},
+    )
     assert crashed.returncode == _io.CRASH_EXIT_CODE
     doc = json.loads((path / "index.json").read_text())
     committed_size = doc["record_count"] * RECORD
@@ -360,7 +389,9 @@ def test_a_flipped_bit_in_a_committed_record_is_refused(tmp_path):
         assert store.stats().entries == 3
 
 
-@pytest.mark.parametrize("damage", ["flip-keys", "flip-values", "flip-pooled", "flip-index", "truncate", "replace", "missing"])
+@pytest.mark.parametrize(
+    "damage", ["flip-keys", "flip-values", "flip-pooled", "flip-index", "truncate", "replace", "missing"]
+)
 def test_damaged_shard_data_is_never_returned(tmp_path, damage):
     path = tmp_path / "s"
     rng = np.random.default_rng(5)
@@ -371,7 +402,7 @@ def test_damaged_shard_data_is_never_returned(tmp_path, damage):
     shard = path / "shard_0000.safetensors"
     raw = bytearray(shard.read_bytes())
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     if damage == "truncate":
         raw = raw[:-4]
     elif damage == "missing":
@@ -554,8 +585,7 @@ def test_a_failing_disk_during_put_rollover_loses_nothing_acknowledged(tmp_path)
         with Store.open(path) as again:
             assert again.stats().entries == len(stored)
             for eid, k in stored.items():
-                hit = next(h for h in again.query(k, 0, 20, rerank=False, count_access=False)
-                           if h.entry_id == eid)
+                hit = next(h for h in again.query(k, 0, 20, rerank=False, count_access=False) if h.entry_id == eid)
                 assert np.array_equal(hit.keys, k) and np.array_equal(hit.values, k)
         assert_clean(path)
     finally:
@@ -592,8 +622,7 @@ def test_a_failing_disk_during_a_put_many_rollover_leaves_no_orphan_tensors(tmp_
             st = again.stats()
             assert st.entries == len(stored)
             for eid, k in stored.items():  # what queries return is right...
-                hit = next(h for h in again.query(k, 0, 20, rerank=False, count_access=False)
-                           if h.entry_id == eid)
+                hit = next(h for h in again.query(k, 0, 20, rerank=False, count_access=False) if h.entry_id == eid)
                 assert np.array_equal(hit.keys, k)
             owners: dict[int, int] = {}
             for sh in st.shards:

@@ -59,8 +59,9 @@ def _internals(store_internals):
 
 
 key_kind = st.sampled_from(["random", "random", "copy", "negated", "zero"])
-entry_args = st.tuples(st.integers(1, 4), st.integers(0, 2), st.floats(0, 10, width=32), key_kind,
-                       st.integers(0, 2**32 - 1))
+entry_args = st.tuples(
+    st.integers(1, 4), st.integers(0, 2), st.floats(0, 10, width=32), key_kind, st.integers(0, 2**32 - 1)
+)
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -68,8 +69,9 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="hmem-sm-"))
         self.path = self.dir / "store"
-        self.store = Store.create(self.path, embed_dim=EMBED, hdc_dim=HDC, seed=SEED, shard_max_bytes=1500,
-                                  max_open_shards=2)
+        self.store = Store.create(
+            self.path, embed_dim=EMBED, hdc_dim=HDC, seed=SEED, shard_max_bytes=1500, max_open_shards=2
+        )
         self.model: dict[int, ModelEntry] = {}
         self.committed: dict[int, ModelEntry] = {}  # the model as of the last flush or close
         self.max_id = 0
@@ -122,8 +124,14 @@ class StoreMachine(RuleBasedStateMachine):
         made = [self._make(a) for a in batch]
         self._record(self.store.put_many(made), made)
 
-    @rule(layer=st.integers(0, 3), top_k=st.integers(1, 8), rerank=st.booleans(),
-          source=st.integers(0, 1000), n=st.integers(1, 3), noise=st.sampled_from([0.0, 0.3, 3.0]))
+    @rule(
+        layer=st.integers(0, 3),
+        top_k=st.integers(1, 8),
+        rerank=st.booleans(),
+        source=st.integers(0, 1000),
+        n=st.integers(1, 3),
+        noise=st.sampled_from([0.0, 0.3, 3.0]),
+    )
     def query(self, layer, top_k, rerank, source, n, noise):
         rng = np.random.default_rng(source)
         mine = sorted(i for i, e in self.model.items() if e.layer == layer)
@@ -246,7 +254,9 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 TestStoreMachine = StoreMachine.TestCase
-# ~18 s here (the suite keeps under 10 minutes); the "thorough" profile (HYPOTHESIS_PROFILE=thorough) runs its own, larger count.
+# ~18 s here (the suite keeps under 10 minutes); the "thorough" profile
+# (HYPOTHESIS_PROFILE=thorough) runs its own, larger count.
 _profile_examples = settings.default.max_examples
-TestStoreMachine.settings = settings(max_examples=_profile_examples if _profile_examples >= 1000 else 100,
-                                     stateful_step_count=40, deadline=None)
+TestStoreMachine.settings = settings(
+    max_examples=_profile_examples if _profile_examples >= 1000 else 100, stateful_step_count=40, deadline=None
+)

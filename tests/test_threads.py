@@ -20,7 +20,7 @@ import pytest
 
 from hmem.store.rwlock import ReadWriteLock
 
-SCENARIO = r'''
+SCENARIO = r"""
 import collections, json, sys, threading, time
 import numpy as np
 import hmem
@@ -131,7 +131,7 @@ with hmem.Store.open(path, read_only=True) as again:  # the counts were flushed 
 print(json.dumps({"errors": errors, "wrong_counts": {str(k): v for k, v in wrong.items()},
                   "persisted_same": persisted == live, "figures": dict(figures),
                   "counted": sum(live.values())}))
-'''
+"""
 
 
 @pytest.mark.stress
@@ -139,9 +139,14 @@ print(json.dumps({"errors": errors, "wrong_counts": {str(k): v for k, v in wrong
 def test_readers_share_a_store_with_a_writer(kernels, seconds, signatures, run_python, tmp_path):
     """Three readers and a writer; with signatures=4 the store keeps span
     signatures and the readers' queries use the span search too."""
-    proc = run_python(SCENARIO.replace("sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])",
-                                       f"{str(tmp_path / 's')!r}, {seconds}, 3, {signatures}"),
-                      env={"HMEM_KERNELS": kernels}, timeout=120)
+    proc = run_python(
+        SCENARIO.replace(
+            "sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])",
+            f"{str(tmp_path / 's')!r}, {seconds}, 3, {signatures}",
+        ),
+        env={"HMEM_KERNELS": kernels},
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["errors"] == []
@@ -301,7 +306,7 @@ def test_scans_of_several_threads_give_the_same_results():
     second = threads.run_ranges(quick, ranges)  # while the first is under way
     go.set()
     t.join(5)
-    assert second == first[0] == [list(range(0, 10)), list(range(10, 20)), list(range(20, 30))]
+    assert second == first[0] == [list(range(10)), list(range(10, 20)), list(range(20, 30))]
     assert ran_on == {threading.get_ident()}  # every range on the calling thread: the pool was busy
 
 
@@ -357,13 +362,24 @@ def test_first_queries_of_many_threads_on_a_fresh_open_agree(tmp_path, signature
     rng = np.random.default_rng(11)
     layers, dim = 6, 16
     with hmem.Store.create(tmp_path / "s", embed_dim=dim, hdc_dim=512, signatures_per_entry=signatures) as store:
-        store.put_many([(rng.standard_normal((5, dim), dtype=np.float32),
-                         rng.standard_normal((5, dim), dtype=np.float32), i % layers) for i in range(600)])
+        store.put_many(
+            [
+                (
+                    rng.standard_normal((5, dim), dtype=np.float32),
+                    rng.standard_normal((5, dim), dtype=np.float32),
+                    i % layers,
+                )
+                for i in range(600)
+            ]
+        )
     queries = rng.standard_normal((8, dim), dtype=np.float32)
 
     def answers(store, order) -> dict:
-        return {(layer, j): [r.entry_id for r in store.query(q, layer, top_k=4, count_access=False)]
-                for layer in order for j, q in enumerate(queries)}
+        return {
+            (layer, j): [r.entry_id for r in store.query(q, layer, top_k=4, count_access=False)]
+            for layer in order
+            for j, q in enumerate(queries)
+        }
 
     with hmem.Store.open(tmp_path / "s", read_only=True) as store:
         expected = answers(store, range(layers))
@@ -377,7 +393,7 @@ def test_first_queries_of_many_threads_on_a_fresh_open_agree(tmp_path, signature
             barrier.wait()
             try:
                 got.append(answers(store, order))
-            except BaseException as exc:  # noqa: BLE001 (reported below)
+            except BaseException as exc:
                 errors.append(exc)
 
         workers = [threading.Thread(target=run, args=(i,)) for i in range(4)]
@@ -392,7 +408,7 @@ def test_first_queries_of_many_threads_on_a_fresh_open_agree(tmp_path, signature
         evicted = writer.entry_ids(3)[:50]
         writer.delete(evicted)
         assert writer.query(queries[0], 2, top_k=1)[0].entry_id == extra
-        assert not set(r.entry_id for r in writer.query(queries[1], 3, top_k=100)) & set(evicted)
+        assert not {r.entry_id for r in writer.query(queries[1], 3, top_k=100)} & set(evicted)
 
 
 def test_a_put_runs_beside_a_query_under_way_and_an_eviction_waits_for_it(tmp_path):
@@ -459,8 +475,11 @@ def test_a_sealed_shard_s_memory_is_reused_only_once_nothing_reads_it():
 
     def builder(index, fill):
         b = ShardBuilder(index, f"{index:032x}", "", Arena(spares))
-        b.add_entries(np.array([1]), np.array([4]), {"k": [np.full((4, 8), fill, np.float32)],
-                                                     "v": [np.full((4, 8), -fill, np.float32)]})
+        b.add_entries(
+            np.array([1]),
+            np.array([4]),
+            {"k": [np.full((4, 8), fill, np.float32)], "v": [np.full((4, 8), -fill, np.float32)]},
+        )
         return b
 
     held = builder(0, 1.0)  # a query holds it, as hmem/store/reading.py does while copying

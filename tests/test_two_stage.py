@@ -61,6 +61,7 @@ def expected(ref_signature):
 
     def rank(store, keys_by_id, query, k, survivors_per_place, two_stage=True):
         return _expected(lambda rows: signature(store, rows), keys_by_id, query, k, survivors_per_place, two_stage)
+
     return rank
 
 
@@ -85,11 +86,11 @@ def test_two_stage_ranks_as_documented(tmp_path, rng, few_survivors, expected):
         differs = 0
         for _ in range(12):
             query = rng.standard_normal((3, DIM)).astype(np.float32)
-            got = [r.entry_id for r in store.query(query, 0, top_k=6, rerank=False, search="two-stage",
-                                                   count_access=False)]
+            got = [
+                r.entry_id for r in store.query(query, 0, top_k=6, rerank=False, search="two-stage", count_access=False)
+            ]
             assert got == expected(store, keys, query, 6, few_survivors)
-            full = [r.entry_id for r in store.query(query, 0, top_k=6, rerank=False, search="full",
-                                                    count_access=False)]
+            full = [r.entry_id for r in store.query(query, 0, top_k=6, rerank=False, search="full", count_access=False)]
             assert full == expected(store, keys, query, 6, few_survivors, two_stage=False)
             differs += got != full
         assert differs  # with 6 survivors of 400 some shortlists change: the mode is in effect
@@ -134,8 +135,10 @@ def test_auto_takes_two_stages_on_large_layers_only(tmp_path, rng, few_survivors
         queries = [rng.standard_normal((2, DIM)).astype(np.float32) for _ in range(8)]
 
         def ids(mode):
-            return [[r.entry_id for r in store.query(q, 0, top_k=4, rerank=False, search=mode,
-                                                     count_access=False)] for q in queries]
+            return [
+                [r.entry_id for r in store.query(q, 0, top_k=4, rerank=False, search=mode, count_access=False)]
+                for q in queries
+            ]
 
         def searched(top_k=4):  # what "auto" chose, as the results say
             return store.query(queries[0], 0, top_k=top_k, rerank=False, search="auto", count_access=False).search
@@ -158,8 +161,9 @@ def test_short_signatures_take_one_stage(tmp_path, rng, few_survivors, expected)
     with hmem.Store.create(tmp_path / "s", embed_dim=DIM, hdc_dim=512) as store:
         store.put_many(hmem.Entry(k, k, 0) for k in keys)
         query = rng.standard_normal((1, DIM)).astype(np.float32)
-        assert [r.entry_id for r in store.query(query, 0, top_k=5, search="two-stage")] == \
-            [r.entry_id for r in store.query(query, 0, top_k=5, search="full")]
+        assert [r.entry_id for r in store.query(query, 0, top_k=5, search="two-stage")] == [
+            r.entry_id for r in store.query(query, 0, top_k=5, search="full")
+        ]
 
 
 def test_bad_search_mode_is_refused_and_counts_nothing(tmp_path, rng):
@@ -222,8 +226,7 @@ def test_best_rows_are_the_lexsort_order_whatever_the_ties(data):
     from hmem.store.search import _best
 
     n = data.draw(st.integers(0, 300))
-    rows = np.array(data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n, unique=True)),
-                    dtype=np.int64)
+    rows = np.array(data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n, unique=True)), dtype=np.int64)
     dists = np.array(data.draw(st.lists(st.integers(0, 40), min_size=n, max_size=n)), dtype=np.int32)
     k = data.draw(st.integers(1, 320))
     got_rows, got_dists = _best(rows, dists, k)

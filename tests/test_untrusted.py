@@ -37,8 +37,8 @@ import shutil
 import signal
 import stat
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,18 +57,24 @@ import hmem
 from hmem.cli.app import app
 from hmem.formats import records
 from hmem.formats.layout import REWRITE_PREFIX
-from hmem.formats.records import EVICTED, UPDATE_DTYPE
 
 # A format test: index.json's checksum is recomputed exactly as hmem does
 # (the CRC-32C of the canonical JSON of the document without its checksum,
 # docs/format.md), so that a crafted document passes it as an attacker's would.
 from hmem.formats.manifest import _checksum
+from hmem.formats.records import EVICTED, UPDATE_DTYPE
 
 D, HDC = 16, 256
 SIG_BYTES = HDC // 8
 SHARD_BYTES = 2400  # small shards: the store has several
-BASE_ENV = {"COLUMNS": "200", "NO_COLOR": None, "FORCE_COLOR": None, "TTY_COMPATIBLE": None,
-            "HMEM_STORE": None, "HMEM_DEBUG": None}
+BASE_ENV = {
+    "COLUMNS": "200",
+    "NO_COLOR": None,
+    "FORCE_COLOR": None,
+    "TTY_COMPATIBLE": None,
+    "HMEM_STORE": None,
+    "HMEM_DEBUG": None,
+}
 DOCUMENTED_EXIT_CODES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}  # docs/cli.md, "Exit codes"
 FUZZ_CASES = int(os.environ.get("HMEM_FUZZ_CASES", "150"))
 MEMORY_LIMIT = 1536 << 20  # address space of the fuzzer's subprocess
@@ -287,8 +293,9 @@ def test_the_issue_replayed_step_by_step(template, tmp_path):
         out = run_checked(args[0], args)
         assert out.code == 1 and "not a plain file name" in out.stderr
     assert outside_state(sandbox) == before
-    assert (sandbox / "victim_shard.safetensors").read_bytes() == \
-        (sandbox / "other" / "shard_0000.safetensors").read_bytes()
+    assert (sandbox / "victim_shard.safetensors").read_bytes() == (
+        sandbox / "other" / "shard_0000.safetensors"
+    ).read_bytes()
 
 
 # ---- symbolic links, hard links and named pipes in place of the store's files ---------------------
@@ -318,14 +325,16 @@ def _replace(store: Path, name: str, how: str) -> Path:
 # that file and succeeds. A writer refuses any store whose own files are links;
 # verify (and --full) report each as file.unsafe (exit 4), and --repair refuses.
 LINK_EXPECTED: dict[str, dict[str, str]] = {
-    "shard_0000.safetensors": {"stats": "foreign", "query": "refused", "evict": "refused", "compact": "refused",
-                               "put": "refused"},
-    "entries.bin": {"stats": "refused", "query": "refused", "evict": "refused", "compact": "refused",
-                    "put": "refused"},
-    "index.json": {"stats": "refused", "query": "refused", "evict": "refused", "compact": "refused",
-                   "put": "refused"},
-    "commit.stamp": {"stats": "foreign", "query": "ok", "evict": "refused", "compact": "refused",
-                     "put": "refused"},
+    "shard_0000.safetensors": {
+        "stats": "foreign",
+        "query": "refused",
+        "evict": "refused",
+        "compact": "refused",
+        "put": "refused",
+    },
+    "entries.bin": {"stats": "refused", "query": "refused", "evict": "refused", "compact": "refused", "put": "refused"},
+    "index.json": {"stats": "refused", "query": "refused", "evict": "refused", "compact": "refused", "put": "refused"},
+    "commit.stamp": {"stats": "foreign", "query": "ok", "evict": "refused", "compact": "refused", "put": "refused"},
     "lock": {"stats": "foreign", "query": "ok", "evict": "refused", "compact": "refused", "put": "refused"},
 }
 
@@ -465,8 +474,14 @@ def run_bounded(argv: list[list[str]], limit: int, timeout: float = 120) -> dict
     """Commands run in a subprocess under an address-space limit of `limit` bytes."""
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     env.pop("HMEM_CRASH_AT", None)
-    proc = subprocess.run([sys.executable, "-c", _BOUNDED.format(limit=limit), json.dumps(argv)],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=OUTSIDE_CHECKOUT)
+    proc = subprocess.run(
+        [sys.executable, "-c", _BOUNDED.format(limit=limit), json.dumps(argv)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=OUTSIDE_CHECKOUT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -485,9 +500,14 @@ def test_a_tiny_index_claiming_huge_counts_is_refused_at_once(template, tmp_path
     assert len((tiny / "index.json").read_bytes()) <= 120  # about 100 bytes
     argv = []
     for root in (store, tiny):
-        argv += [["stats", str(root)], ["verify", str(root)], ["verify", str(root), "--full"],
-                 ["query", str(root), "--query", str(sandbox / "query.npy"), "--layer", "0"],
-                 ["evict", str(root), "--target", "1", "--yes"], ["compact", str(root)]]
+        argv += [
+            ["stats", str(root)],
+            ["verify", str(root)],
+            ["verify", str(root), "--full"],
+            ["query", str(root), "--query", str(sandbox / "query.npy"), "--layer", "0"],
+            ["evict", str(root), "--target", "1", "--yes"],
+            ["compact", str(root)],
+        ]
     before = outside_state(sandbox)
     got = run_bounded(argv, 1 << 30)
     assert outside_state(sandbox) == before
@@ -497,8 +517,13 @@ def test_a_tiny_index_claiming_huge_counts_is_refused_at_once(template, tmp_path
         assert "internal error" not in run_["stderr"] and "Traceback" not in run_["stderr"], run_
         if run_["code"] == 1:
             assert "records" in run_["stderr"] or "malformed field" in run_["stderr"], run_
-    _report("huge-count", claim=claim, commands=len(got["runs"]), maxrss_mib=got["maxrss_kib"] // 1024,
-            slowest_s=round(max(r["seconds"] for r in got["runs"]), 3))
+    _report(
+        "huge-count",
+        claim=claim,
+        commands=len(got["runs"]),
+        maxrss_mib=got["maxrss_kib"] // 1024,
+        slowest_s=round(max(r["seconds"] for r in got["runs"]), 3),
+    )
 
 
 # ---- the fuzzer -------------------------------------------------------------------------------------
@@ -507,19 +532,61 @@ def test_a_tiny_index_claiming_huge_counts_is_refused_at_once(template, tmp_path
 # of entries.bin (the committed records, resealed). Each takes the case's
 # random generator and what it edits, and returns what it did.
 
-BAD_INTS: list[Any] = [-1, -(2**63), 2**31, 2**32, 2**40 + 1, 2**50 + 1, 2**63, 2**64, 10**30, True, False, 1.5,
-                       float("inf"), "7", None, [], {}]
+BAD_INTS: list[Any] = [
+    -1,
+    -(2**63),
+    2**31,
+    2**32,
+    2**40 + 1,
+    2**50 + 1,
+    2**63,
+    2**64,
+    10**30,
+    True,
+    False,
+    1.5,
+    float("inf"),
+    "7",
+    None,
+    [],
+    {},
+]
 
 
 def bad_names(sandbox: Path) -> list[Any]:
     # Absolute names point into the sandbox, never at the machine's own
     # files: a regression must not be able to harm the host running the tests.
-    return ["../victim_shard.safetensors", "../victim.txt", "../other/shard_0000.safetensors",
-            "../../victim.txt", str(sandbox / "victim.txt"), str(sandbox / "victim_shard.safetensors"),
-            str(sandbox / "other"), "a/b", "shard_0000.safetensors\0", "shard_0000.safetensors/", "", ".", "..",
-            "x" * 300, "x" * 5000, "index.json", "lock", "entries.bin", "commit.stamp", "shard_0001.safetensors",
-            "shard_0000.safetensors", "shard_00000.safetensors", "shard_9999999999.safetensors",
-            REWRITE_PREFIX + "shard_0000.safetensors", "..\\victim.txt", "\u2215victim.txt", None, 7, ["a"]]
+    return [
+        "../victim_shard.safetensors",
+        "../victim.txt",
+        "../other/shard_0000.safetensors",
+        "../../victim.txt",
+        str(sandbox / "victim.txt"),
+        str(sandbox / "victim_shard.safetensors"),
+        str(sandbox / "other"),
+        "a/b",
+        "shard_0000.safetensors\0",
+        "shard_0000.safetensors/",
+        "",
+        ".",
+        "..",
+        "x" * 300,
+        "x" * 5000,
+        "index.json",
+        "lock",
+        "entries.bin",
+        "commit.stamp",
+        "shard_0001.safetensors",
+        "shard_0000.safetensors",
+        "shard_00000.safetensors",
+        "shard_9999999999.safetensors",
+        REWRITE_PREFIX + "shard_0000.safetensors",
+        "..\\victim.txt",
+        "\u2215victim.txt",
+        None,
+        7,
+        ["a"],
+    ]
 
 
 @dataclasses.dataclass
@@ -538,8 +605,11 @@ def _pick(rng: np.random.Generator, seq: list) -> Any:
 
 def shards(t: Target) -> list[dict]:
     """The document's shard list, put back first if a mutation replaced it."""
-    if not isinstance(t.doc["shards"], list) or len(t.doc["shards"]) < 2 \
-            or not all(isinstance(s, dict) for s in t.doc["shards"]):
+    if (
+        not isinstance(t.doc["shards"], list)
+        or len(t.doc["shards"]) < 2
+        or not all(isinstance(s, dict) for s in t.doc["shards"])
+    ):
         t.doc["shards"] = copy.deepcopy(t.original["shards"])
     return t.doc["shards"]
 
@@ -559,8 +629,9 @@ def m_shard_number(rng, t: Target) -> str:
 
 def m_shard_uid(rng, t: Target) -> str:
     i = int(rng.integers(len(shards(t))))
-    t.doc["shards"][i]["uid"] = _pick(rng, ["", "0" * 32, "g" * 32, "A" * 32, "0" * 31, "../x", 5, None,
-                                           t.doc["shards"][-1 - i]["uid"]])
+    t.doc["shards"][i]["uid"] = _pick(
+        rng, ["", "0" * 32, "g" * 32, "A" * 32, "0" * 31, "../x", 5, None, t.doc["shards"][-1 - i]["uid"]]
+    )
     return f"shards[{i}].uid = {t.doc['shards'][i]['uid']!r}"
 
 
@@ -597,9 +668,19 @@ def m_counter(rng, t: Target) -> str:
 
 def m_pending_rename(rng, t: Target) -> str:
     names = bad_names(t.sandbox)
-    src = _pick(rng, [REWRITE_PREFIX + "shard_0000.safetensors", REWRITE_PREFIX + "entries.bin",
-                      REWRITE_PREFIX + "index.json", REWRITE_PREFIX + "lock", "../victim.txt",
-                      str(t.sandbox / "victim.txt"), "shard_0000.safetensors"] + names)
+    src = _pick(
+        rng,
+        [
+            REWRITE_PREFIX + "shard_0000.safetensors",
+            REWRITE_PREFIX + "entries.bin",
+            REWRITE_PREFIX + "index.json",
+            REWRITE_PREFIX + "lock",
+            "../victim.txt",
+            str(t.sandbox / "victim.txt"),
+            "shard_0000.safetensors",
+        ]
+        + names,
+    )
     dst = _pick(rng, ["shard_0000.safetensors", "entries.bin", "index.json", "lock", "commit.stamp"] + names)
     if rng.random() < 0.3:  # a source that exists: a copy of a real shard, or a link out
         src = REWRITE_PREFIX + "shard_0000.safetensors"
@@ -614,9 +695,17 @@ def m_pending_rename(rng, t: Target) -> str:
 
 def m_pending_delete(rng, t: Target) -> str:
     names = bad_names(t.sandbox)
-    t.doc["pending"]["deletes"] = _pick(rng, [[_pick(rng, names)], [_pick(rng, names), _pick(rng, names)],
-                                              ["../victim.txt", "index.json", "lock", "entries.bin"],
-                                              ".hmem-tmp.x", None, [".hmem-tmp." + "../victim.txt"]])
+    t.doc["pending"]["deletes"] = _pick(
+        rng,
+        [
+            [_pick(rng, names)],
+            [_pick(rng, names), _pick(rng, names)],
+            ["../victim.txt", "index.json", "lock", "entries.bin"],
+            ".hmem-tmp.x",
+            None,
+            [".hmem-tmp." + "../victim.txt"],
+        ],
+    )
     return f"pending.deletes = {t.doc['pending']['deletes']!r:.80}"
 
 
@@ -683,15 +772,18 @@ def m_index_text(rng, t: Target) -> str:
 def m_record_field(rng, t: Target) -> str:
     n = len(t.recs)
     pos = int(rng.integers(n))
-    field, values = _pick(rng, [
-        ("shard_idx", [len(t.original["shards"]), len(t.original["shards"]) + 7, EVICTED - 1, 2**31]),
-        ("n_tokens", [2**32 - 1, 2**31, 0, 1000]),
-        ("layer_idx", [2**32 - 1, 2**31, 1000]),
-        ("importance", [np.nan, np.inf, -np.inf, -1.0, 3e38, 0.0]),
-        ("timestamp", [2**64 - 1, 0]),
-        ("access_count", [2**32 - 1]),
-        ("entry_id", [0, 2**64 - 1, 2**63, t.original["next_entry_id"], t.original["next_entry_id"] + 10]),
-    ])
+    field, values = _pick(
+        rng,
+        [
+            ("shard_idx", [len(t.original["shards"]), len(t.original["shards"]) + 7, EVICTED - 1, 2**31]),
+            ("n_tokens", [2**32 - 1, 2**31, 0, 1000]),
+            ("layer_idx", [2**32 - 1, 2**31, 1000]),
+            ("importance", [np.nan, np.inf, -np.inf, -1.0, 3e38, 0.0]),
+            ("timestamp", [2**64 - 1, 0]),
+            ("access_count", [2**32 - 1]),
+            ("entry_id", [0, 2**64 - 1, 2**63, t.original["next_entry_id"], t.original["next_entry_id"] + 10]),
+        ],
+    )
     value = _pick(rng, values)
     with np.errstate(invalid="ignore", over="ignore"):
         t.recs[field][pos] = value
@@ -735,16 +827,26 @@ def m_record_file(rng, t: Target) -> str:
 
 
 INDEX_MUTATIONS: list[Callable[[np.random.Generator, Target], str]] = [
-    m_shard_name, m_shard_number, m_shard_uid, m_shard_list, m_counter, m_pending_rename, m_pending_delete,
-    m_pending_updates, m_config, m_index_text]
+    m_shard_name,
+    m_shard_number,
+    m_shard_uid,
+    m_shard_list,
+    m_counter,
+    m_pending_rename,
+    m_pending_delete,
+    m_pending_updates,
+    m_config,
+    m_index_text,
+]
 RECORD_MUTATIONS: list[Callable[[np.random.Generator, Target], str]] = [m_record_field, m_record_order]
 MUTATIONS = INDEX_MUTATIONS + RECORD_MUTATIONS + [m_record_file]
 # The mutations whose numbers could size an allocation or a loop.
 COUNT_MUTATIONS = [m_counter, m_shard_number, m_shard_list, m_pending_updates, m_record_field, m_record_file]
 
 
-def make_case(template: Path, where: Path, seed: int,
-              kinds: list[Callable[[np.random.Generator, Target], str]] | None = None) -> tuple[Path, list[str]]:
+def make_case(
+    template: Path, where: Path, seed: int, kinds: list[Callable[[np.random.Generator, Target], str]] | None = None
+) -> tuple[Path, list[str]]:
     """A sandbox whose store had 1 to 3 mutations (case `seed`) of `kinds`
     (default: all); case i < len(kinds) applies kind i alone, so every kind
     is covered."""
@@ -775,11 +877,11 @@ def make_case(template: Path, where: Path, seed: int,
     return sandbox, done
 
 
-def fuzz(template: Path, work: Path, seeds: range,
-         kinds: list[Callable[[np.random.Generator, Target], str]] | None = None) -> dict[str, Any]:
+def fuzz(
+    template: Path, work: Path, seeds: range, kinds: list[Callable[[np.random.Generator, Target], str]] | None = None
+) -> dict[str, Any]:
     """Run every command on each case; returns the figures."""
-    figures = {"cases": 0, "commands": 0, "outside_changed": 0, "internal_errors": 0, "codes": {},
-               "mutations": 0}
+    figures = {"cases": 0, "commands": 0, "outside_changed": 0, "internal_errors": 0, "codes": {}, "mutations": 0}
     for seed in seeds:
         sandbox, done = make_case(template, work / f"case{seed}", seed, kinds)
         try:
@@ -831,10 +933,21 @@ def test_fuzzed_stores_stay_within_a_memory_limit(tmp_path):
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     cases = max(20, FUZZ_CASES // 6)
     kinds = ",".join(m.__name__ for m in COUNT_MUTATIONS)
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(cases), kinds],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=OUTSIDE_CHECKOUT)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), str(cases), kinds],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=OUTSIDE_CHECKOUT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert figures["cases"] == cases
-    _report("fuzz-memory-limit", cases=figures["cases"], commands=figures["commands"],
-            limit_mib=MEMORY_LIMIT >> 20, maxrss_mib=figures["maxrss_kib"] // 1024)
+    _report(
+        "fuzz-memory-limit",
+        cases=figures["cases"],
+        commands=figures["commands"],
+        limit_mib=MEMORY_LIMIT >> 20,
+        maxrss_mib=figures["maxrss_kib"] // 1024,
+    )

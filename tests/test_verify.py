@@ -282,8 +282,9 @@ def test_subsets_cover_every_shard_exactly_once(quantized, n, reliability_templa
 def test_cli_subset_runs_add_up_to_a_full_run(reliability_template, clone_store):
     tpl = reliability_template(True)
     root = clone_store(tpl)
-    runs = [json.loads(cli("verify", root, "--full", "--subset", f"{k}/3", "--json").stdout)["verify"]
-            for k in (1, 2, 3)]
+    runs = [
+        json.loads(cli("verify", root, "--full", "--subset", f"{k}/3", "--json").stdout)["verify"] for k in (1, 2, 3)
+    ]
     full = json.loads(cli("verify", root, "--full", "--json").stdout)["verify"]
     assert sum(r["tensors_checked"] for r in runs) == full["tensors_checked"] == tensor_count(tpl)
     assert all(r["ok"] and r["complete"] for r in runs)
@@ -367,7 +368,10 @@ def test_repair_with_only_leftovers_tidies(quantized, reliability_template, clon
     shutil.copyfile(root / "shard_0001.safetensors", root / "shard_0099.safetensors")
     report = hmem.verify(root, full=True)
     assert {(f.code, f.severity) for f in report.findings} == {
-        ("entries.tail", "warning"), ("file.temp", "warning"), ("file.orphan", "warning")}
+        ("entries.tail", "warning"),
+        ("file.temp", "warning"),
+        ("file.orphan", "warning"),
+    }
     fixed = hmem.repair(root)
     assert fixed.action == "tidied" and fixed.dropped == () and not fixed.rebuilt_index
     assert {f.code for f in fixed.findings} == {"entries.tail", "file.temp", "file.orphan"}
@@ -436,8 +440,10 @@ def test_cli_repair_lists_lost_entries_and_exits_0(quantized, reliability_templa
     assert f"repaired: kept {len(tpl.live) - 2} entries in " in result.stdout
     assert "2 entries could not be saved" in result.stdout
     lost = sorted(line for line in result.stderr.splitlines() if line.startswith("warning: lost entry"))
-    assert lost == ["warning: lost entry 10: tensor v_10 fails its checksum",
-                    "warning: lost entry 5: tensor k_5 fails its checksum"]
+    assert lost == [
+        "warning: lost entry 10: tensor v_10 fails its checksum",
+        "warning: lost entry 5: tensor k_5 fails its checksum",
+    ]
     assert live_ids(root) == tpl.live - {5, 10}
     assert cli("verify", root, "--full").exit_code == 0
 

@@ -18,11 +18,28 @@ from typer.core import TyperGroup
 import hmem
 from hmem import FORMAT_VERSION, HmemError, __version__, kernel_info
 from hmem.cli import signals
-from hmem.cli.exit_codes import (ABORTED, INTERNAL_ERROR, STOPPED, USAGE_ERROR, ExitCode, cli_hint, error_name,
-                                  exit_code_for)
+from hmem.cli.exit_codes import (
+    ABORTED,
+    INTERNAL_ERROR,
+    STOPPED,
+    USAGE_ERROR,
+    ExitCode,
+    cli_hint,
+    error_name,
+    exit_code_for,
+)
 from hmem.cli.options import plain_flags
-from hmem.cli.output import (StdoutClosed, closed_stdout_guard, error_document, error_line, flush_stdout,
-                             json_emitted, reset_emitted, silence_stdout, whole_writes_to_stdout)
+from hmem.cli.output import (
+    StdoutClosed,
+    closed_stdout_guard,
+    error_document,
+    error_line,
+    flush_stdout,
+    json_emitted,
+    reset_emitted,
+    silence_stdout,
+    whole_writes_to_stdout,
+)
 
 DEBUG_ENV = "HMEM_DEBUG"
 JSON_FLAGS = ("--jsonl", "--json")
@@ -53,7 +70,7 @@ def _json_flag(group: TyperGroup, args: Sequence[str]) -> str | None:
     usage error is reported as JSON too."""
     tokens = list(args)
     if "--" in tokens:
-        tokens = tokens[:tokens.index("--")]
+        tokens = tokens[: tokens.index("--")]
     name = next((t for t in tokens if not t.startswith("-")), None)
     command = group.commands.get(name) if name is not None else None
     known = {opt for param in command.params for opt in param.opts} if command is not None else set(JSON_FLAGS)
@@ -70,8 +87,14 @@ class HmemGroup(TyperGroup):
     the test runner all take the same path.
     """
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
-             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
         _Session.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
         _Session.json_flag = _json_flag(self, sys.argv[1:] if args is None else args)
         reset_emitted()
@@ -79,8 +102,9 @@ class HmemGroup(TyperGroup):
         handlers = signals.install()  # SIGINT and SIGTERM stop at a consistent point (hmem/cli/signals.py)
         try:
             try:
-                rv = super().main(args=args, prog_name=prog_name or "hmem", complete_var=complete_var,
-                                  standalone_mode=False, **extra)
+                rv = super().main(
+                    args=args, prog_name=prog_name or "hmem", complete_var=complete_var, standalone_mode=False, **extra
+                )
             finally:
                 signals.settle()
             code = rv if isinstance(rv, int) else ExitCode.OK
@@ -102,7 +126,7 @@ class HmemGroup(TyperGroup):
         except OSError as exc:  # the file system refused something hmem's errors do not cover
             where = f"{exc.filename}: " if exc.filename is not None else ""
             code = self._report(exc, f"storage error: {where}{exc.strerror or exc}", None)
-        except Exception as exc:  # noqa: BLE001 - the last line of defence
+        except Exception as exc:
             code = self._report_other(exc)
         if not flush_stdout():  # a closed stdout also when the output is flushed only now
             code = ExitCode.BROKEN_PIPE
@@ -208,8 +232,10 @@ def help_text(docstring: str) -> str:
 
 def version_text() -> str:
     remote = hmem.OBJECT_FORMAT_VERSION  # the object-store format's module is imported here only
-    return (f"hmem {__version__} (store format {FORMAT_VERSION}: reads {FORMAT_VERSION}, writes {FORMAT_VERSION}; "
-            f"object-store format {remote}: reads {remote}, writes {remote}; {kernel_info()})")
+    return (
+        f"hmem {__version__} (store format {FORMAT_VERSION}: reads {FORMAT_VERSION}, writes {FORMAT_VERSION}; "
+        f"object-store format {remote}: reads {remote}, writes {remote}; {kernel_info()})"
+    )
 
 
 def _version(value: bool) -> None:
@@ -221,12 +247,15 @@ def _version(value: bool) -> None:
 def _global_options(
     version: Annotated[
         bool,
-        typer.Option("--version", "-V", callback=_version, is_eager=True,
-                     help="Print the version, the store format it reads and writes, and the kernel path, then exit."),
+        typer.Option(
+            "--version",
+            "-V",
+            callback=_version,
+            is_eager=True,
+            help="Print the version, the store format it reads and writes, and the kernel path, then exit.",
+        ),
     ] = False,
-    debug: Annotated[
-        bool, typer.Option("--debug", help="Show tracebacks of errors (or set HMEM_DEBUG=1).")
-    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors (or set HMEM_DEBUG=1).")] = False,
 ) -> None:
     if debug:
         _Session.debug = True

@@ -15,9 +15,16 @@ from hmem.cli.output import Output, human_bytes, human_duration
 
 def compact(
     store: StoreArgument,
-    threshold: Annotated[float, typer.Option("--threshold", min=0.0, max=100.0, metavar="PCT",
-                                             help="Do nothing unless at least PCT% of the bytes on disk "
-                                             "would be freed (for cron jobs).")] = 0.0,
+    threshold: Annotated[
+        float,
+        typer.Option(
+            "--threshold",
+            min=0.0,
+            max=100.0,
+            metavar="PCT",
+            help="Do nothing unless at least PCT% of the bytes on disk would be freed (for cron jobs).",
+        ),
+    ] = 0.0,
     dry_run: DryRunOption = False,
     lock_wait: LockWaitOption = 0.0,
     json_output: JsonOption = False,
@@ -35,32 +42,51 @@ def compact(
         with opened as s:
             plan = s.plan_compaction()
             share = plan.reclaimable_share * 100
-            document = {"store": str(store), "dry_run": dry_run, "threshold_pct": threshold, "needed": plan.needed,
-                        "reclaimable_bytes": plan.reclaimable_bytes, "reclaimable_pct": share,
-                        "shards_before": plan.shards_before, "shards_after": plan.shards_after,
-                        "bytes_before": plan.bytes_before, "performed": False}
+            document = {
+                "store": str(store),
+                "dry_run": dry_run,
+                "threshold_pct": threshold,
+                "needed": plan.needed,
+                "reclaimable_bytes": plan.reclaimable_bytes,
+                "reclaimable_pct": share,
+                "shards_before": plan.shards_before,
+                "shards_after": plan.shards_after,
+                "bytes_before": plan.bytes_before,
+                "performed": False,
+            }
             if not plan.needed:
                 out.print("nothing to do: the store is already compact")
             elif share < threshold:
-                out.print(f"nothing to do: compaction would free {human_bytes(plan.reclaimable_bytes)} "
-                          f"({share:.1f}%), below the threshold of {threshold:g}%")
+                out.print(
+                    f"nothing to do: compaction would free {human_bytes(plan.reclaimable_bytes)} "
+                    f"({share:.1f}%), below the threshold of {threshold:g}%"
+                )
             elif dry_run:
-                out.print(f"would free about {human_bytes(plan.reclaimable_bytes)} ({share:.1f}%): "
-                          f"{plan.shards_before} shards -> {plan.shards_after}, {plan.evicted_records} evicted "
-                          f"records and {len(plan.orphan_files)} orphan file(s) dropped")
+                out.print(
+                    f"would free about {human_bytes(plan.reclaimable_bytes)} ({share:.1f}%): "
+                    f"{plan.shards_before} shards -> {plan.shards_after}, {plan.evicted_records} evicted "
+                    f"records and {len(plan.orphan_files)} orphan file(s) dropped"
+                )
             else:
                 report = stoppable_compaction(s, threshold / 100, out)
                 if report is None:
                     out.print("stopped before the commit: the store is as it was")
                 else:
-                    document.update(performed=report.performed, shards_after=report.shards_after,
-                                    bytes_after=report.bytes_after, bytes_freed=report.bytes_freed,
-                                    records_dropped=report.records_dropped, orphans_removed=report.orphans_removed,
-                                    seconds=report.seconds)
-                    out.print(f"freed {human_bytes(report.bytes_freed)}: {human_bytes(report.bytes_before)} -> "
-                              f"{human_bytes(report.bytes_after)}, {report.shards_before} shards -> "
-                              f"{report.shards_after}, {report.records_dropped} evicted records dropped, "
-                              f"in {human_duration(report.seconds)}")
+                    document.update(
+                        performed=report.performed,
+                        shards_after=report.shards_after,
+                        bytes_after=report.bytes_after,
+                        bytes_freed=report.bytes_freed,
+                        records_dropped=report.records_dropped,
+                        orphans_removed=report.orphans_removed,
+                        seconds=report.seconds,
+                    )
+                    out.print(
+                        f"freed {human_bytes(report.bytes_freed)}: {human_bytes(report.bytes_before)} -> "
+                        f"{human_bytes(report.bytes_after)}, {report.shards_before} shards -> "
+                        f"{report.shards_after}, {report.records_dropped} evicted records dropped, "
+                        f"in {human_duration(report.seconds)}"
+                    )
         code = 0
         if signals.requested():
             done = "compacted (committed)" if document["performed"] else "stopped before the commit: nothing changed"

@@ -13,10 +13,16 @@ from hmem.cli.output import Output, human_bytes
 
 
 def copy(
-    source: Annotated[str, typer.Argument(help="The store to copy: a directory or s3://bucket/prefix.",
-                                          show_default=False)],
-    destination: Annotated[str, typer.Argument(help="Where the copy goes: a missing or empty directory, or "
-                                               "s3://bucket/prefix holding no store.", show_default=False)],
+    source: Annotated[
+        str, typer.Argument(help="The store to copy: a directory or s3://bucket/prefix.", show_default=False)
+    ],
+    destination: Annotated[
+        str,
+        typer.Argument(
+            help="Where the copy goes: a missing or empty directory, or s3://bucket/prefix holding no store.",
+            show_default=False,
+        ),
+    ],
     lock_wait: LockWaitOption = 0.0,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
@@ -31,9 +37,19 @@ def copy(
     report = copy_store(source, destination, lock_wait=lock_wait)
     seconds = time.perf_counter() - started
     if json_output:
-        out.emit_json({"source": source, "destination": destination, "entries": report.entries,
-                       "records": report.records, "shards": report.shards, "bytes": report.bytes,
-                       "seconds": round(seconds, 3)})
+        out.emit_json(
+            {
+                "source": source,
+                "destination": destination,
+                "entries": report.entries,
+                "records": report.records,
+                "shards": report.shards,
+                "bytes": report.bytes,
+                "seconds": round(seconds, 3),
+            }
+        )
         return
-    out.print(f"copied {source} to {destination}: {report.entries} entries in {report.shards} shard(s), "
-              f"{human_bytes(report.bytes)} in {seconds:.1f} s")
+    out.print(
+        f"copied {source} to {destination}: {report.entries} entries in {report.shards} shard(s), "
+        f"{human_bytes(report.bytes)} in {seconds:.1f} s"
+    )

@@ -15,10 +15,12 @@ from hmem.cli.prompts import confirm_change
 
 def evict(
     store: StoreArgument,
-    target: Annotated[int | None, typer.Option("--target", "-n", min=0,
-                                               help="Keep at most this many live entries.")] = None,
-    keep: Annotated[float | None, typer.Option("--keep", min=0.0, max=1.0,
-                                               help="Keep this share of the live entries (0-1).")] = None,
+    target: Annotated[
+        int | None, typer.Option("--target", "-n", min=0, help="Keep at most this many live entries.")
+    ] = None,
+    keep: Annotated[
+        float | None, typer.Option("--keep", min=0.0, max=1.0, help="Keep this share of the live entries (0-1).")
+    ] = None,
     dry_run: DryRunOption = False,
     yes: YesOption = False,
     lock_wait: LockWaitOption = 0.0,
@@ -42,20 +44,31 @@ def evict(
             goal = target if target is not None else int(live * (keep or 0.0))
             plan = s.plan_eviction(goal)
             document: dict[str, Any] = {
-                "store": str(store), "target_entries": goal, "entries_before": plan.entries_before,
-                "evict": plan.count, "entry_ids": list(plan.entry_ids), "bytes_reclaimable": plan.bytes_reclaimable,
-                "lowest_score": plan.lowest_score, "dry_run": dry_run, "evicted": 0}
+                "store": str(store),
+                "target_entries": goal,
+                "entries_before": plan.entries_before,
+                "evict": plan.count,
+                "entry_ids": list(plan.entry_ids),
+                "bytes_reclaimable": plan.bytes_reclaimable,
+                "lowest_score": plan.lowest_score,
+                "dry_run": dry_run,
+                "evicted": 0,
+            }
             if not plan.count:
                 out.print(f"nothing to evict: {live} entries, target {goal}")
             elif dry_run:
-                out.print(f"would evict {plan.count} of {live} entries (scores from {plan.lowest_score:.4g}); "
-                          f"compaction would then free about {human_bytes(plan.bytes_reclaimable)}")
+                out.print(
+                    f"would evict {plan.count} of {live} entries (scores from {plan.lowest_score:.4g}); "
+                    f"compaction would then free about {human_bytes(plan.bytes_reclaimable)}"
+                )
                 shown = ", ".join(map(str, plan.entry_ids[:20])) + (" ..." if plan.count > 20 else "")
                 out.print(f"entry ids, first to go first: {shown}")
             elif confirm_change(f"evict {plan.count} of {live} entries from {store}?", yes):
                 document["evicted"] = s.evict(goal)
-                out.print(f"evicted {document['evicted']} entries; {live - document['evicted']} remain; "
-                          f"run 'hmem compact' to free about {human_bytes(plan.bytes_reclaimable)}")
+                out.print(
+                    f"evicted {document['evicted']} entries; {live - document['evicted']} remain; "
+                    f"run 'hmem compact' to free about {human_bytes(plan.bytes_reclaimable)}"
+                )
             else:
                 out.print("nothing evicted")
             entries_after = s.stats().entries
@@ -66,4 +79,3 @@ def evict(
             out.emit_json(document)
     if code:
         raise typer.Exit(code)
-

@@ -8,8 +8,8 @@ from typing import Annotated, Any
 import typer
 
 from hmem import EntryNotFoundError, Store, check_export_path, export_entries
-from hmem.cli.entry_view import not_found
 from hmem.cli.entry_args import EntryIdsArgument, store_and_ids
+from hmem.cli.entry_view import not_found
 from hmem.cli.options import JsonOption, QuietOption
 from hmem.cli.output import Output, human_bytes, literal
 
@@ -18,8 +18,16 @@ DTYPE_NAMES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "int8": "I8"}
 
 def export(
     args: EntryIdsArgument,
-    output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE", show_default=False,
-                                         help="The safetensors file to write (replaced atomically).")],
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="FILE",
+            show_default=False,
+            help="The safetensors file to write (replaced atomically).",
+        ),
+    ],
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -42,15 +50,31 @@ def export(
             raise not_found(exc, store) from None
     ids = list(dict.fromkeys(entry_ids))
     dtype = DTYPE_NAMES[storage]
-    document: dict[str, Any] = {"store": str(store), "output": str(output), "entry_ids": ids, "entries": len(ids),
-                                "storage_dtype": storage, "dtype": dtype, "scales": storage == "int8",
-                                "importable": storage != "int8", "bytes": size}
+    document: dict[str, Any] = {
+        "store": str(store),
+        "output": str(output),
+        "entry_ids": ids,
+        "entries": len(ids),
+        "storage_dtype": storage,
+        "dtype": dtype,
+        "scales": storage == "int8",
+        "importable": storage != "int8",
+        "bytes": size,
+    }
     if json_output:
         out.emit_json(document)
         return
-    out.print(literal(f"exported the K/V of {len(ids)} {'entry' if len(ids) == 1 else 'entries'} to {output} "
-                   f"({human_bytes(size)}), as stored: {dtype}"), soft_wrap=True)
+    out.print(
+        literal(
+            f"exported the K/V of {len(ids)} {'entry' if len(ids) == 1 else 'entries'} to {output} "
+            f"({human_bytes(size)}), as stored: {dtype}"
+        ),
+        soft_wrap=True,
+    )
     if storage == "int8":
-        out.print("note: the store is INT8: k_{id} and v_{id} are I8 and k_scale_{id}, v_scale_{id} their F32 "
-                  "row scales (row t = k_{id}[t] x k_scale_{id}[t]); 'hmem put' cannot import this file",
-                  markup=False, soft_wrap=True)
+        out.print(
+            "note: the store is INT8: k_{id} and v_{id} are I8 and k_scale_{id}, v_scale_{id} their F32 "
+            "row scales (row t = k_{id}[t] x k_scale_{id}[t]); 'hmem put' cannot import this file",
+            markup=False,
+            soft_wrap=True,
+        )

@@ -23,19 +23,37 @@ SHOWN = 100
 
 def ls(
     store: StoreArgument,
-    layer: Annotated[int | None, typer.Option("--layer", "-l", min=0, help="List only this layer's entries.",
-                                              show_default=False)] = None,
-    sort: Annotated[str, typer.Option(
-        "--sort", "-s", metavar="ORDER", help="id (ascending), score (eviction order: next to be evicted first), "
-        "accesses (most accessed first), age (oldest first) or size (largest first); other ties go to the lower "
-        "id.")]
-    = "id",
-    limit: Annotated[int | None, typer.Option(
-        "--limit", "-n", min=1, metavar="N", help=f"List the first N entries of that order (the table shows "
-        f"the first {SHOWN} without it; --json and --jsonl list all).", show_default=False)] = None,
+    layer: Annotated[
+        int | None, typer.Option("--layer", "-l", min=0, help="List only this layer's entries.", show_default=False)
+    ] = None,
+    sort: Annotated[
+        str,
+        typer.Option(
+            "--sort",
+            "-s",
+            metavar="ORDER",
+            help="id (ascending), score (eviction order: next to be evicted first), "
+            "accesses (most accessed first), age (oldest first) or size (largest first); other ties go to the lower "
+            "id.",
+        ),
+    ] = "id",
+    limit: Annotated[
+        int | None,
+        typer.Option(
+            "--limit",
+            "-n",
+            min=1,
+            metavar="N",
+            help=f"List the first N entries of that order (the table shows "
+            f"the first {SHOWN} without it; --json and --jsonl list all).",
+            show_default=False,
+        ),
+    ] = None,
     json_output: JsonOption = False,
-    jsonl: Annotated[bool, typer.Option("--jsonl", help="Print one JSON object per entry and line, streamed "
-                                        "(for millions of entries).")] = False,
+    jsonl: Annotated[
+        bool,
+        typer.Option("--jsonl", help="Print one JSON object per entry and line, streamed (for millions of entries)."),
+    ] = False,
     quiet: QuietOption = False,
 ) -> None:
     """List the entries of a store, one row each.
@@ -57,14 +75,19 @@ def ls(
         _write_stdout(_rows(listing, json_template(None), "", "\n"))
         return
     if json_output:
-        head = {"store": str(store), "layer": layer, "sort": sort, "limit": limit, "total": listing.total,
-                "count": len(listing)}
+        head = {
+            "store": str(store),
+            "layer": layer,
+            "sort": sort,
+            "limit": limit,
+            "total": listing.total,
+            "count": len(listing),
+        }
         opening = json.dumps(head, indent=2)[:-2] + ',\n  "entries": ['  # the document up to its entries
         if not len(listing):
             _write_stdout([opening + "]\n}\n"])
         else:
-            _write_stdout(chain([opening + "\n    "], _rows(listing, json_template(4), ",\n    ", ""),
-                                ["\n  ]\n}\n"]))
+            _write_stdout(chain([opening + "\n    "], _rows(listing, json_template(4), ",\n    ", ""), ["\n  ]\n}\n"]))
         return
     where = "" if layer is None else f" in layer {layer}"
     if not listing.total:

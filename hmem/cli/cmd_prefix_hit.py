@@ -27,7 +27,8 @@ def prefix_hit(
     windows: Annotated[
         str,
         typer.Option(
-            "--windows", "-w",
+            "--windows",
+            "-w",
             help="One window per object group, comma-separated: -1 (any value <= 0) is full "
             "attention, w >= 1 a sliding window of w chunks (1 for mamba). Example: -1,-1,4,1",
         ),
@@ -36,14 +37,17 @@ def prefix_hit(
     group: Annotated[
         list[str] | None,
         typer.Option(
-            "--group", "-g",
+            "--group",
+            "-g",
             help="Chunks one group holds, once per window in order: '0-11,14' on every rank, "
             "or one set per rank separated by ';' such as '0-11;0-9'. 'all' and 'none' work too.",
         ),
     ] = None,
     hex_bitmap: Annotated[
         str | None,
-        typer.Option("--hex", help="The whole presence map as raw bitmap bytes in hex (bit i in byte i//8, mask 1<<(i%8))."),
+        typer.Option(
+            "--hex", help="The whole presence map as raw bitmap bytes in hex (bit i in byte i//8, mask 1<<(i%8))."
+        ),
     ] = None,
     bitmap_file: Annotated[
         Path | None,
@@ -78,7 +82,9 @@ def prefix_hit(
     ] = None,
     picture: Annotated[
         bool | None,
-        typer.Option("--picture/--no-picture", help=f"Draw present and kept chunks (default: when C <= {PICTURE_MAX_CHUNKS})."),
+        typer.Option(
+            "--picture/--no-picture", help=f"Draw present and kept chunks (default: when C <= {PICTURE_MAX_CHUNKS})."
+        ),
     ] = None,
     json_output: JsonOption = False,
 ) -> None:
@@ -104,8 +110,11 @@ def prefix_hit(
                 "rows (--row, --rows-file) have no layout: leave it out"
             )
         per_row = row_windows(window_list, ranks)
-        rows = (rows_from_specs(row, chunks, ranks, window_list) if row
-                else rows_from_file(rows_file, chunks, ranks, window_list))  # type: ignore[arg-type]
+        rows = (
+            rows_from_specs(row, chunks, ranks, window_list)
+            if row
+            else rows_from_file(rows_file, chunks, ranks, window_list)  # type: ignore[arg-type]
+        )
         report = explain_prefix_hit(rows, windows=per_row)
         found = None
     else:

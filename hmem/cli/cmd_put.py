@@ -11,9 +11,9 @@ import typer
 
 from hmem import LAYOUTS, InvalidArgumentError, Store, find_kv_files, import_files, is_store, is_store_url
 from hmem.cli import signals
-from hmem.cli.put_report import report as _report
 from hmem.cli.options import STORE_ENV, DryRunOption, JsonOption, LockWaitOption, QuietOption
 from hmem.cli.output import Output
+from hmem.cli.put_report import report as _report
 
 
 def _is_store(text: str) -> bool:
@@ -28,36 +28,65 @@ def _store_and_inputs(args: list[str]) -> tuple[str, list[Path]]:
     stores = [_is_store(arg) for arg in args[:1]]
     paths = [Path(arg) for arg in args]
     if env and args and not stores[0] and not paths[0].exists() and len(paths) > 1:
-        raise InvalidArgumentError(f"{paths[0]} is not a store, nor a file or directory to import",
-                                   hint=f"give an existing store, or only the files to import into {env} "
-                                   f"({STORE_ENV})")
+        raise InvalidArgumentError(
+            f"{paths[0]} is not a store, nor a file or directory to import",
+            hint=f"give an existing store, or only the files to import into {env} ({STORE_ENV})",
+        )
     if env and (not paths or not stores[0]):
         return env, paths
     if len(paths) < 2:
-        raise InvalidArgumentError("give the store and at least one file or directory to import",
-                                   hint=f"or set {STORE_ENV} and give only the files")
+        raise InvalidArgumentError(
+            "give the store and at least one file or directory to import",
+            hint=f"or set {STORE_ENV} and give only the files",
+        )
     return args[0], paths[1:]
 
 
 def put(
-    paths: Annotated[list[str], typer.Argument(
-        metavar="[STORE] FILES...",
-        help="The store (may be left out when HMEM_STORE is set), then safetensors files or directories "
-        "searched for *.safetensors.", show_default=False)],
-    layer: Annotated[int | None, typer.Option("--layer", "-l", min=0,
-                                              help="Layer of entries whose tensor names carry none.")] = None,
-    importance: Annotated[float | None, typer.Option("--importance", "-i", min=0.0,
-                                                     help="Importance of every entry imported.")] = None,
-    layout: Annotated[str | None, typer.Option(
-        "--layout", metavar="LAYOUT", help="How per-head tensors are laid out: " + ", ".join(LAYOUTS)
-        + " (t tokens, h kv heads, d head_dim, b batch, l layers, 2 K/V); by default from the names or the "
-        "store's embed_dim.", show_default=False)] = None,
-    chunk_tokens: Annotated[int | None, typer.Option(
-        "--chunk-tokens", min=1, metavar="N", help="Store each sequence as entries of N consecutive tokens "
-        "(the last may be shorter).", show_default=False)] = None,
-    again: Annotated[bool, typer.Option(
-        "--again", help="Import files the store already imported (same content), storing their entries "
-        "a second time.")] = False,
+    paths: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="[STORE] FILES...",
+            help="The store (may be left out when HMEM_STORE is set), then safetensors files or directories "
+            "searched for *.safetensors.",
+            show_default=False,
+        ),
+    ],
+    layer: Annotated[
+        int | None, typer.Option("--layer", "-l", min=0, help="Layer of entries whose tensor names carry none.")
+    ] = None,
+    importance: Annotated[
+        float | None, typer.Option("--importance", "-i", min=0.0, help="Importance of every entry imported.")
+    ] = None,
+    layout: Annotated[
+        str | None,
+        typer.Option(
+            "--layout",
+            metavar="LAYOUT",
+            help="How per-head tensors are laid out: "
+            + ", ".join(LAYOUTS)
+            + " (t tokens, h kv heads, d head_dim, b batch, l layers, 2 K/V); by default from the names or the "
+            "store's embed_dim.",
+            show_default=False,
+        ),
+    ] = None,
+    chunk_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--chunk-tokens",
+            min=1,
+            metavar="N",
+            help="Store each sequence as entries of N consecutive tokens (the last may be shorter).",
+            show_default=False,
+        ),
+    ] = None,
+    again: Annotated[
+        bool,
+        typer.Option(
+            "--again",
+            help="Import files the store already imported (same content), storing their entries a second time.",
+        ),
+    ] = False,
     dry_run: DryRunOption = False,
     lock_wait: LockWaitOption = 0.0,
     json_output: JsonOption = False,
@@ -92,10 +121,18 @@ def put(
         with opened as s:
             before = s.stats()
             with out.progress("importing", total, bytes_mode=True) as bar:
-                report = import_files(s, files, layer=layer, importance=importance, layout=layout,
-                                      chunk_tokens=chunk_tokens, dry_run=dry_run,
-                                      progress=lambda result: bar.advance(result.bytes),
-                                      should_stop=signals.requested, again=again)
+                report = import_files(
+                    s,
+                    files,
+                    layer=layer,
+                    importance=importance,
+                    layout=layout,
+                    chunk_tokens=chunk_tokens,
+                    dry_run=dry_run,
+                    progress=lambda result: bar.advance(result.bytes),
+                    should_stop=signals.requested,
+                    again=again,
+                )
             if not dry_run:
                 s.flush()
             after = s.stats()

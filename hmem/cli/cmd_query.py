@@ -13,8 +13,8 @@ import typer
 from hmem import BadFileError, InvalidArgumentError, Store, check_export_path, export_results, read_tensor_file
 from hmem.cli.health_view import report_skipped, skipped_json
 from hmem.cli.options import JsonOption, LockWaitOption, QuietOption, StoreArgument
-from hmem.cli.query_export import ExportLayoutOption, KvHeadsOption, check_heads, check_options, export_note
 from hmem.cli.output import Output, human_bytes, human_duration
+from hmem.cli.query_export import ExportLayoutOption, KvHeadsOption, check_heads, check_options, export_note
 
 QUERY_TENSOR_NAMES = ("query", "q", "keys", "k")
 
@@ -42,8 +42,7 @@ def _load_npy(path: Path) -> np.ndarray:
         # against the file's real size instead of allocating it
         tokens = np.load(path, allow_pickle=False, mmap_mode="r")
     except (OSError, ValueError, EOFError, TypeError, MemoryError, zipfile.BadZipFile) as exc:
-        raise InvalidArgumentError(f"--query {path}: not a readable .npy file ({exc or type(exc).__name__})") \
-            from None
+        raise InvalidArgumentError(f"--query {path}: not a readable .npy file ({exc or type(exc).__name__})") from None
     if not isinstance(tokens, np.ndarray):
         raise InvalidArgumentError(f"--query {path}: an .npz archive, not one .npy array")
     return tokens
@@ -62,32 +61,57 @@ def load_query(path: Path) -> np.ndarray:
     except BadFileError as exc:
         if suffix == ".safetensors":
             raise InvalidArgumentError(f"--query {path}: {exc.message}") from None
-        raise InvalidArgumentError(f"--query {path}: neither a .npy file nor a safetensors file "
-                                   f"(read as safetensors: {exc.message})") from None
+        raise InvalidArgumentError(
+            f"--query {path}: neither a .npy file nor a safetensors file (read as safetensors: {exc.message})"
+        ) from None
 
 
 def query(
     store: StoreArgument,
-    query_file: Annotated[Path, typer.Option("--query", help="Query tokens: a .npy or .safetensors file "
-                                             "holding n_tokens x embed_dim values (or one row of embed_dim).",
-                                             show_default=False)],
+    query_file: Annotated[
+        Path,
+        typer.Option(
+            "--query",
+            help="Query tokens: a .npy or .safetensors file "
+            "holding n_tokens x embed_dim values (or one row of embed_dim).",
+            show_default=False,
+        ),
+    ],
     layer: Annotated[int, typer.Option("--layer", "-l", min=0, help="Layer to search.", show_default=False)],
     top_k: Annotated[int, typer.Option("--top-k", "-k", min=1, help="Number of results.")] = 5,
-    rerank: Annotated[bool, typer.Option("--rerank/--no-rerank",
-                                         help="Re-rank a 4x shortlist by the exact cosine of pooled keys.")] = True,
-    search: Annotated[str, typer.Option(
-        "--search", metavar="MODE",
-        help="How signatures are scanned: full (every signature whole), two-stage (the first 1024 bits of each, "
-        "then the best 50x shortlist whole), spans (a store's span signatures: an entry ranks by its best "
-        "span) or auto (spans on a store that has them, else two-stage on layers of 100,000 entries and "
-        "more).")] = "auto",
-    export: Annotated[Path | None, typer.Option("--export", help="Write the retrieved K/V to this safetensors file.")] = None,
+    rerank: Annotated[
+        bool, typer.Option("--rerank/--no-rerank", help="Re-rank a 4x shortlist by the exact cosine of pooled keys.")
+    ] = True,
+    search: Annotated[
+        str,
+        typer.Option(
+            "--search",
+            metavar="MODE",
+            help="How signatures are scanned: full (every signature whole), two-stage (the first 1024 bits of each, "
+            "then the best 50x shortlist whole), spans (a store's span signatures: an entry ranks by its best "
+            "span) or auto (spans on a store that has them, else two-stage on layers of 100,000 entries and "
+            "more).",
+        ),
+    ] = "auto",
+    export: Annotated[
+        Path | None, typer.Option("--export", help="Write the retrieved K/V to this safetensors file.")
+    ] = None,
     export_layout: ExportLayoutOption = "entries",
     kv_heads: KvHeadsOption = None,
-    count_access: Annotated[bool, typer.Option("--count-access", help="Count the results as accesses (takes the "
-                                               "write lock); by default a query from the shell only reads.")] = False,
-    skip_damaged: Annotated[bool, typer.Option("--skip-damaged", help="Leave out entries whose shard or tensors "
-                                               "are damaged (listed on stderr) and show the next best.")] = False,
+    count_access: Annotated[
+        bool,
+        typer.Option(
+            "--count-access",
+            help="Count the results as accesses (takes the write lock); by default a query from the shell only reads.",
+        ),
+    ] = False,
+    skip_damaged: Annotated[
+        bool,
+        typer.Option(
+            "--skip-damaged",
+            help="Leave out entries whose shard or tensors are damaged (listed on stderr) and show the next best.",
+        ),
+    ] = False,
     lock_wait: LockWaitOption = 0.0,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
@@ -101,14 +125,21 @@ def query(
     started = time.perf_counter()
     with Store.open(store, read_only=not count_access, lock_wait=lock_wait) as s:
         check_heads(s.config.embed_dim, kv_heads)
-        results = s.query(tokens, layer, top_k, rerank=rerank, on_damage="skip" if skip_damaged else "raise",
-                          search=search)
+        results = s.query(
+            tokens, layer, top_k, rerank=rerank, on_damage="skip" if skip_damaged else "raise", search=search
+        )
         skipped_note = report_skipped(out, results, layer)
         seconds = time.perf_counter() - started
         exported, note = None, None
         if export is not None:
-            exported = export_results(results, export, {"layer": str(layer), "store": str(store)},
-                                      layout=export_layout, kv_heads=kv_heads, storage_dtype=s.config.storage_dtype)
+            exported = export_results(
+                results,
+                export,
+                {"layer": str(layer), "store": str(store)},
+                layout=export_layout,
+                kv_heads=kv_heads,
+                storage_dtype=s.config.storage_dtype,
+            )
             note = export_note(s.config.storage_dtype)
     now = time.time_ns()
     rows: list[dict[str, Any]] = [
@@ -128,23 +159,42 @@ def query(
         for rank, r in enumerate(results, start=1)
     ]
     if json_output:
-        out.emit_json({"store": str(store), "layer": layer, "top_k": top_k, "rerank": rerank, "search": search,
-                       "searched": results.search,
-                       "results": rows, "skipped": skipped_json(results), "export": str(export) if export else None,
-                       "seconds": seconds})
+        out.emit_json(
+            {
+                "store": str(store),
+                "layer": layer,
+                "top_k": top_k,
+                "rerank": rerank,
+                "search": search,
+                "searched": results.search,
+                "results": rows,
+                "skipped": skipped_json(results),
+                "export": str(export) if export else None,
+                "seconds": seconds,
+            }
+        )
         return
     if not results:
         out.print(f"no entries in layer {layer}")
         return
     table = out.table(">rank", ">entry", ">score", ">similarity", ">tokens", ">importance", ">accesses", ">age")
     for row in rows:
-        table.add_row(str(row["rank"]), str(row["entry_id"]), f"{row['score']:.4f}", f"{row['similarity']:.4f}",
-                      str(row["n_tokens"]), f"{row['importance']:g}", str(row["access_count"]),
-                      human_duration(max(0, now - row["timestamp_ns"]) / 1e9))
+        table.add_row(
+            str(row["rank"]),
+            str(row["entry_id"]),
+            f"{row['score']:.4f}",
+            f"{row['similarity']:.4f}",
+            str(row["n_tokens"]),
+            f"{row['importance']:g}",
+            str(row["access_count"]),
+            human_duration(max(0, now - row["timestamp_ns"]) / 1e9),
+        )
     out.print(table)
     ranked = "cosine of pooled keys" if rerank else "signature similarity"
-    out.print(f"{len(results)} result(s) from layer {layer}, ranked by {ranked}, in {human_duration(seconds)}"
-              + skipped_note, soft_wrap=True)
+    out.print(
+        f"{len(results)} result(s) from layer {layer}, ranked by {ranked}, in {human_duration(seconds)}" + skipped_note,
+        soft_wrap=True,
+    )
     if exported is not None:
         out.print(f"exported K/V of {len(results)} entries to {export} ({human_bytes(exported)})")
         if note is not None:

@@ -8,13 +8,13 @@ import typer
 
 from hmem import Store
 from hmem.cli import signals
-from hmem.cli.exit_codes import ExitCode
 from hmem.cli.entry_args import EntryIdsArgument, store_and_ids
+from hmem.cli.exit_codes import ExitCode
+from hmem.cli.ids import id_ranges
+from hmem.cli.notes import problem
 from hmem.cli.options import DryRunOption, JsonOption, LockWaitOption, QuietOption, YesOption
 from hmem.cli.output import Output, human_bytes
 from hmem.cli.prompts import confirm_change
-from hmem.cli.ids import id_ranges
-from hmem.cli.notes import problem
 
 
 def rm(
@@ -39,19 +39,28 @@ def rm(
         with opened as s:
             plan = s.plan_delete(entry_ids)
             document: dict[str, Any] = {
-                "store": str(store), "dry_run": dry_run, "entry_ids": list(plan.entry_ids),
-                "missing": list(plan.missing), "bytes_reclaimable": plan.bytes_reclaimable, "deleted": 0}
+                "store": str(store),
+                "dry_run": dry_run,
+                "entry_ids": list(plan.entry_ids),
+                "missing": list(plan.missing),
+                "bytes_reclaimable": plan.bytes_reclaimable,
+                "deleted": 0,
+            }
             if plan.missing:
                 problem(f"no entry {id_ranges(plan.missing)} in {store}")
             if not plan.count:
                 out.print("nothing to delete")
             elif dry_run:
-                out.print(f"would delete {plan.count} entries ({id_ranges(plan.entry_ids)}) from {store}; "
-                          f"compaction would then free about {human_bytes(plan.bytes_reclaimable)}")
+                out.print(
+                    f"would delete {plan.count} entries ({id_ranges(plan.entry_ids)}) from {store}; "
+                    f"compaction would then free about {human_bytes(plan.bytes_reclaimable)}"
+                )
             elif confirm_change(f"delete {plan.count} entries ({id_ranges(plan.entry_ids)}) from {store}?", yes):
                 document["deleted"] = s.delete(plan.entry_ids).count
-                out.print(f"deleted {document['deleted']} entries ({id_ranges(plan.entry_ids)}) from {store}; "
-                          f"run 'hmem compact' to free about {human_bytes(plan.bytes_reclaimable)}")
+                out.print(
+                    f"deleted {document['deleted']} entries ({id_ranges(plan.entry_ids)}) from {store}; "
+                    f"run 'hmem compact' to free about {human_bytes(plan.bytes_reclaimable)}"
+                )
             else:
                 out.print("nothing deleted")
             entries_after = s.stats().entries
@@ -65,4 +74,3 @@ def rm(
             out.emit_json(document)
     if code:
         raise typer.Exit(code)
-

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from hmem import EntryNotFoundError, Store, StoredKV
-from hmem.cli.entry_view import age, entry_json, not_found, utc_time
 from hmem.cli.entry_args import EntryIdArgument, store_and_ids
+from hmem.cli.entry_view import age, entry_json, not_found, utc_time
 from hmem.cli.options import JsonOption, QuietOption
 from hmem.cli.output import Output, human_bytes, literal
 
@@ -41,8 +41,15 @@ def show(
         tensors = {"keys": _summary(stored, "keys", decoded.keys), "values": _summary(stored, "values", decoded.values)}
     info = stored.info
     if json_output:
-        out.emit_json({"store": str(store), **entry_json(info), "meta": stored.meta,
-                       "storage_dtype": stored.storage_dtype, "tensors": tensors})
+        out.emit_json(
+            {
+                "store": str(store),
+                **entry_json(info),
+                "meta": stored.meta,
+                "storage_dtype": stored.storage_dtype,
+                "tensors": tensors,
+            }
+        )
         return
     if quiet:
         return
@@ -63,8 +70,14 @@ def show(
     table = out.table("tensor", "shape", "stored as", ">mean row L2", ">max row L2", ">max |x|")
     for name, t in tensors.items():
         stored_as = t["dtype"] + (" + F32 row scales" if "scales" in t else "")
-        table.add_row(name, " x ".join(map(str, t["shape"])), stored_as, f"{t['mean_row_l2']:.4g}",
-                      f"{t['max_row_l2']:.4g}", f"{t['max_abs']:.4g}")
+        table.add_row(
+            name,
+            " x ".join(map(str, t["shape"])),
+            stored_as,
+            f"{t['mean_row_l2']:.4g}",
+            f"{t['max_row_l2']:.4g}",
+            f"{t['max_abs']:.4g}",
+        )
     out.print(table)
     if stored.dtype == "I8":
         out.print("norms are of the rows read back (int8 x scale)")
@@ -73,12 +86,19 @@ def show(
 def _summary(stored: StoredKV, side: str, rows: np.ndarray) -> dict[str, Any]:
     """Shape and dtype as stored; norms of the float32 rows read back."""
     norms = np.linalg.norm(np.asarray(rows, dtype=np.float64), axis=1)
-    summary: dict[str, Any] = {"shape": list(getattr(stored, side).shape), "dtype": stored.dtype,
-                               "mean_row_l2": float(norms.mean()) if norms.size else 0.0,
-                               "max_row_l2": float(norms.max()) if norms.size else 0.0,
-                               "max_abs": float(np.abs(rows).max()) if rows.size else 0.0}
+    summary: dict[str, Any] = {
+        "shape": list(getattr(stored, side).shape),
+        "dtype": stored.dtype,
+        "mean_row_l2": float(norms.mean()) if norms.size else 0.0,
+        "max_row_l2": float(norms.max()) if norms.size else 0.0,
+        "max_abs": float(np.abs(rows).max()) if rows.size else 0.0,
+    }
     scales = stored.key_scales if side == "keys" else stored.value_scales
     if scales is not None:
-        summary["scales"] = {"shape": list(scales.shape), "dtype": "F32", "min": float(scales.min()),
-                             "max": float(scales.max())}
+        summary["scales"] = {
+            "shape": list(scales.shape),
+            "dtype": "F32",
+            "min": float(scales.min()),
+            "max": float(scales.max()),
+        }
     return summary

@@ -29,28 +29,47 @@ def _subset(text: str | None) -> tuple[int, int] | None:
 
 def _next_step(codes: set[str], full: bool) -> str:
     if "index.stale" in codes:
-        return ("index.json is older than the store's files: run 'hmem verify --repair' to roll forward "
-                "(every intact entry is kept)")
+        return (
+            "index.json is older than the store's files: run 'hmem verify --repair' to roll forward "
+            "(every intact entry is kept)"
+        )
     if codes & {"index.pending", "entries.tail", "file.temp"} and len(codes) == 1:
         return "open the store for writing (any writing command) to finish what was interrupted"
     if codes <= {"file.orphan", "file.temp", "entries.tail", "index.pending", "file.foreign"}:
         return "run 'hmem compact' to remove the leftovers"
-    return "run 'hmem verify --repair' to salvage what can be saved" + ("" if full else
-                                                                      " (and 'hmem verify --full' to check every tensor)")
+    return "run 'hmem verify --repair' to salvage what can be saved" + (
+        "" if full else " (and 'hmem verify --full' to check every tensor)"
+    )
 
 
 def verify_command(
     store: StoreArgument,
     full: Annotated[bool, typer.Option("--full", help="Also read every tensor and check its checksum.")] = False,
-    subset: Annotated[str | None, typer.Option("--subset", metavar="K/N",
-                                               help="With --full (required), check only shards whose index is K-1 "
-                                               "modulo N (e.g. a nightly cron job with 1/7 .. 7/7).")] = None,
-    max_seconds: Annotated[float | None, typer.Option("--max-seconds", min=0.0,
-                                                      help="With --full (required), stop checking tensors after "
-                                                      "this long; exit 3 if stopped.")] = None,
+    subset: Annotated[
+        str | None,
+        typer.Option(
+            "--subset",
+            metavar="K/N",
+            help="With --full (required), check only shards whose index is K-1 "
+            "modulo N (e.g. a nightly cron job with 1/7 .. 7/7).",
+        ),
+    ] = None,
+    max_seconds: Annotated[
+        float | None,
+        typer.Option(
+            "--max-seconds",
+            min=0.0,
+            help="With --full (required), stop checking tensors after this long; exit 3 if stopped.",
+        ),
+    ] = None,
     max_findings: Annotated[int, typer.Option("--max-findings", min=1, help="List at most this many findings.")] = 50,
-    do_repair: Annotated[bool, typer.Option("--repair", help="Salvage what can be saved: drop records whose data "
-                                            "is lost, rebuild index.json and shards.")] = False,
+    do_repair: Annotated[
+        bool,
+        typer.Option(
+            "--repair",
+            help="Salvage what can be saved: drop records whose data is lost, rebuild index.json and shards.",
+        ),
+    ] = False,
     yes: YesOption = False,
     lock_wait: LockWaitOption = 0.0,
     json_output: JsonOption = False,
@@ -77,17 +96,22 @@ def verify_command(
         if len(report.findings) > len(shown):
             out.print(f"... and {len(report.findings) - len(shown)} more findings (--max-findings, --json)")
     depth = "full" if report.full else "quick"
-    checked = (f"{report.records} records, {report.shards} shards"
-               + (f", {report.tensors_checked} tensors ({human_bytes(report.bytes_checked)})" if report.full else ""))
+    checked = f"{report.records} records, {report.shards} shards" + (
+        f", {report.tensors_checked} tensors ({human_bytes(report.bytes_checked)})" if report.full else ""
+    )
     if not problems and not report.complete:
-        out.print(f"incomplete: the {depth} check stopped after {human_duration(report.seconds)} (--max-seconds) "
-                  f"having checked {checked}; no problem found so far")
+        out.print(
+            f"incomplete: the {depth} check stopped after {human_duration(report.seconds)} (--max-seconds) "
+            f"having checked {checked}; no problem found so far"
+        )
     elif not problems:
         out.print(f"ok: {depth} check of {checked} found no problem in {human_duration(report.seconds)}")
     else:
         errors = sum(f.severity == "error" for f in problems)
-        out.print(f"{depth} check of {checked}: {errors} error(s), {len(problems) - errors} warning(s); "
-                  + ("repairing" if do_repair else _next_step({f.code for f in problems}, report.full)))
+        out.print(
+            f"{depth} check of {checked}: {errors} error(s), {len(problems) - errors} warning(s); "
+            + ("repairing" if do_repair else _next_step({f.code for f in problems}, report.full))
+        )
     if do_repair and problems:
         if not confirm(f"rewrite {store} keeping only what checks out?", yes):
             out.print("nothing repaired")
@@ -100,11 +124,13 @@ def verify_command(
             if fixed.action == "tidied":
                 out.print("repaired: finished what an interrupted writer left and removed its leftovers")
             else:
-                out.print(f"repaired: kept {fixed.entries_kept} entries in {fixed.shards_after} shards"
-                          + (", rebuilt index.json" if fixed.rebuilt_index else "")
-                          + f"; {human_bytes(fixed.bytes_before)} -> {human_bytes(fixed.bytes_after)}")
+                out.print(
+                    f"repaired: kept {fixed.entries_kept} entries in {fixed.shards_after} shards"
+                    + (", rebuilt index.json" if fixed.rebuilt_index else "")
+                    + f"; {human_bytes(fixed.bytes_before)} -> {human_bytes(fixed.bytes_after)}"
+                )
             for entry_id, why in fixed.dropped:
-                out.warn(("lost entry %d: " % entry_id if entry_id is not None else "dropped: ") + why)
+                out.warn((f"lost entry {entry_id}: " if entry_id is not None else "dropped: ") + why)
             after = verify(store, full=True)
             document["after"] = after.to_dict()
             problems = after.problems

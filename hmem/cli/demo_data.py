@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
 from hmem import Bitmap, presence_map, write_kv_file
 
 EMBED_DIM = 128
@@ -34,8 +35,13 @@ def write_inputs(folder: Path, rng: np.random.Generator) -> list[Path]:
     paths = []
     for i in range(8):  # one entry per file, its layer and importance in the metadata
         k, v = kv()
-        paths.append(_write(folder / f"single_{i:02d}.safetensors", {"keys": k, "values": v},
-                            {"layer": str(i % 4), "importance": str(1 + i % 3)}))
+        paths.append(
+            _write(
+                folder / f"single_{i:02d}.safetensors",
+                {"keys": k, "values": v},
+                {"layer": str(i % 4), "importance": str(1 + i % 3)},
+            )
+        )
     for i in range(6):  # one entry per layer, stored as float16
         tensors = {}
         for layer in range(4):
@@ -52,7 +58,9 @@ def write_inputs(folder: Path, rng: np.random.Generator) -> list[Path]:
 
 def prefix_presence() -> Bitmap:
     """Which chunks each group of the prefix-hit example holds (one rank)."""
-    rows = [[Bitmap.from_indices([*range(12), 14], PREFIX_CHUNKS)],
-            [Bitmap.from_indices([*range(10), *range(12, 16)], PREFIX_CHUNKS)],
-            [Bitmap.from_indices(range(6, 10), PREFIX_CHUNKS)]]
+    rows = [
+        [Bitmap.from_indices([*range(12), 14], PREFIX_CHUNKS)],
+        [Bitmap.from_indices([*range(10), *range(12, 16)], PREFIX_CHUNKS)],
+        [Bitmap.from_indices(range(6, 10), PREFIX_CHUNKS)],
+    ]
     return presence_map(rows, PREFIX_CHUNKS)

@@ -16,9 +16,11 @@ from hmem.cli.options import STORE_ENV
 
 
 def _argument(what: str, whose: str) -> typer.models.ArgumentInfo:
-    return typer.Argument(metavar=f"[STORE] {what}", show_default=False,
-                          help=f"The store (may be left out when {STORE_ENV} is set), then {whose} "
-                          "('hmem ls' lists them).")
+    return typer.Argument(
+        metavar=f"[STORE] {what}",
+        show_default=False,
+        help=f"The store (may be left out when {STORE_ENV} is set), then {whose} ('hmem ls' lists them).",
+    )
 
 
 EntryIdArgument = Annotated[list[str], _argument("ID", "the entry's id")]
@@ -33,8 +35,9 @@ def store_and_ids(args: list[str], *, one: bool) -> tuple[str, list[int]]:
         store, rest = args[0], args[1:]
     else:
         what = "the entry id" if one else "at least one entry id"
-        raise InvalidArgumentError(f"give the store and {what}", hint=f"or set {STORE_ENV} and give only the "
-                                   + ("id" if one else "ids"))
+        raise InvalidArgumentError(
+            f"give the store and {what}", hint=f"or set {STORE_ENV} and give only the " + ("id" if one else "ids")
+        )
     if one and len(rest) > 1:
         raise InvalidArgumentError(f"give one entry id, got {len(rest)}: {' '.join(rest)}")
     bad = [a for a in rest if not _is_id(a)]

@@ -20,9 +20,17 @@ SORT_WORDS = {
 
 
 # An entry's JSON object: (JSON name, EntryInfo field), in order
-JSON_FIELDS = (("entry_id", "entry_id"), ("layer", "layer_idx"), ("n_tokens", "n_tokens"),
-               ("importance", "importance"), ("access_count", "access_count"), ("score", "score"),
-               ("timestamp_ns", "created"), ("shard", "shard_idx"), ("bytes", "bytes"))
+JSON_FIELDS = (
+    ("entry_id", "entry_id"),
+    ("layer", "layer_idx"),
+    ("n_tokens", "n_tokens"),
+    ("importance", "importance"),
+    ("access_count", "access_count"),
+    ("score", "score"),
+    ("timestamp_ns", "created"),
+    ("shard", "shard_idx"),
+    ("bytes", "bytes"),
+)
 _FLOATS = {"importance", "score"}
 
 
@@ -44,9 +52,17 @@ def json_template(indent: int | None) -> str:
 
 def entry_cells(info: EntryInfo, now_ns: int) -> tuple[str, ...]:
     """id, layer, tokens, importance, accesses, score, age, shard, bytes."""
-    return (str(info.entry_id), str(info.layer_idx), str(info.n_tokens), f"{info.importance:g}",
-            str(info.access_count), f"{info.score:.4g}", age(info.created, now_ns), str(info.shard_idx),
-            human_bytes(info.bytes))
+    return (
+        str(info.entry_id),
+        str(info.layer_idx),
+        str(info.n_tokens),
+        f"{info.importance:g}",
+        str(info.access_count),
+        f"{info.score:.4g}",
+        age(info.created, now_ns),
+        str(info.shard_idx),
+        human_bytes(info.bytes),
+    )
 
 
 def age(created_ns: int, now_ns: int) -> str:

@@ -20,11 +20,14 @@ def health_summary(health: StoreHealth, live: int) -> str:
         return "ok"
     parts = []
     if health.missing_shards:
-        parts.append(f"{_plural(len(health.missing_shards), 'shard', 'shards')} missing "
-                     f"({', '.join(health.missing_shards)})")
+        parts.append(
+            f"{_plural(len(health.missing_shards), 'shard', 'shards')} missing ({', '.join(health.missing_shards)})"
+        )
     if health.wrong_size_shards:
-        parts.append(f"{_plural(len(health.wrong_size_shards), 'shard', 'shards')} of the wrong size "
-                     f"({', '.join(health.wrong_size_shards)})")
+        parts.append(
+            f"{_plural(len(health.wrong_size_shards), 'shard', 'shards')} of the wrong size "
+            f"({', '.join(health.wrong_size_shards)})"
+        )
     if health.missing_shards or health.wrong_size_shards:
         parts.append(f"{health.unreachable_entries} of {live} live entries unreachable")
     if health.entries_file_problem:
@@ -51,8 +54,10 @@ def report_skipped(out: Output, results: QueryResults, layer: int) -> str:
     if not results.skipped:
         return ""
     if not results:
-        raise CorruptStoreError(f"no readable entry in layer {layer}: "
-                                f"{_plural(len(results.skipped), 'damaged entry', 'damaged entries')} skipped",
-                                hint=Hint.VERIFY_THEN_REPAIR)
+        raise CorruptStoreError(
+            f"no readable entry in layer {layer}: "
+            f"{_plural(len(results.skipped), 'damaged entry', 'damaged entries')} skipped",
+            hint=Hint.VERIFY_THEN_REPAIR,
+        )
     skipped = _plural(len(results.skipped), "damaged entry", "damaged entries")
     return f"; {skipped} skipped ({cli_hint(Hint.VERIFY_THEN_REPAIR)})"

@@ -16,7 +16,9 @@ def id_ranges(ids: Sequence[int] | np.ndarray, *, limit: int = 20) -> str:
     breaks = np.flatnonzero(np.diff(array) != 1) + 1  # where a run of consecutive ids starts
     starts = np.concatenate([[0], breaks])
     stops = np.concatenate([breaks, [len(array)]])
-    shown = [str(array[a]) if b == a + 1 else f"{array[a]}-{array[b - 1]}"
-             for a, b in zip(starts[:limit].tolist(), stops[:limit].tolist())]
+    shown = [
+        str(array[a]) if b == a + 1 else f"{array[a]}-{array[b - 1]}"
+        for a, b in zip(starts[:limit].tolist(), stops[:limit].tolist())
+    ]
     rest = int(len(array) - stops[min(limit, len(stops)) - 1])
     return ",".join(shown) + (f", and {rest} more" if rest > 0 else "")

@@ -20,14 +20,18 @@ STORE_ENV = "HMEM_STORE"
 # a str, not a Path: a store may be a URL (s3://bucket/prefix), which a Path would mangle
 StoreArgument = Annotated[
     str,
-    typer.Argument(envvar=STORE_ENV, show_envvar=True,
-                   help="The store: a directory or s3://bucket/prefix (or set HMEM_STORE).",
-                   show_default=False),
+    typer.Argument(
+        envvar=STORE_ENV,
+        show_envvar=True,
+        help="The store: a directory or s3://bucket/prefix (or set HMEM_STORE).",
+        show_default=False,
+    ),
 ]
 LockWaitOption = Annotated[
     float,
-    typer.Option("--lock-wait", min=0, metavar="SECONDS",
-                 help="Wait up to this long for another writer to release the store."),
+    typer.Option(
+        "--lock-wait", min=0, metavar="SECONDS", help="Wait up to this long for another writer to release the store."
+    ),
 ]
 YesOption = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 DryRunOption = Annotated[bool, typer.Option("--dry-run", help="Show what would be done; change nothing.")]

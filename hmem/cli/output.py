@@ -81,8 +81,9 @@ def whole_writes_to_stdout() -> None:
     after each result it prints."""
     raw = getattr(sys.stdout, "buffer", None)
     if isinstance(raw, io.FileIO):
-        sys.stdout = io.TextIOWrapper(io.BufferedWriter(raw), encoding=sys.stdout.encoding,
-                                      errors=sys.stdout.errors, write_through=True)
+        sys.stdout = io.TextIOWrapper(
+            io.BufferedWriter(raw), encoding=sys.stdout.encoding, errors=sys.stdout.errors, write_through=True
+        )
 
 
 def flush_stdout() -> bool:

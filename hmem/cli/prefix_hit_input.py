@@ -16,16 +16,13 @@ def parse_windows(text: str) -> list[int]:
     try:
         windows = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
     except ValueError:
-        raise InvalidArgumentError(
-            f"--windows {text!r}: expected comma-separated integers such as -1,-1,4,1"
-        ) from None
+        raise InvalidArgumentError(f"--windows {text!r}: expected comma-separated integers such as -1,-1,4,1") from None
     if not windows:
         raise InvalidArgumentError("--windows is empty: give one window per object group")
     return windows
 
 
-def presence_from_groups(specs: list[str], chunks: int, ranks: int, windows: list[int],
-                         layout: Layout) -> Bitmap:
+def presence_from_groups(specs: list[str], chunks: int, ranks: int, windows: list[int], layout: Layout) -> Bitmap:
     if len(specs) != len(windows):
         raise InvalidArgumentError(
             f"{len(specs)} --group option(s) for {len(windows)} windows: give one --group per window, in order"
@@ -59,7 +56,8 @@ def check_size(chunks: int, ranks: int, windows: list[int]) -> int:
         raise InvalidArgumentError(
             f"{len(windows)} groups x {chunks} chunks x {ranks} ranks = {nbits} presence bits: more than "
             f"prefix-hit handles (at most 2^30 = {MAX_PRESENCE_BITS} bits, a 128 MiB map)",
-            hint="check --chunks and --ranks")
+            hint="check --chunks and --ranks",
+        )
     return nbits
 
 
@@ -69,8 +67,9 @@ def _hex_bytes(hex_text: str, need: int, what: str) -> bytes:
     if bad is not None:
         raise InvalidArgumentError(f"--hex: {hex_text!r} is not hexadecimal ({bad.group()!r} is no hex digit)")
     if len(cleaned) != 2 * need:
-        raise InvalidArgumentError(f"--hex holds {len(cleaned)} hex digits but {what} need exactly "
-                                   f"{need} bytes ({2 * need} hex digits)")
+        raise InvalidArgumentError(
+            f"--hex holds {len(cleaned)} hex digits but {what} need exactly {need} bytes ({2 * need} hex digits)"
+        )
     return bytes.fromhex(cleaned)
 
 
@@ -85,7 +84,9 @@ def row_windows(windows: list[int], ranks: int) -> list[int]:
     if len(windows) * ranks > MAX_ROWS:
         raise InvalidArgumentError(
             f"{len(windows)} windows x {ranks} ranks = {len(windows) * ranks} rows: more than prefix-hit "
-            f"takes as rows (at most 2^20 = {MAX_ROWS})", hint="check --ranks")
+            f"takes as rows (at most 2^20 = {MAX_ROWS})",
+            hint="check --ranks",
+        )
     return [w for w in windows for _ in range(ranks)]
 
 
@@ -147,6 +148,8 @@ def raw_presence(hex_text: str | None, path: Path | None, nbits: int, what: str)
     spare = data[-1] >> (nbits % 8) if nbits % 8 else 0
     if spare:  # bits of the last byte past the map: a map for another shape, not padding
         first = nbits + (spare & -spare).bit_length() - 1
-        raise InvalidArgumentError(f"{source} sets bit {first}, past the end of the map of {what} "
-                                   f"(bits 0-{nbits - 1}): the bits after bit {nbits - 1} must be 0")
+        raise InvalidArgumentError(
+            f"{source} sets bit {first}, past the end of the map of {what} "
+            f"(bits 0-{nbits - 1}): the bits after bit {nbits - 1} must be 0"
+        )
     return Bitmap.from_bytes(data, nbits)

@@ -51,26 +51,32 @@ def json_document(report: PrefixHitReport, chunk_size: int | None, ranks: int) -
         "form": "rows" if report.from_rows else "flat",
     }
     if report.from_rows:
-        doc.update({
+        doc.update(
+            {
+                "chunk_size": chunk_size,
+                "servable_lengths": [[a + 1, b + 1] for a, b in report.servable.runs()],
+                "limiting_rows": list(report.limiting_groups),
+                "rows": [
+                    {"row": g.index, "group": g.index // ranks, "rank": g.index % ranks, **_facts(g)}
+                    for g in report.groups
+                ],
+                "retained": report.retain.popcount(),
+                "retain_rows_hex": [row.to_bytes().hex() for row in report.retain_rows],
+            }
+        )
+        return doc
+    doc.update(
+        {
+            "layout": report.layout.value,
             "chunk_size": chunk_size,
             "servable_lengths": [[a + 1, b + 1] for a, b in report.servable.runs()],
-            "limiting_rows": list(report.limiting_groups),
-            "rows": [{"row": g.index, "group": g.index // ranks, "rank": g.index % ranks, **_facts(g)}
-                     for g in report.groups],
+            "limiting_groups": list(report.limiting_groups),
+            "groups": [{"group": g.index, **_facts(g)} for g in report.groups],
+            "retain_bits": len(report.retain),
             "retained": report.retain.popcount(),
-            "retain_rows_hex": [row.to_bytes().hex() for row in report.retain_rows],
-        })
-        return doc
-    doc.update({
-        "layout": report.layout.value,
-        "chunk_size": chunk_size,
-        "servable_lengths": [[a + 1, b + 1] for a, b in report.servable.runs()],
-        "limiting_groups": list(report.limiting_groups),
-        "groups": [{"group": g.index, **_facts(g)} for g in report.groups],
-        "retain_bits": len(report.retain),
-        "retained": report.retain.popcount(),
-        "retain_mask_hex": report.retain.to_bytes().hex(),
-    })
+            "retain_mask_hex": report.retain.to_bytes().hex(),
+        }
+    )
     return doc
 
 
@@ -117,8 +123,9 @@ def _name(report: PrefixHitReport, g: GroupHit, ranks: int) -> str:
     return f"group {g.index} ({g.kind})"
 
 
-def show(out: Output, report: PrefixHitReport, found: Bitmap | None, chunk_size: int | None,
-         picture: bool | None, ranks: int) -> None:
+def show(
+    out: Output, report: PrefixHitReport, found: Bitmap | None, chunk_size: int | None, picture: bool | None, ranks: int
+) -> None:
     """`found`: the flat map, None when the presence came as rows, `ranks` per group."""
     from rich.text import Text  # human output only (hmem/cli/output.py)
 
@@ -131,8 +138,9 @@ def show(out: Output, report: PrefixHitReport, found: Bitmap | None, chunk_size:
     out.print(f"servable prefix lengths: {_lengths(report.servable)}")
     if report.from_rows:
         n = len(report.groups)
-        out.print(f"rows: {n // ranks} groups x {ranks} ranks = {n} rows of {C} chunks, "
-                  f"{report.retain.popcount()} retained")
+        out.print(
+            f"rows: {n // ranks} groups x {ranks} ranks = {n} rows of {C} chunks, {report.retain.popcount()} retained"
+        )
     else:
         out.print(
             f"layout {report.layout.value}: {len(report.windows)} groups x {C} chunks x {report.num_ranks} "

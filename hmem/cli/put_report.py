@@ -15,8 +15,9 @@ from hmem.cli.output import Output, human_bytes, literal
 FILES_SHOWN = 20  # files listed with their ids in the human summary
 
 
-def report(out: Output, store: str, dry_run: bool, result: ImportReport, before: StoreStats, after: StoreStats,
-           seconds: float) -> int:
+def report(
+    out: Output, store: str, dry_run: bool, result: ImportReport, before: StoreStats, after: StoreStats, seconds: float
+) -> int:
     """Print the summary of an import; returns the exit code: 0 when every
     file went in (or was in already), 3 (partial) when some were skipped,
     1 when all were."""
@@ -42,10 +43,17 @@ def report(out: Output, store: str, dry_run: bool, result: ImportReport, before:
         "seconds": seconds,
         "imported": [{"file": f.path, "entries": f.planned, "entry_ids": list(f.entries)} for f in imported],
         "skipped": [{"file": f.path, "reason": skip_reason(f)} for f in result.skipped],
-        "already_imported": [{"file": f.path, "sha256": f.sha256, "imported_as": f.imported_before.name,
-                              "imported": f.imported_before.imported,
-                              "entry_ids": list(f.imported_before.entry_ids)}
-                             for f in already if f.imported_before is not None],
+        "already_imported": [
+            {
+                "file": f.path,
+                "sha256": f.sha256,
+                "imported_as": f.imported_before.name,
+                "imported": f.imported_before.imported,
+                "entry_ids": list(f.imported_before.entry_ids),
+            }
+            for f in already
+            if f.imported_before is not None
+        ],
     }
     for f in result.skipped:  # on stderr, also under --quiet and --json: a script must learn why
         problem(f"skipped {f.path}: {skip_reason(f)}")
@@ -60,9 +68,13 @@ def report(out: Output, store: str, dry_run: bool, result: ImportReport, before:
     verb = "would add" if dry_run else "added"
     found = result.entries_found if dry_run else result.entries_added
     rate = f", {human_bytes(result.bytes_read / seconds)}/s" if seconds > 0 else ""
-    out.print(literal(f"{verb} {found} entries from {len(imported)} of {summary['files']} files "
-                   f"{'to' if dry_run else 'into'} {store} ({human_bytes(result.bytes_read)} read in {seconds:.1f} s"
-                   f"{rate})"))
+    out.print(
+        literal(
+            f"{verb} {found} entries from {len(imported)} of {summary['files']} files "
+            f"{'to' if dry_run else 'into'} {store} ({human_bytes(result.bytes_read)} read in {seconds:.1f} s"
+            f"{rate})"
+        )
+    )
     for f in imported[:FILES_SHOWN]:
         ids = id_ranges(f.entries) if not dry_run else f"{f.planned} entries"
         out.print(literal(f"  {f.path}: {'ids ' if not dry_run else ''}{ids}"))
@@ -72,15 +84,28 @@ def report(out: Output, store: str, dry_run: bool, result: ImportReport, before:
         names = ", ".join(f.path for f in already[:3]) + (f" and {len(already) - 3} more" if len(already) > 3 else "")
         out.print(literal(f"already imported, not imported again: {names} (--again imports them anyway)"))
     if evicted:
-        limit = ", ".join(name for name, value in (("max_entries", after.config.max_entries),
-                                                  ("max_disk_bytes", after.config.max_disk_bytes)) if value)
-        compacted = (f"; compacted, rewriting {human_bytes(rewritten)}" if summary["compactions"] else
-                     "; run 'hmem compact' to free their bytes")
+        limit = ", ".join(
+            name
+            for name, value in (
+                ("max_entries", after.config.max_entries),
+                ("max_disk_bytes", after.config.max_disk_bytes),
+            )
+            if value
+        )
+        compacted = (
+            f"; compacted, rewriting {human_bytes(rewritten)}"
+            if summary["compactions"]
+            else "; run 'hmem compact' to free their bytes"
+        )
         out.print(literal(f"evicted {evicted} lower-scored entries to keep {limit}{compacted}"))
     if not dry_run:
         change = summary["bytes_written"]
-        out.print(literal(f"{'grew' if change >= 0 else 'shrank'} by {human_bytes(abs(change))} on disk "
-                       f"({summary['shards_created']} new shard(s)); the store holds {after.entries} entries"))
+        out.print(
+            literal(
+                f"{'grew' if change >= 0 else 'shrank'} by {human_bytes(abs(change))} on disk "
+                f"({summary['shards_created']} new shard(s)); the store holds {after.entries} entries"
+            )
+        )
     return code
 
 
@@ -99,10 +124,21 @@ def _stopped(summary: dict[str, Any], result: ImportReport, after: StoreStats) -
     first one not started went in whole (or was skipped) and is committed."""
     committed = 0 if summary["dry_run"] else result.entries_added
     first = result.not_started[0] if result.not_started else None
-    what = (f"committed {committed} entries from {len(result.files)} finished file(s)"
-            + (f"; not imported: {first} and {len(result.not_started) - 1} file(s) after it" if first else
-               "; every file was finished")
-            + f"; the store holds {after.entries} entries")
-    return signals.report_stop(summary, what, entries_committed=committed, files_finished=len(result.files),
-                               files_not_started=len(result.not_started), first_file_not_finished=first,
-                               store_entries=after.entries)
+    what = (
+        f"committed {committed} entries from {len(result.files)} finished file(s)"
+        + (
+            f"; not imported: {first} and {len(result.not_started) - 1} file(s) after it"
+            if first
+            else "; every file was finished"
+        )
+        + f"; the store holds {after.entries} entries"
+    )
+    return signals.report_stop(
+        summary,
+        what,
+        entries_committed=committed,
+        files_finished=len(result.files),
+        files_not_started=len(result.not_started),
+        first_file_not_finished=first,
+        store_entries=after.entries,
+    )

@@ -10,14 +10,26 @@ import typer
 
 from hmem import EXPORT_LAYOUTS, InvalidArgumentError
 
-ExportLayoutOption = Annotated[str, typer.Option(
-    "--export-layout", metavar="LAYOUT",
-    help="Layout of the --export file: entries (k_{id}/v_{id}, tokens x embed_dim per result) or hf "
-    "(past_key_values.{layer}.key/.value, 1 x kv_heads x tokens x head_dim, a layer's results concatenated "
-    "along tokens in rank order; needs --kv-heads).")]
-KvHeadsOption = Annotated[int | None, typer.Option(
-    "--kv-heads", min=1, metavar="N", help="K/V heads of the model, for --export-layout hf "
-    "(embed_dim = N x head_dim).", show_default=False)]
+ExportLayoutOption = Annotated[
+    str,
+    typer.Option(
+        "--export-layout",
+        metavar="LAYOUT",
+        help="Layout of the --export file: entries (k_{id}/v_{id}, tokens x embed_dim per result) or hf "
+        "(past_key_values.{layer}.key/.value, 1 x kv_heads x tokens x head_dim, a layer's results concatenated "
+        "along tokens in rank order; needs --kv-heads).",
+    ),
+]
+KvHeadsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--kv-heads",
+        min=1,
+        metavar="N",
+        help="K/V heads of the model, for --export-layout hf (embed_dim = N x head_dim).",
+        show_default=False,
+    ),
+]
 
 
 def check_options(export: Path | None, layout: str, kv_heads: int | None) -> None:
@@ -35,8 +47,9 @@ def check_options(export: Path | None, layout: str, kv_heads: int | None) -> Non
 def check_heads(embed_dim: int, kv_heads: int | None) -> None:
     """--kv-heads splits the store's rows into heads of equal size."""
     if kv_heads is not None and embed_dim % kv_heads:
-        raise InvalidArgumentError(f"--kv-heads {kv_heads} does not divide the store's embed_dim {embed_dim} "
-                                   "into heads of equal size")
+        raise InvalidArgumentError(
+            f"--kv-heads {kv_heads} does not divide the store's embed_dim {embed_dim} into heads of equal size"
+        )
 
 
 def export_note(storage_dtype: str) -> str | None:
@@ -45,5 +58,7 @@ def export_note(storage_dtype: str) -> str | None:
     store are not what it holds (docs/cli.md, "hmem query")."""
     if storage_dtype != "int8":
         return None
-    return ("note: the store is INT8: the export holds its rows dequantized to F32 (int8 x row scale); "
-            "'hmem export' writes them as stored")
+    return (
+        "note: the store is INT8: the export holds its rows dequantized to F32 (int8 x row scale); "
+        "'hmem export' writes them as stored"
+    )

@@ -142,8 +142,11 @@ def report_stop(document: dict[str, Any], summary: str, **committed: Any) -> Exi
 def report_removed(document: dict[str, Any], verb: str, removed: int, store_entries: int) -> ExitCode:
     """``report_stop`` for a removal a signal let finish (evict, rm): `verb`
     ("evicted", "deleted") is also the document's key of the count."""
-    return report_stop(document, f"{verb} {removed} entries (committed); the store holds {store_entries} entries",
-                       **{verb: removed, "store_entries": store_entries})
+    return report_stop(
+        document,
+        f"{verb} {removed} entries (committed); the store holds {store_entries} entries",
+        **{verb: removed, "store_entries": store_entries},
+    )
 
 
 @contextlib.contextmanager

@@ -50,9 +50,27 @@ SHARD_NAME = re.compile(r"^shard_(\d{4,9})\.safetensors$")
 REWRITE_PREFIX = TEMP_PREFIX + "rewrite."
 TEMP_NAME = re.compile(r"^" + re.escape(TEMP_PREFIX) + r"[A-Za-z0-9_.-]{1,200}$")
 
-__all__ = ["ENTRIES_FILE", "FIXED_FILES", "INDEX_FILE", "LOCK_FILE", "POOLED_FILE", "SOURCES_FILE", "STAMP_FILE", "REWRITE_PREFIX", "SHARD_NAME", "TEMP_PREFIX",
-           "DirectoryFiles", "classify", "directory_bytes", "files_without_index", "record_bytes", "resolve", "shard_file", "shard_index",
-           "shard_names"]
+__all__ = [
+    "ENTRIES_FILE",
+    "FIXED_FILES",
+    "INDEX_FILE",
+    "LOCK_FILE",
+    "POOLED_FILE",
+    "SOURCES_FILE",
+    "STAMP_FILE",
+    "REWRITE_PREFIX",
+    "SHARD_NAME",
+    "TEMP_PREFIX",
+    "DirectoryFiles",
+    "classify",
+    "directory_bytes",
+    "files_without_index",
+    "record_bytes",
+    "resolve",
+    "shard_file",
+    "shard_index",
+    "shard_names",
+]
 
 
 def shard_file(index: int) -> str:
@@ -66,8 +84,9 @@ def shard_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def name_problem(name: object, *, shard_at: int | None = None, rename: bool = False,
-                 delete: bool = False) -> str | None:
+def name_problem(
+    name: object, *, shard_at: int | None = None, rename: bool = False, delete: bool = False
+) -> str | None:
     """Why `name`, read from a store file, is not a name that file may give,
     or None.  `shard_at`: the name of shard number `shard_at`; `rename`: the
     source of a pending rename (a rewrite's temporary name of a store file);
@@ -77,11 +96,16 @@ def name_problem(name: object, *, shard_at: int | None = None, rename: bool = Fa
     if not 0 < len(name) <= 255 or "/" in name or "\\" in name or "\0" in name or name in (".", ".."):
         return f"{name!r} is not a plain file name of the store directory"
     if shard_at is not None:
-        return None if name == shard_file(shard_at) else f"shard {shard_at} must be {shard_file(shard_at)}, not {name!r}"
+        return (
+            None if name == shard_file(shard_at) else f"shard {shard_at} must be {shard_file(shard_at)}, not {name!r}"
+        )
     if rename:
-        final = name[len(REWRITE_PREFIX):] if name.startswith(REWRITE_PREFIX) else ""
-        return None if final in (ENTRIES_FILE, POOLED_FILE) or SHARD_NAME.match(final) \
+        final = name[len(REWRITE_PREFIX) :] if name.startswith(REWRITE_PREFIX) else ""
+        return (
+            None
+            if final in (ENTRIES_FILE, POOLED_FILE) or SHARD_NAME.match(final)
             else f"{name!r} is no rewrite's file"
+        )
     if delete:
         return None if SHARD_NAME.match(name) or TEMP_NAME.match(name) else f"{name!r} is not a file hmem deletes"
     return None if name in FIXED_FILES or SHARD_NAME.match(name) else f"{name!r} is not a store file"
@@ -143,8 +167,9 @@ class DirectoryFiles:
     def foreign(self) -> list[str]:
         """Everything else, which hmem did not make and leaves alone: what
         the commit does not name, and the unsafe files."""
-        return sorted(self.others + self.unsafe
-                      + [n for n in self.temporary + self.unnamed_shards if n in self.irregular])
+        return sorted(
+            self.others + self.unsafe + [n for n in self.temporary + self.unnamed_shards if n in self.irregular]
+        )
 
 
 def classify(root: Path, shards: Iterable[ShardInfo] = (), pending: Pending | None = None) -> DirectoryFiles:
@@ -171,8 +196,7 @@ def classify(root: Path, shards: Iterable[ShardInfo] = (), pending: Pending | No
             unnamed.append(name)
         else:
             others.append(name)
-    return DirectoryFiles(sorted(committed), sorted(temporary), sorted(unnamed), sorted(others),
-                          frozenset(irregular))
+    return DirectoryFiles(sorted(committed), sorted(temporary), sorted(unnamed), sorted(others), frozenset(irregular))
 
 
 def shard_names(root: Path) -> list[str]:

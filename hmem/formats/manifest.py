@@ -69,8 +69,15 @@ class ShardInfo:
     def to_json(self) -> dict[str, Any]:
         """The fields in their order (what dataclasses.asdict gives, at a
         fraction of its cost: every commit lists every shard)."""
-        return {"file": self.file, "bytes": self.bytes, "uid": self.uid, "entries": self.entries,
-                "index_crc": self.index_crc, "dead_entries": self.dead_entries, "dead_bytes": self.dead_bytes}
+        return {
+            "file": self.file,
+            "bytes": self.bytes,
+            "uid": self.uid,
+            "entries": self.entries,
+            "index_crc": self.index_crc,
+            "dead_entries": self.dead_entries,
+            "dead_bytes": self.dead_bytes,
+        }
 
     def texts(self) -> tuple[str, str]:
         """This shard's item of index.json's shard list, as written (indent
@@ -79,10 +86,12 @@ class ShardInfo:
         kept = self.__dict__.get("_texts")
         if kept is None:
             quoted = encode_basestring_ascii  # what json.dumps writes for a str (ensure_ascii)
-            written = (f'  {{\n   "file": {quoted(self.file)},\n   "bytes": {int(self.bytes)},\n   "uid": '
-                       f'{quoted(self.uid)},\n   "entries": {int(self.entries)},\n   "index_crc": '
-                       f'{int(self.index_crc)},\n   "dead_entries": {int(self.dead_entries)},\n   "dead_bytes": '
-                       f'{int(self.dead_bytes)}\n  }}')
+            written = (
+                f'  {{\n   "file": {quoted(self.file)},\n   "bytes": {int(self.bytes)},\n   "uid": '
+                f'{quoted(self.uid)},\n   "entries": {int(self.entries)},\n   "index_crc": '
+                f'{int(self.index_crc)},\n   "dead_entries": {int(self.dead_entries)},\n   "dead_bytes": '
+                f"{int(self.dead_bytes)}\n  }}"
+            )
             canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
             kept = self.__dict__["_texts"] = (written, canonical)
         return kept
@@ -160,8 +169,11 @@ class Manifest:
         each listed in every commit."""
         written, sorted_items = _LISTED.texts(self.shards)
         body = self._body(_SHARDS_MARK)
-        canonical = _spliced(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True),
-                             '"shards":', "[" + ",".join(sorted_items) + "]")
+        canonical = _spliced(
+            json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True),
+            '"shards":',
+            "[" + ",".join(sorted_items) + "]",
+        )
         document = {**body, "checksum": f"crc32c:{checksum_kernels.crc32c(canonical.encode()):08x}"}
         items = "[\n" + ",\n".join(written) + "\n ]" if written else "[]"
         return (_spliced(json.dumps(document, indent=1), '"shards": ', items) + "\n").encode()
@@ -207,7 +219,7 @@ def _spliced(text: str, key: str, value: str) -> str:
     at = text.find(mark)
     if at < 0 or text.find(mark, at + 1) >= 0:
         raise AssertionError("index.json's shard list has no single place in its text")
-    return text[:at] + key + value + text[at + len(mark):]
+    return text[:at] + key + value + text[at + len(mark) :]
 
 
 def _checksum(body: dict[str, Any]) -> int:
@@ -226,18 +238,18 @@ def write(store_dir: Path, manifest: Manifest) -> bytes:
 
 def read_bytes(store_dir: Path) -> bytes:
     if not store_dir.is_dir():
-        raise NotAStoreError(f"{store_dir} is not a directory holding an hmem store",
-                             hint=Hint.CREATE)
+        raise NotAStoreError(f"{store_dir} is not a directory holding an hmem store", hint=Hint.CREATE)
     try:
         return _io.read_regular(store_dir / INDEX_FILE, MAX_INDEX_BYTES)
     except FileNotFoundError:
         left = files_without_index(store_dir)
         if left:  # a store that lost its index: creating one there would be the wrong advice
             shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
-            raise NotAStoreError(f"{store_dir} has no {INDEX_FILE} but holds store files ({shown}): "
-                                 f"the store's index is missing", hint=Hint.REPAIR) from None
-        raise NotAStoreError(f"{store_dir} holds no hmem store (no {INDEX_FILE})",
-                             hint=Hint.CREATE) from None
+            raise NotAStoreError(
+                f"{store_dir} has no {INDEX_FILE} but holds store files ({shown}): the store's index is missing",
+                hint=Hint.REPAIR,
+            ) from None
+        raise NotAStoreError(f"{store_dir} holds no hmem store (no {INDEX_FILE})", hint=Hint.CREATE) from None
     except OSError as exc:  # permissions, a disk error: docs/reliability.md, "OS errors"
         raise storage_error(exc, "read", store_dir / INDEX_FILE, writing=False) from exc
 
@@ -249,8 +261,7 @@ def parse(store_dir: Path, data: bytes) -> Manifest:
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: "[[[[...": docs/security.md
-        raise CorruptStoreError(f"{where} is not valid JSON",
-                                hint=Hint.REPAIR) from None
+        raise CorruptStoreError(f"{where} is not valid JSON", hint=Hint.REPAIR) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise NotAStoreError(f"{where} is not an hmem store index")
     if _nested_past(doc, MAX_DEPTH):  # what reads it (the checksum's json.dumps) recurses
@@ -282,8 +293,7 @@ def parse(store_dir: Path, data: bytes) -> Manifest:
     except (UnsupportedFormatError, CorruptStoreError):
         raise
     except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e400)
-        raise CorruptStoreError(f"{where} is missing or has a malformed field ({exc})",
-                                hint=Hint.REPAIR) from None
+        raise CorruptStoreError(f"{where} is missing or has a malformed field ({exc})", hint=Hint.REPAIR) from None
     if doc.get("record_size") != record_bytes(config):
         raise CorruptStoreError(f"{where} gives a record size that does not match hdc_dim")
     problem = _problem(doc, manifest)
@@ -313,7 +323,7 @@ def _problem(doc: dict[str, Any], mf: Manifest) -> str | None:
             return f"shard {info.file} claims more entries than its size allows"
     for src, dst in mf.pending.renames:
         why = name_problem(src, rename=True)
-        if why is not None or dst != src[len(REWRITE_PREFIX):]:
+        if why is not None or dst != src[len(REWRITE_PREFIX) :]:
             return why or f"a pending rename of {src!r} to {dst!r} is not one hmem makes"
     for name in mf.pending.deletes:
         why = name_problem(name, delete=True)
@@ -330,8 +340,9 @@ def _nested_past(value: Any, limit: int) -> bool:
     at level by level, without recursion)."""
     level = [value]
     for _ in range(limit):
-        level = [item for v in level if isinstance(v, (dict, list))
-                 for item in (v.values() if isinstance(v, dict) else v)]
+        level = [
+            item for v in level if isinstance(v, (dict, list)) for item in (v.values() if isinstance(v, dict) else v)
+        ]
         if not level:
             return False
     return any(isinstance(v, (dict, list)) for v in level)

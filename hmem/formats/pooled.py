@@ -51,7 +51,8 @@ def _checksums(rows: np.ndarray) -> np.ndarray:
     raw = np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), rows.dtype.itemsize)
     parts = threads.run_ranges(
         lambda lo, hi: checksum_kernels.crc32c_rows(raw[lo:hi], CHECKSUM_OFFSET, HEADER_BYTES),
-        threads.split(len(raw), _ROWS_PER_THREAD))
+        threads.split(len(raw), _ROWS_PER_THREAD),
+    )
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 

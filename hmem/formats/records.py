@@ -95,7 +95,8 @@ def checksums(records: np.ndarray) -> np.ndarray:
     rows = _rows(records)
     parts = threads.run_ranges(
         lambda lo, hi: checksum_kernels.crc32c_rows(rows[lo:hi], CHECKSUM_OFFSET, HEADER_BYTES),
-        threads.split(len(rows), _RECORDS_PER_THREAD))
+        threads.split(len(rows), _RECORDS_PER_THREAD),
+    )
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
@@ -138,8 +139,7 @@ def read(path: Path, count: int, config: StoreConfig | int) -> np.ndarray:
     except FileNotFoundError:
         if count == 0:
             return empty(0, config)
-        raise CorruptStoreError(f"{path} is missing but the store commits {count} records",
-                                hint=Hint.VERIFY) from None
+        raise CorruptStoreError(f"{path} is missing but the store commits {count} records", hint=Hint.VERIFY) from None
     except OSError as exc:  # permissions, a disk error: docs/reliability.md, "OS errors"
         raise storage_error(exc, "read", path, writing=False) from exc
     with open(fd, "rb") as f:
@@ -170,15 +170,15 @@ def read_checked(path: Path, count: int, config: StoreConfig | int) -> tuple[np.
     except FileNotFoundError:
         if count == 0:
             return empty(0, config), np.zeros(0, dtype=np.int64)
-        raise CorruptStoreError(f"{path} is missing but the store commits {count} records",
-                                hint=Hint.VERIFY) from None
+        raise CorruptStoreError(f"{path} is missing but the store commits {count} records", hint=Hint.VERIFY) from None
     except OSError as exc:  # permissions, a disk error: docs/reliability.md, "OS errors"
         raise storage_error(exc, "read", path, writing=False) from exc
     size = os.fstat(fd).st_size
     if size < count * dtype.itemsize:  # checked before anything is allocated for them
         os.close(fd)
-        raise CorruptStoreError(f"{path} holds {size // dtype.itemsize} whole records but the store commits {count}",
-                                hint=Hint.VERIFY)
+        raise CorruptStoreError(
+            f"{path} holds {size // dtype.itemsize} whole records but the store commits {count}", hint=Hint.VERIFY
+        )
     try:
         out = np.empty(count, dtype=dtype)
     except BaseException:
@@ -251,4 +251,4 @@ def update_pieces(updates: np.ndarray, record_size: int) -> list[tuple[int, byte
         mutable[field] = updates[field]
     raw = mutable.tobytes()
     offsets = updates["position"].astype(np.int64) * record_size + MUTABLE_OFFSET
-    return [(int(off), raw[i * MUTABLE_BYTES:(i + 1) * MUTABLE_BYTES]) for i, off in enumerate(offsets)]
+    return [(int(off), raw[i * MUTABLE_BYTES : (i + 1) * MUTABLE_BYTES]) for i, off in enumerate(offsets)]

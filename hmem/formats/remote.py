@@ -57,8 +57,23 @@ _STATE_HEAD = struct.Struct("<8sII")  # magic, version, number of pieces
 _PIECE = np.dtype([("file", "<u4"), ("zero", "<u4"), ("offset", "<u8"), ("length", "<u8")])
 _HEAD = struct.Struct("<16sQQ")  # shard uid, JSON header length, entries
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "HEADS", "HEADS_FILE", "LEASE_KEY", "MANIFEST_KEY", "STATE_FILES", "Lease",
-           "RemoteManifest", "apply_state", "encode_head", "encode_state", "parse_heads", "shard_key", "state_key"]
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "HEADS",
+    "HEADS_FILE",
+    "LEASE_KEY",
+    "MANIFEST_KEY",
+    "STATE_FILES",
+    "Lease",
+    "RemoteManifest",
+    "apply_state",
+    "encode_head",
+    "encode_state",
+    "parse_heads",
+    "shard_key",
+    "state_key",
+]
 
 
 def shard_key(uid: str) -> str:
@@ -100,6 +115,7 @@ def apply_state(data: bytes, files: list[bytearray], key: str) -> None:
     """Write a state object's pieces into `files` (one bytearray per
     STATE_FILES entry, then one for the shard heads, sized as the manifest
     says); refuses a damaged object or a piece outside its file."""
+
     def bad(why: str) -> CorruptStoreError:
         return CorruptStoreError(f"state object {key} is damaged: {why}", hint=Hint.VERIFY)
 
@@ -135,10 +151,12 @@ def apply_state(data: bytes, files: list[bytearray], key: str) -> None:
         out = np.frombuffer(target, dtype=np.uint8)
         if len(mine) <= 64:  # a snapshot, or a few runs: copied piece by piece
             for i in mine.tolist():
-                out[offsets[i]:offsets[i] + lengths[i]] = body[sources[i]:sources[i] + lengths[i]]
+                out[offsets[i] : offsets[i] + lengths[i]] = body[sources[i] : sources[i] + lengths[i]]
             continue
         # many small pieces (records updated here and there): one gather and one scatter
-        within = np.arange(int(lengths[mine].sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths[mine]) - lengths[mine], lengths[mine])
+        within = np.arange(int(lengths[mine].sum()), dtype=np.int64) - np.repeat(
+            np.cumsum(lengths[mine]) - lengths[mine], lengths[mine]
+        )
         out[np.repeat(offsets[mine], lengths[mine]) + within] = body[np.repeat(sources[mine], lengths[mine]) + within]
 
 
@@ -180,9 +198,18 @@ def parse_heads(data: bytes | bytearray, key: str) -> dict[str, tuple[int, memor
 class RemoteManifest:
     """manifest.json: one committed state of a store on object storage."""
 
-    def __init__(self, *, generation: int, index: bytes, sizes: dict[str, int], state: list[dict[str, Any]],
-                 shards: dict[str, dict[str, Any]], retired: list[dict[str, Any]], writer: str,
-                 committed: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        generation: int,
+        index: bytes,
+        sizes: dict[str, int],
+        state: list[dict[str, Any]],
+        shards: dict[str, dict[str, Any]],
+        retired: list[dict[str, Any]],
+        writer: str,
+        committed: float | None = None,
+    ) -> None:
         self.generation = generation
         self.index = index  # the index.json text of the local format (hmem/formats/manifest.py)
         self.sizes = sizes  # STATE_FILES name (and HEADS_FILE) -> bytes
@@ -219,19 +246,26 @@ class RemoteManifest:
         if doc.get("format_version") != FORMAT_VERSION:
             raise UnsupportedFormatError(
                 f"{where} uses object-store format version {doc.get('format_version')!r}; "
-                f"this hmem reads version {FORMAT_VERSION}", hint="use the hmem release that wrote it")
+                f"this hmem reads version {FORMAT_VERSION}",
+                hint="use the hmem release that wrote it",
+            )
         stored = doc.pop("checksum", None)
         if stored != f"crc32c:{_crc(_canonical(doc)):08x}":
             raise CorruptStoreError(f"{where} fails its checksum", hint=Hint.VERIFY)
         try:
-            mf = cls(generation=int(doc["generation"]), index=str(doc["index"]).encode(),
-                     sizes={**{name: int(doc["files"][name]) for name in STATE_FILES},
-                            HEADS_FILE: int(doc["files"].get(HEADS_FILE, 0))},
-                     state=[{"key": str(s["key"]), "bytes": int(s["bytes"])} for s in doc["state"]],
-                     shards={str(uid): {"key": str(s["key"]), "bytes": int(s["bytes"])}
-                             for uid, s in doc["shards"].items()},
-                     retired=[{"key": str(r["key"]), "since": float(r["since"])} for r in doc["retired"]],
-                     writer=str(doc["writer"]), committed=float(doc["committed"]))
+            mf = cls(
+                generation=int(doc["generation"]),
+                index=str(doc["index"]).encode(),
+                sizes={
+                    **{name: int(doc["files"][name]) for name in STATE_FILES},
+                    HEADS_FILE: int(doc["files"].get(HEADS_FILE, 0)),
+                },
+                state=[{"key": str(s["key"]), "bytes": int(s["bytes"])} for s in doc["state"]],
+                shards={str(uid): {"key": str(s["key"]), "bytes": int(s["bytes"])} for uid, s in doc["shards"].items()},
+                retired=[{"key": str(r["key"]), "since": float(r["since"])} for r in doc["retired"]],
+                writer=str(doc["writer"]),
+                committed=float(doc["committed"]),
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptStoreError(f"{where} is missing or has a malformed field ({exc})", hint=Hint.VERIFY) from None
         problem = mf._problem()
@@ -271,8 +305,9 @@ class Lease:
         self.expires = expires
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": FORMAT_NAME + "-lease", "token": self.token, "owner": self.owner,
-                           "expires": self.expires}).encode()
+        return json.dumps(
+            {"format": FORMAT_NAME + "-lease", "token": self.token, "owner": self.owner, "expires": self.expires}
+        ).encode()
 
     @classmethod
     def parse(cls, data: bytes) -> Lease | None:

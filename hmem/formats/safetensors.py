@@ -37,13 +37,36 @@ METADATA = "__metadata__"
 _SIZE_LIMIT = 1 << 62
 
 # Bytes per element of every dtype safetensors names.
-ITEM_SIZES: dict[str, int] = {"F32": 4, "F16": 2, "F64": 8, "BF16": 2, "I8": 1, "U8": 1, "I16": 2, "U16": 2,
-                              "I32": 4, "U32": 4, "I64": 8, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+ITEM_SIZES: dict[str, int] = {
+    "F32": 4,
+    "F16": 2,
+    "F64": 8,
+    "BF16": 2,
+    "I8": 1,
+    "U8": 1,
+    "I16": 2,
+    "U16": 2,
+    "I32": 4,
+    "U32": 4,
+    "I64": 8,
+    "U64": 8,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 # The numpy dtype of each that numpy has (bfloat16 and float8 it has not).
 NUMPY_DTYPES: dict[str, np.dtype] = {
-    "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"),
-    "I8": np.dtype("i1"), "U8": np.dtype("u1"), "I16": np.dtype("<i2"), "U16": np.dtype("<u2"),
-    "I32": np.dtype("<i4"), "U32": np.dtype("<u4"), "I64": np.dtype("<i8"), "U64": np.dtype("<u8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "F64": np.dtype("<f8"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "I16": np.dtype("<i2"),
+    "U16": np.dtype("<u2"),
+    "I32": np.dtype("<i4"),
+    "U32": np.dtype("<u4"),
+    "I64": np.dtype("<i8"),
+    "U64": np.dtype("<u8"),
     "BOOL": np.dtype("?"),
 }
 DTYPE_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in NUMPY_DTYPES.items()}
@@ -83,8 +106,14 @@ def _size(value: Any) -> int:
     return value
 
 
-def parse(buf: Any, *, dtypes: Mapping[str, int] = ITEM_SIZES, dtype_in_entry: bool = False,
-          contiguous: bool = False, check_metadata: Callable[[Any], None] | None = None) -> Header:
+def parse(
+    buf: Any,
+    *,
+    dtypes: Mapping[str, int] = ITEM_SIZES,
+    dtype_in_entry: bool = False,
+    contiguous: bool = False,
+    check_metadata: Callable[[Any], None] | None = None,
+) -> Header:
     """The header of the safetensors bytes in `buf` (bytes or a memory map).
 
     `dtypes` are the dtype names accepted, with their item sizes; a dtype
@@ -119,16 +148,18 @@ def parse(buf: Any, *, dtypes: Mapping[str, int] = ITEM_SIZES, dtype_in_entry: b
             if dtype_in_entry and dtype not in dtypes:
                 raise ValueError(f"{dtype} is not one of {sorted(dtypes)}")
         except (KeyError, TypeError, ValueError, OverflowError):
-            raise SafetensorsError(f"tensor {name!r} has a malformed header entry", reason="entry",
-                                   tensor=name) from None
+            raise SafetensorsError(
+                f"tensor {name!r} has a malformed header entry", reason="entry", tensor=name
+            ) from None
         if not 0 <= begin <= end <= data_len:
             raise SafetensorsError(f"tensor {name!r} lies outside the file's data", reason="outside", tensor=name)
         item = dtypes.get(dtype)
         if item is None:
             raise SafetensorsError(f"tensor {name!r} has unknown dtype {dtype}", reason="dtype", tensor=name)
         if end - begin != math.prod(shape) * item:  # Python ints: no overflow
-            raise SafetensorsError(f"tensor {name!r}: its byte size does not match shape {list(shape)}",
-                                   reason="size", tensor=name)
+            raise SafetensorsError(
+                f"tensor {name!r}: its byte size does not match shape {list(shape)}", reason="size", tensor=name
+            )
         tensors[name] = TensorSpec(dtype, shape, begin, end)
     if contiguous:
         _check_contiguous(tensors, data_len)
@@ -148,8 +179,7 @@ def _check_contiguous(tensors: dict[str, TensorSpec], data_len: int) -> None:
         raise SafetensorsError(f"{data_len - at} bytes after the last tensor belong to none", reason="tail")
 
 
-def encode(tensors: Iterable[tuple[str, str, Sequence[int], int]],
-           metadata: Mapping[str, str] | None = None) -> bytes:
+def encode(tensors: Iterable[tuple[str, str, Sequence[int], int]], metadata: Mapping[str, str] | None = None) -> bytes:
     """The length word and JSON header of a file whose data holds the
     tensors (name, dtype name, shape, byte size) back to back in the order
     given; ``__metadata__`` comes first when there is any."""
@@ -169,8 +199,9 @@ def entry_text(name: str, dtype: str, shape: Sequence[int], begin: int, end: int
     return json.dumps({name: entry}, separators=(",", ":"))[1:-1].encode() + b","
 
 
-def encode_text(metadata: Mapping[str, str], metadata_entries: Sequence[bytes],
-                tensor_entries: Sequence[bytes]) -> bytes:
+def encode_text(
+    metadata: Mapping[str, str], metadata_entries: Sequence[bytes], tensor_entries: Sequence[bytes]
+) -> bytes:
     """The length word and JSON header of a file whose tensor entries (with
     their offsets) are already written as JSON text, each followed by a
     comma (entry_text, or hmem.kernels.header_text for many at once), in

@@ -38,7 +38,8 @@ import numpy as np
 from hmem import _io
 from hmem.errors import CorruptStoreError, Hint
 from hmem.formats import safetensors
-from hmem.formats.layout import SHARD_NAME as SHARD_NAME, shard_file as shard_file  # named in layout
+from hmem.formats.layout import SHARD_NAME as SHARD_NAME  # named in layout
+from hmem.formats.layout import shard_file as shard_file
 from hmem.formats.safetensors import bytes_view
 from hmem.kernels import checksum as checksum_kernels
 
@@ -102,15 +103,21 @@ def parse_header(buf: mmap.mmap | bytes, name: str) -> tuple[dict[str, str], dic
     """A shard's __metadata__, its tensors (name -> numpy dtype, shape,
     absolute start and end) and where its data starts."""
     try:
-        header = safetensors.parse(buf, dtypes=_ITEM_SIZES, dtype_in_entry=True,  # a dtype no shard holds
-                                   check_metadata=_check_shard_metadata)
+        header = safetensors.parse(
+            buf,
+            dtypes=_ITEM_SIZES,
+            dtype_in_entry=True,  # a dtype no shard holds
+            check_metadata=_check_shard_metadata,
+        )
     except safetensors.SafetensorsError as exc:
         wording = _SHARD_WORDING.get(exc.reason)
         why = wording.format(exc.tensor) if wording else exc.message
         raise CorruptStoreError(f"shard {name} has a damaged header: {why}", hint=Hint.VERIFY) from None
     start = header.data_start
-    entries = {tensor: (DTYPES[spec.dtype], spec.shape, start + spec.begin, start + spec.end)
-               for tensor, spec in header.tensors.items()}
+    entries = {
+        tensor: (DTYPES[spec.dtype], spec.shape, start + spec.begin, start + spec.end)
+        for tensor, spec in header.tensors.items()
+    }
     return header.metadata or {}, entries, start
 
 
@@ -132,8 +139,9 @@ class ShardScan:
     problems: list[tuple[str, str]]  # (finding code, message)
 
 
-def tensor_layout(kind: str, n_tokens: int, embed_dim: int, storage: str,
-                  pooled_keys: int = 1) -> tuple[np.dtype, tuple[int, ...]]:
+def tensor_layout(
+    kind: str, n_tokens: int, embed_dim: int, storage: str, pooled_keys: int = 1
+) -> tuple[np.dtype, tuple[int, ...]]:
     """dtype and shape of one tensor of an entry in a store of this
     storage_dtype and signatures_per_entry (`pooled_keys`)."""
     if kind in ("k", "v"):
@@ -171,15 +179,22 @@ def _find_index(buf: Any, data_start: int | None) -> tuple[np.ndarray | None, in
             continue
         head = np.frombuffer(buf, dtype="<i8", count=INDEX_COLUMNS, offset=start)
         entries = int(head[2])
-        if head[0] != INDEX_MAGIC or head[1] != INDEX_VERSION or not 0 <= entries <= (size - start) // INDEX_ROW_BYTES - 1:
+        if (
+            head[0] != INDEX_MAGIC
+            or head[1] != INDEX_VERSION
+            or not 0 <= entries <= (size - start) // INDEX_ROW_BYTES - 1
+        ):
             continue
         rows = entries + 1
-        return np.frombuffer(buf, dtype="<i8", count=rows * INDEX_COLUMNS, offset=start).reshape(rows, INDEX_COLUMNS), start
+        return np.frombuffer(buf, dtype="<i8", count=rows * INDEX_COLUMNS, offset=start).reshape(
+            rows, INDEX_COLUMNS
+        ), start
     return None, -1
 
 
-def scan_shard(path: Path, *, embed_dim: int, storage: str, index_crc: int | None = None,
-               pooled_keys: int = 1) -> ShardScan:
+def scan_shard(
+    path: Path, *, embed_dim: int, storage: str, index_crc: int | None = None, pooled_keys: int = 1
+) -> ShardScan:
     """Read a shard without trusting its header or its index.  `index_crc`
     is what index.json records for the index (None when it is lost)."""
     problems: list[tuple[str, str]] = []

@@ -75,9 +75,22 @@ class SourcesInfo:
 
 def encode(sources: list[ImportedSource]) -> bytes:
     """Lines to append, one JSON object each."""
-    return "".join(json.dumps({"sha256": s.sha256, "bytes": s.bytes, "name": s.name, "first_id": s.first_id,
-                                "entries": s.entries, "imported": s.imported}, separators=(",", ":"),
-                               ensure_ascii=True) + "\n" for s in sources).encode()
+    return "".join(
+        json.dumps(
+            {
+                "sha256": s.sha256,
+                "bytes": s.bytes,
+                "name": s.name,
+                "first_id": s.first_id,
+                "entries": s.entries,
+                "imported": s.imported,
+            },
+            separators=(",", ":"),
+            ensure_ascii=True,
+        )
+        + "\n"
+        for s in sources
+    ).encode()
 
 
 def appended(info: SourcesInfo, data: bytes) -> SourcesInfo:
@@ -94,8 +107,9 @@ def read(store_dir: Path, info: SourcesInfo) -> list[ImportedSource]:
     try:
         data = file_reads.read_regular(where, MAX_SOURCES_BYTES * 2)[: info.bytes]
     except FileNotFoundError:
-        raise CorruptStoreError(f"{where} is missing; index.json counts {info.bytes} bytes of it",
-                                hint=Hint.REPAIR) from None
+        raise CorruptStoreError(
+            f"{where} is missing; index.json counts {info.bytes} bytes of it", hint=Hint.REPAIR
+        ) from None
     if len(data) < info.bytes:
         raise CorruptStoreError(f"{where} holds {len(data)} bytes; index.json counts {info.bytes}", hint=Hint.REPAIR)
     if checksum_kernels.crc32c(data) != info.crc32c:
@@ -138,8 +152,14 @@ def _line(line: bytes) -> ImportedSource | None:
     if not isinstance(raw, dict) or tuple(raw) != _FIELDS:
         return None
     sha, size, name, first, entries, when = (raw[k] for k in _FIELDS)
-    if not (isinstance(sha, str) and _SHA256.match(sha) and isinstance(name, str) and len(name) <= MAX_NAME_CHARS
-            and isinstance(when, str) and len(when) <= 64
-            and all(type(v) is int and 0 <= v < 2**63 for v in (size, first, entries))):
+    if not (
+        isinstance(sha, str)
+        and _SHA256.match(sha)
+        and isinstance(name, str)
+        and len(name) <= MAX_NAME_CHARS
+        and isinstance(when, str)
+        and len(when) <= 64
+        and all(type(v) is int and 0 <= v < 2**63 for v in (size, first, entries))
+    ):
         return None
     return ImportedSource(sha, size, name, first, entries, when)

@@ -82,8 +82,10 @@ def stale_evidence(root: Path, mf: Manifest) -> str | None:
     ids the commit never reserved."""
     found = read(root)
     if found is not None and found.generation > mf.generation:
-        return (f"index.json holds generation {mf.generation}, but generation {found.generation} was "
-                f"committed after it ({found.record_count} records): index.json is older than the store's files")
+        return (
+            f"index.json holds generation {mf.generation}, but generation {found.generation} was "
+            f"committed after it ({found.record_count} records): index.json is older than the store's files"
+        )
     size = record_bytes(mf.config)
     try:  # a link or a file of another kind is no evidence: readers and writers refuse it (docs/security.md)
         fd = _io.open_regular(root / ENTRIES_FILE)
@@ -94,8 +96,7 @@ def stale_evidence(root: Path, mf: Manifest) -> str | None:
         if whole <= mf.record_count:
             return None
         f.seek(mf.record_count * size)
-        tail = np.frombuffer(f.read((whole - mf.record_count) * size),
-                             dtype=records.record_dtype(mf.config))
+        tail = np.frombuffer(f.read((whole - mf.record_count) * size), dtype=records.record_dtype(mf.config))
     sound = np.setdiff1d(np.arange(len(tail)), records.damaged(tail))
     ids = tail["entry_id"][sound]
     unreserved = ids[ids >= mf.next_entry_id]
@@ -103,5 +104,7 @@ def stale_evidence(root: Path, mf: Manifest) -> str | None:
         return None
     shown = ", ".join(str(int(i)) for i in unreserved[:MAX_LISTED_IDS])
     more = f" and {len(unreserved) - MAX_LISTED_IDS} more" if len(unreserved) > MAX_LISTED_IDS else ""
-    return (f"entries.bin holds {len(unreserved)} entries past the commit whose ids index.json never reserved "
-            f"(next_entry_id {mf.next_entry_id}; found {shown}{more}): index.json is older than the store's files")
+    return (
+        f"entries.bin holds {len(unreserved)} entries past the commit whose ids index.json never reserved "
+        f"(next_entry_id {mf.next_entry_id}; found {shown}{more}): index.json is older than the store's files"
+    )

@@ -32,9 +32,7 @@ def _import(name: str) -> ModuleType:
     if KERNEL_SET == "reference":
         return importlib.import_module(f"hmem.kernels.reference.{name}")
     if KERNEL_SET != "native":
-        raise KernelUnavailableError(
-            f"unknown {KERNELS_ENV}={KERNEL_SET!r}", hint="use 'native' or 'reference'"
-        )
+        raise KernelUnavailableError(f"unknown {KERNELS_ENV}={KERNEL_SET!r}", hint="use 'native' or 'reference'")
     try:
         module = importlib.import_module(f"hmem.kernels._native._{name}")
     except ImportError as exc:  # the extension was not built or cannot load

@@ -106,9 +106,7 @@ class Bitmap:
         buf = bytearray(data)
         n = len(buf) * 8 if nbits is None else _length(nbits, "nbits")
         if len(buf) != _nbytes(n):
-            raise InvalidArgumentError(
-                f"{len(buf)} bytes cannot hold exactly {n} bits (need {_nbytes(n)} bytes)"
-            )
+            raise InvalidArgumentError(f"{len(buf)} bytes cannot hold exactly {n} bits (need {_nbytes(n)} bytes)")
         return cls._wrap(buf, n)
 
     @classmethod

@@ -118,8 +118,9 @@ def explain_prefix_hit(
     return _explain_rows(found, num_chunks, num_ranks, windows, layout)
 
 
-def _explain_flat(found: Bitmap, num_chunks: int, num_ranks: int, windows: Sequence[int],
-                  layout: Layout | str) -> PrefixHitReport:
+def _explain_flat(
+    found: Bitmap, num_chunks: int, num_ranks: int, windows: Sequence[int], layout: Layout | str
+) -> PrefixHitReport:
     C, R, ws = checked_shape(num_chunks, num_ranks, windows)
     lay = checked_layout(layout)
     servable = fold(found, C, R, ws, lay)
@@ -129,8 +130,9 @@ def _explain_flat(found: Bitmap, num_chunks: int, num_ranks: int, windows: Seque
     return PrefixHitReport(C, R, ws, lay, hit, servable, retain, groups)
 
 
-def _explain_rows(rows: Sequence[Bitmap], num_chunks: int | None, num_ranks: int | None,
-                  windows: Sequence[int], layout: Layout | str) -> PrefixHitReport:
+def _explain_rows(
+    rows: Sequence[Bitmap], num_chunks: int | None, num_ranks: int | None, windows: Sequence[int], layout: Layout | str
+) -> PrefixHitReport:
     rs, C = _checked_rows(rows)
     ws = _paired_windows(windows, len(rs))
     lay = checked_layout(layout)

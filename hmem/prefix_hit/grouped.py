@@ -29,7 +29,6 @@ from hmem.kernels import bitops
 from hmem.prefix_hit.bitmap import Bitmap
 from hmem.prefix_hit.operators import _int, _kernel_windows, _windows
 
-
 # Per-row work is done by C-level map() calls: a request has tens to hundreds
 # of rows, and a Python step per row would cost more than the kernels.  The
 # slots are read directly (not through Bitmap.buffer / len()) for the same

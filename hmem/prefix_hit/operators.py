@@ -106,8 +106,7 @@ def _check_found(found: Bitmap, C: int, R: int, G: int) -> None:
         raise InvalidArgumentError(f"the presence map must be a Bitmap, got {type(found).__name__}")
     if len(found) != G * C * R:
         raise InvalidArgumentError(
-            f"the presence map has {len(found)} bits but {G} groups x {C} chunks x {R} ranks "
-            f"need {G * C * R}"
+            f"the presence map has {len(found)} bits but {G} groups x {C} chunks x {R} ranks need {G * C * R}"
         )
 
 
@@ -125,7 +124,9 @@ def fold(
     C, R, ws = checked_shape(num_chunks, num_ranks, windows)
     _check_found(found, C, R, len(ws))
     out = Bitmap(C)
-    bitops.fold_into(found.buffer, C, R, _kernel_windows(ws, C), checked_layout(layout) is Layout.CHUNK_MAJOR, out.buffer)
+    bitops.fold_into(
+        found.buffer, C, R, _kernel_windows(ws, C), checked_layout(layout) is Layout.CHUNK_MAJOR, out.buffer
+    )
     return out
 
 

@@ -17,8 +17,14 @@ from hmem.recovery.repair import RepairReport
 from hmem.recovery.verify import VerifyReport
 
 
-def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | None = None,
-           max_seconds: float | None = None, storage_options: dict[str, Any] | None = None) -> VerifyReport:
+def verify(
+    path: str | Path,
+    *,
+    full: bool = False,
+    subset: tuple[int, int] | None = None,
+    max_seconds: float | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> VerifyReport:
     """Check the store at `path`, a directory or a URL s3://bucket/prefix
     (with `storage_options` as for Store.open): every file against the
     others and against its checksums; `full` also reads every tensor.
@@ -26,14 +32,14 @@ def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | No
     if is_url(path):
         from hmem.recovery import remote
 
-        return remote.verify_remote(str(path), full=full, subset=subset, max_seconds=max_seconds,
-                                    storage_options=storage_options)
+        return remote.verify_remote(
+            str(path), full=full, subset=subset, max_seconds=max_seconds, storage_options=storage_options
+        )
     _local_only(storage_options)
     return local_verify.verify(path, full=full, subset=subset, max_seconds=max_seconds)
 
 
-def repair(path: str | Path, *, lock_wait: float = 0.0, storage_options: dict[str, Any] | None = None
-           ) -> RepairReport:
+def repair(path: str | Path, *, lock_wait: float = 0.0, storage_options: dict[str, Any] | None = None) -> RepairReport:
     """Salvage what passes its checksums in the store at `path`, a directory
     or a URL s3://bucket/prefix, as the writer (waiting up to `lock_wait`
     seconds for the lock or lease)."""

@@ -32,17 +32,31 @@ from hmem.store.remote import RemoteLink
 from hmem.store.remote_fetch import RemoteShardFile
 
 
-def verify_remote(url: str, *, full: bool, subset: tuple[int, int] | None, max_seconds: float | None,
-                  storage_options: dict[str, Any] | None) -> VerifyReport:
+def verify_remote(
+    url: str,
+    *,
+    full: bool,
+    subset: tuple[int, int] | None,
+    max_seconds: float | None,
+    storage_options: dict[str, Any] | None,
+) -> VerifyReport:
     started = time.perf_counter()
     link = RemoteLink(url, storage_options)
     found: list[Finding] = []
 
     def report(local: VerifyReport | None) -> VerifyReport:
         findings = tuple(found) + (local.findings if local else ())
-        return VerifyReport(link.url, full, findings, local.records if local else 0, local.shards if local else 0,
-                            local.tensors_checked if local else 0, local.bytes_checked if local else 0,
-                            local.complete if local else True, time.perf_counter() - started)
+        return VerifyReport(
+            link.url,
+            full,
+            findings,
+            local.records if local else 0,
+            local.shards if local else 0,
+            local.tensors_checked if local else 0,
+            local.bytes_checked if local else 0,
+            local.complete if local else True,
+            time.perf_counter() - started,
+        )
 
     try:
         try:
@@ -50,28 +64,45 @@ def verify_remote(url: str, *, full: bool, subset: tuple[int, int] | None, max_s
         except NotAStoreError:
             raise
         except HmemError as exc:
-            found.append(Finding("remote.manifest", ERROR, fmt.MANIFEST_KEY, exc.message,
-                                 "a manifest that passes its checksum"))
+            found.append(
+                Finding("remote.manifest", ERROR, fmt.MANIFEST_KEY, exc.message, "a manifest that passes its checksum")
+            )
             return report(None)
         listed = dict(link.client.list())
         for item in [*mf.state, *mf.shards.values()]:
             size = listed.get(item["key"])
             if size is None:
-                found.append(Finding("remote.missing", ERROR, item["key"], "an object the manifest names is missing",
-                                     f"{item['bytes']} bytes"))
+                found.append(
+                    Finding(
+                        "remote.missing",
+                        ERROR,
+                        item["key"],
+                        "an object the manifest names is missing",
+                        f"{item['bytes']} bytes",
+                    )
+                )
             elif size != item["bytes"]:
-                found.append(Finding("remote.size", ERROR, item["key"], f"the object is {size} bytes",
-                                     f"{item['bytes']} bytes"))
+                found.append(
+                    Finding("remote.size", ERROR, item["key"], f"the object is {size} bytes", f"{item['bytes']} bytes")
+                )
         for key in link.orphans():
-            found.append(Finding("remote.orphan", WARNING, key, "an object no commit names (left by a writer "
-                                 "that stopped before its commit; compact removes it)", "no such object"))
+            found.append(
+                Finding(
+                    "remote.orphan",
+                    WARNING,
+                    key,
+                    "an object no commit names (left by a writer that stopped before its commit; compact removes it)",
+                    "no such object",
+                )
+            )
         if any(f.code == "remote.missing" and f.file.startswith(fmt.STATE_PREFIX) for f in found):
             return report(None)
         try:
             directory = link.materialize()
         except HmemError as exc:
-            found.append(Finding("remote.state", ERROR, fmt.STATE_PREFIX, exc.message,
-                                 "state objects that pass their checksums"))
+            found.append(
+                Finding("remote.state", ERROR, fmt.STATE_PREFIX, exc.message, "state objects that pass their checksums")
+            )
             return report(None)
         local_mf = manifest.parse(directory, mf.index)
         for info in local_mf.shards:

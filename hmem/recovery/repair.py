@@ -90,14 +90,25 @@ def repair(path: str | Path, *, lock_wait: float = 0.0) -> RepairReport:
                 mf = manifest.load(root)
                 rewrite.finish_pending(root, mf)
                 rewrite.remove_leftovers(root, mf)
-            return RepairReport(str(root), "tidied" if report.problems else "none", report.findings, False,
-                                report.records, (),
-                                report.shards, before, layout.directory_bytes(root), time.perf_counter() - started)
+            return RepairReport(
+                str(root),
+                "tidied" if report.problems else "none",
+                report.findings,
+                False,
+                report.records,
+                (),
+                report.shards,
+                before,
+                layout.directory_bytes(root),
+                time.perf_counter() - started,
+            )
         unsafe = sorted({f.file for f in errors if f.code == "file.unsafe"})
         if unsafe:  # nothing read or written through them: docs/security.md
-            raise UnsafeFileError(f"{', '.join(unsafe)} in {root}: not a regular file (a symbolic link or the "
-                                  "like); repair works on the store's own files only",
-                                  hint="replace each with a copy of the file it stands for, or remove it")
+            raise UnsafeFileError(
+                f"{', '.join(unsafe)} in {root}: not a regular file (a symbolic link or the "
+                "like); repair works on the store's own files only",
+                hint="replace each with a copy of the file it stands for, or remove it",
+            )
         stale = any(f.code == "index.stale" for f in errors)
         base, rebuilt = _base_manifest(root, stale)
         base.sources = _registry(root, base, rebuilt)
@@ -110,11 +121,22 @@ def repair(path: str | Path, *, lock_wait: float = 0.0) -> RepairReport:
             base.next_entry_id += ID_MARGIN
         deletes = layout.classify(root).orphans  # every shard and temporary file: the rewrite replaces them
         config_json = json.dumps(base.config.to_dict(), sort_keys=True)
-        mf, _ = rewrite.rewrite(root, base, kept, sources, sizes, deletes, config_json=config_json,
-                                crash_prefix="repair")
-        return RepairReport(str(root), "rewritten", report.findings, rebuilt and not stale, len(kept), tuple(dropped),
-                            len(mf.shards), before, layout.directory_bytes(root), time.perf_counter() - started,
-                            rolled_forward=stale)
+        mf, _ = rewrite.rewrite(
+            root, base, kept, sources, sizes, deletes, config_json=config_json, crash_prefix="repair"
+        )
+        return RepairReport(
+            str(root),
+            "rewritten",
+            report.findings,
+            rebuilt and not stale,
+            len(kept),
+            tuple(dropped),
+            len(mf.shards),
+            before,
+            layout.directory_bytes(root),
+            time.perf_counter() - started,
+            rolled_forward=stale,
+        )
     finally:
         writer.release()
 
@@ -137,11 +159,13 @@ def _base_manifest(root: Path, stale: bool) -> tuple[Manifest, bool]:
     if config is None:
         raise CorruptStoreError(
             f"index.json of {root} is lost and no shard carries the store's config",
-            hint="nothing can be rebuilt; restore index.json from a backup")
+            hint="nothing can be rebuilt; restore index.json from a backup",
+        )
     projection = Projector(config.embed_dim, config.hdc_dim, config.seed).describe()
     count = max(((layout.shard_index(name) or 0) + 1 for name in layout.shard_names(root)), default=0)
-    infos = [manifest.ShardInfo(file=layout.shard_file(i), bytes=0, uid="", entries=0, index_crc=0)
-             for i in range(count)]
+    infos = [
+        manifest.ShardInfo(file=layout.shard_file(i), bytes=0, uid="", entries=0, index_crc=0) for i in range(count)
+    ]
     return Manifest(config=config, projection=projection, shards=infos, next_entry_id=max(floor, 1)), True
 
 
@@ -172,8 +196,7 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool):
     path = root / ENTRIES_FILE
     available = path.stat().st_size // size if path.exists() else 0
     count = available if rebuilt else min(available, base.record_count)
-    loaded = _read_records(path, config, count) if count else \
-        records.empty(0, config)
+    loaded = _read_records(path, config, count) if count else records.empty(0, config)
     dropped: list[tuple[int | None, str]] = []
     if not rebuilt and available < base.record_count:
         dropped.append((None, f"{base.record_count - available} committed records are missing from entries.bin"))
@@ -198,22 +221,32 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool):
             file = root / layout.shard_file(shard_idx)
             try:
                 known = base.shards[shard_idx].index_crc if not rebuilt and shard_idx < len(base.shards) else None
-                scans[shard_idx] = shard_file.scan_shard(file, embed_dim=config.embed_dim,
-                                                     storage=config.storage_dtype, index_crc=known,
-                                                     pooled_keys=config.signatures_per_entry) \
-                    if file.exists() else None
+                scans[shard_idx] = (
+                    shard_file.scan_shard(
+                        file,
+                        embed_dim=config.embed_dim,
+                        storage=config.storage_dtype,
+                        index_crc=known,
+                        pooled_keys=config.signatures_per_entry,
+                    )
+                    if file.exists()
+                    else None
+                )
             except (OSError, HmemError):  # unreadable, or not a regular file (docs/security.md)
                 scans[shard_idx] = None
-        found = _tensors_of(root, scans[shard_idx], shard_idx, entry_id, int(loaded["n_tokens"][pos]), config,
-                            kinds)
+        found = _tensors_of(root, scans[shard_idx], shard_idx, entry_id, int(loaded["n_tokens"][pos]), config, kinds)
         if isinstance(found, str):
             dropped.append((entry_id, found))
             continue
         keep.append(pos)
         meta = _sound_meta(scans[shard_idx], entry_id)
         sources.append(lambda found=found, meta=meta: (found, meta))
-        sizes.append(sum(part.length for _, _, part, _ in found.values()) + (2 * len(meta) + 40 if meta else 0)
-                     + len(kinds) * shard_file.HEADER_BYTES_PER_TENSOR + shard_file.INDEX_ROW_BYTES)
+        sizes.append(
+            sum(part.length for _, _, part, _ in found.values())
+            + (2 * len(meta) + 40 if meta else 0)
+            + len(kinds) * shard_file.HEADER_BYTES_PER_TENSOR
+            + shard_file.INDEX_ROW_BYTES
+        )
     kept = loaded[np.array(keep, dtype=np.int64)]
     sound = np.setdiff1d(np.arange(len(ids)), records.damaged(loaded))
     top_id = int(ids[sound].max()) if len(sound) else 0  # the highest id any whole record holds
@@ -237,8 +270,15 @@ def _read_records(path: Path, config: StoreConfig, count: int) -> np.ndarray:
         return np.fromfile(f, dtype=records.record_dtype(config), count=count)
 
 
-def _tensors_of(root: Path, scan: shard_file.ShardScan | None, shard_idx: int, entry_id: int, n_tokens: int,
-                config: StoreConfig, kinds: tuple[str, ...]):
+def _tensors_of(
+    root: Path,
+    scan: shard_file.ShardScan | None,
+    shard_idx: int,
+    entry_id: int,
+    n_tokens: int,
+    config: StoreConfig,
+    kinds: tuple[str, ...],
+):
     """The entry's tensor sources, or why it cannot be kept."""
     if scan is None:
         return f"its shard {layout.shard_file(shard_idx)} is missing or unreadable"
@@ -250,8 +290,9 @@ def _tensors_of(root: Path, scan: shard_file.ShardScan | None, shard_idx: int, e
             if spec is None:
                 return f"tensor {kind}_{entry_id} is not in {file.name}"
             dtype, shape, start, end, crc = spec
-            want = shard_file.tensor_layout(kind, n_tokens, config.embed_dim, config.storage_dtype,
-                                            config.signatures_per_entry)
+            want = shard_file.tensor_layout(
+                kind, n_tokens, config.embed_dim, config.storage_dtype, config.signatures_per_entry
+            )
             if (dtype, tuple(shape)) != want or end > scan.size:
                 return f"tensor {kind}_{entry_id} has the wrong dtype or shape"
             f.seek(start)

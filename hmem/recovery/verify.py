@@ -78,8 +78,15 @@ class _Collector:
     def __init__(self) -> None:
         self.findings: list[Finding] = []
 
-    def add(self, code: str, severity: str, file: str, message: str, expected: str | None = None,
-            entry_id: int | None = None) -> None:
+    def add(
+        self,
+        code: str,
+        severity: str,
+        file: str,
+        message: str,
+        expected: str | None = None,
+        entry_id: int | None = None,
+    ) -> None:
         self.findings.append(Finding(code, severity, file, message, expected, entry_id))
 
 
@@ -87,14 +94,18 @@ def _kinds(config: StoreConfig) -> tuple[str, ...]:
     return shard_file.kinds(config.storage_dtype)
 
 
-def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | None = None,
-           max_seconds: float | None = None) -> VerifyReport:
+def verify(
+    path: str | Path, *, full: bool = False, subset: tuple[int, int] | None = None, max_seconds: float | None = None
+) -> VerifyReport:
     """Check the store directory at `path`; see the module docstring
     (hmem/recovery/checks.py adds stores on object storage)."""
     started = time.perf_counter()
     root = Path(path)
-    if not root.is_dir() or not any((root / name).exists() for name in (layout.INDEX_FILE, ENTRIES_FILE)) \
-            and not layout.shard_names(root):
+    if (
+        not root.is_dir()
+        or not any((root / name).exists() for name in (layout.INDEX_FILE, ENTRIES_FILE))
+        and not layout.shard_names(root)
+    ):
         raise NotAStoreError(f"{root} holds no hmem store", hint="check the path")
     if not full and (subset is not None or max_seconds is not None):
         raise InvalidArgumentError("subset and max_seconds bound the full check: give them with full=True")
@@ -108,8 +119,13 @@ def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | No
     mf = _check_index(root, out)
     files = layout.classify(root, mf.shards if mf else (), mf.pending if mf else None)
     for name in files.unsafe:  # never read: docs/security.md
-        out.add("file.unsafe", ERROR, name, "a symbolic link or not a regular file in place of a store file: "
-                "hmem reads and writes nothing through it", "a regular file")
+        out.add(
+            "file.unsafe",
+            ERROR,
+            name,
+            "a symbolic link or not a regular file in place of a store file: hmem reads and writes nothing through it",
+            "a regular file",
+        )
     loaded = np.zeros(0)
     scans: dict[int, shard_file.ShardScan] = {}
     tensors = nbytes = 0
@@ -127,8 +143,17 @@ def verify(path: str | Path, *, full: bool = False, subset: tuple[int, int] | No
             tensors, nbytes, complete = _check_tensors(root, mf, loaded, scans, out, subset, max_seconds, started)
             if not complete:
                 out.add("verify.incomplete", INFO, "", f"the full check stopped after {max_seconds} s")
-    return VerifyReport(str(root), full, tuple(out.findings), len(loaded), len(scans), tensors, nbytes,
-                        complete, time.perf_counter() - started)
+    return VerifyReport(
+        str(root),
+        full,
+        tuple(out.findings),
+        len(loaded),
+        len(scans),
+        tensors,
+        nbytes,
+        complete,
+        time.perf_counter() - started,
+    )
 
 
 def _check_index(root: Path, out: _Collector) -> manifest.Manifest | None:
@@ -179,16 +204,24 @@ def _check_pooled(root: Path, mf: manifest.Manifest, loaded: np.ndarray, out: _C
     except FileNotFoundError:
         rows = np.zeros(0, dtype=dtype)
     except OSError as exc:
-        out.add("pooled.partial", INFO, pooled.POOLED_FILE, f"unreadable ({exc.strerror or exc}): re-rank reads "
-                "every pooled key from the shards")
+        out.add(
+            "pooled.partial",
+            INFO,
+            pooled.POOLED_FILE,
+            f"unreadable ({exc.strerror or exc}): re-rank reads every pooled key from the shards",
+        )
         return
     inside = live[live < len(rows)]
     usable = int(pooled.usable(rows[inside], loaded["entry_id"][inside]).sum())
     if usable < len(live):
-        out.add("pooled.partial", INFO, pooled.POOLED_FILE,
-                f"{len(live) - usable} of {len(live)} live entries have no usable row: re-rank reads their pooled "
-                "keys from the shards (slower); compaction or repair writes the file anew",
-                "a row per live entry")
+        out.add(
+            "pooled.partial",
+            INFO,
+            pooled.POOLED_FILE,
+            f"{len(live) - usable} of {len(live)} live entries have no usable row: re-rank reads their pooled "
+            "keys from the shards (slower); compaction or repair writes the file anew",
+            "a row per live entry",
+        )
 
 
 def _check_records(root: Path, mf: manifest.Manifest, out: _Collector, *, stale: bool) -> np.ndarray:
@@ -203,35 +236,55 @@ def _check_records(root: Path, mf: manifest.Manifest, out: _Collector, *, stale:
         out.add("entries.missing", ERROR, ENTRIES_FILE, "entries.bin is missing", f"{mf.record_count} records")
         return records.empty(0, mf.config)
     if actual < committed:
-        out.add("entries.truncated", ERROR, ENTRIES_FILE,
-                f"holds {actual // size} whole records of {mf.record_count} committed", f"{committed} bytes")
+        out.add(
+            "entries.truncated",
+            ERROR,
+            ENTRIES_FILE,
+            f"holds {actual // size} whole records of {mf.record_count} committed",
+            f"{committed} bytes",
+        )
     elif actual > committed:
-        why = ("newer records the stale index.json does not name; repair keeps them" if stale
-               else "an interrupted flush; a writer removes them")
+        why = (
+            "newer records the stale index.json does not name; repair keeps them"
+            if stale
+            else "an interrupted flush; a writer removes them"
+        )
         out.add("entries.tail", WARNING, ENTRIES_FILE, f"{actual - committed} bytes past the committed records ({why})")
     count = min(actual // size, mf.record_count)
     with open(_io.open_regular(path), "rb") as f:
         loaded = np.fromfile(f, dtype=records.record_dtype(mf.config), count=count)
     records.apply_updates(loaded, mf.pending.record_updates)
     for pos in records.damaged(loaded):
-        out.add("record.checksum", ERROR, ENTRIES_FILE, f"record {int(pos)} fails its checksum",
-                entry_id=int(loaded["entry_id"][pos]))
+        out.add(
+            "record.checksum",
+            ERROR,
+            ENTRIES_FILE,
+            f"record {int(pos)} fails its checksum",
+            entry_id=int(loaded["entry_id"][pos]),
+        )
     ids = loaded["entry_id"][np.setdiff1d(np.arange(len(loaded)), records.damaged(loaded))]
     if len(ids) > 1 and not np.all(np.diff(ids.astype(np.int64)) > 0):
         out.add("record.order", ERROR, ENTRIES_FILE, "entry ids are not strictly increasing")
     if len(ids) and int(ids.max()) >= mf.next_entry_id:
-        out.add("record.id", ERROR, ENTRIES_FILE, f"entry id {int(ids.max())} is not below next_entry_id "
-                f"{mf.next_entry_id}")
+        out.add(
+            "record.id", ERROR, ENTRIES_FILE, f"entry id {int(ids.max())} is not below next_entry_id {mf.next_entry_id}"
+        )
     bad_shard = (loaded["shard_idx"] != EVICTED) & (loaded["shard_idx"] >= len(mf.shards))
     bad_shard[records.damaged(loaded)] = False
     for pos in np.flatnonzero(bad_shard):
-        out.add("record.shard", ERROR, ENTRIES_FILE, f"record {int(pos)} names shard {int(loaded['shard_idx'][pos])}, "
-                f"which the store does not have", entry_id=int(loaded["entry_id"][pos]))
+        out.add(
+            "record.shard",
+            ERROR,
+            ENTRIES_FILE,
+            f"record {int(pos)} names shard {int(loaded['shard_idx'][pos])}, which the store does not have",
+            entry_id=int(loaded["entry_id"][pos]),
+        )
     return loaded
 
 
-def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
-                  out: _Collector) -> dict[int, shard_file.ShardScan]:
+def _check_shards(
+    root: Path, mf: manifest.Manifest, loaded: np.ndarray, out: _Collector
+) -> dict[int, shard_file.ShardScan]:
     scans = {}
     live = loaded["shard_idx"] != EVICTED
     live[records.damaged(loaded)] = False  # a damaged record's fields mean nothing
@@ -240,24 +293,34 @@ def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
         if _unsafe(path):
             continue  # file.unsafe
         if not path.exists():
-            out.add("shard.missing", ERROR, info.file, "the shard file is missing",
-                    f"{info.bytes} bytes holding {info.entries} entries")
+            out.add(
+                "shard.missing",
+                ERROR,
+                info.file,
+                "the shard file is missing",
+                f"{info.bytes} bytes holding {info.entries} entries",
+            )
             continue
         size = path.stat().st_size
         if size != info.bytes:
             out.add("shard.size", ERROR, info.file, f"{size} bytes", f"{info.bytes} bytes")
-        scan = shard_file.scan_shard(path, embed_dim=mf.config.embed_dim, storage=mf.config.storage_dtype,
-                                 index_crc=info.index_crc, pooled_keys=mf.config.signatures_per_entry)
+        scan = shard_file.scan_shard(
+            path,
+            embed_dim=mf.config.embed_dim,
+            storage=mf.config.storage_dtype,
+            index_crc=info.index_crc,
+            pooled_keys=mf.config.signatures_per_entry,
+        )
         scans[idx] = scan
         for code, message in scan.problems:
             out.add(code, ERROR, info.file, message)
         if scan.metadata and scan.metadata.get("shard_uid") != info.uid:
-            out.add("shard.uid", ERROR, info.file, "the shard's uid differs from the one index.json records",
-                    info.uid)
+            out.add("shard.uid", ERROR, info.file, "the shard's uid differs from the one index.json records", info.uid)
         if scan.index_entries is not None:
             if len(scan.index_entries) - 1 != info.entries:
-                out.add("shard.count", ERROR, info.file, f"holds {len(scan.index_entries) - 1} entries",
-                        f"{info.entries}")
+                out.add(
+                    "shard.count", ERROR, info.file, f"holds {len(scan.index_entries) - 1} entries", f"{info.entries}"
+                )
             index_bytes = scan.index_entries.view(np.uint8).reshape(-1).data
             if checksum_kernels.crc32c(index_bytes) != info.index_crc:
                 out.add("shard.index", ERROR, info.file, "hmem_index differs from the one index.json records")
@@ -265,8 +328,13 @@ def _check_shards(root: Path, mf: manifest.Manifest, loaded: np.ndarray,
         for entry_id in mine["entry_id"].tolist():
             missing = [k for k in _kinds(mf.config) if (entry_id, k) not in scan.tensors]
             if missing and scan.tensors:
-                out.add("shard.entry", ERROR, info.file, f"entry {entry_id} lacks tensors {', '.join(missing)}",
-                        entry_id=entry_id)
+                out.add(
+                    "shard.entry",
+                    ERROR,
+                    info.file,
+                    f"entry {entry_id} lacks tensors {', '.join(missing)}",
+                    entry_id=entry_id,
+                )
     return scans
 
 
@@ -285,16 +353,26 @@ def _unsafe(path: Path) -> bool:
 def _check_directory(root: Path, mf: manifest.Manifest, out: _Collector, *, stale: bool) -> None:
     files = layout.classify(root, mf.shards, mf.pending)
     orphan = _NEWER_NOTE if stale else _ORPHAN_NOTE
-    notes = {**{name: _TEMP_NOTE for name in files.temporary}, **{name: orphan for name in files.unnamed_shards},
-             **{name: _FOREIGN_NOTE for name in files.others}}
+    notes = {
+        **dict.fromkeys(files.temporary, _TEMP_NOTE),
+        **dict.fromkeys(files.unnamed_shards, orphan),
+        **dict.fromkeys(files.others, _FOREIGN_NOTE),
+    }
     for name in sorted(notes):
         code, severity, message = notes[name]
         out.add(code, severity, name, message)
 
 
-def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans: dict[int, shard_file.ShardScan],
-                   out: _Collector, subset: tuple[int, int] | None, max_seconds: float | None,
-                   started: float) -> tuple[int, int, bool]:
+def _check_tensors(
+    root: Path,
+    mf: manifest.Manifest,
+    loaded: np.ndarray,
+    scans: dict[int, shard_file.ShardScan],
+    out: _Collector,
+    subset: tuple[int, int] | None,
+    max_seconds: float | None,
+    started: float,
+) -> tuple[int, int, bool]:
     checked = nbytes = 0
     good = np.ones(len(loaded), dtype=bool)
     good[records.damaged(loaded)] = False
@@ -314,19 +392,31 @@ def _check_tensors(root: Path, mf: manifest.Manifest, loaded: np.ndarray, scans:
                 if spec is None:
                     continue  # reported by the quick check
                 dtype, shape, start, end, crc = spec
-                want_dtype, want_shape = shard_file.tensor_layout(kind, n_tokens, mf.config.embed_dim,
-                                                              mf.config.storage_dtype,
-                                                              mf.config.signatures_per_entry)
+                want_dtype, want_shape = shard_file.tensor_layout(
+                    kind, n_tokens, mf.config.embed_dim, mf.config.storage_dtype, mf.config.signatures_per_entry
+                )
                 name = f"{kind}_{entry_id}"
                 if dtype != want_dtype or tuple(shape) != want_shape:
-                    out.add("tensor.shape", ERROR, info.file, f"{name} is {dtype} {list(shape)}",
-                            f"{want_dtype} {list(want_shape)}", entry_id)
+                    out.add(
+                        "tensor.shape",
+                        ERROR,
+                        info.file,
+                        f"{name} is {dtype} {list(shape)}",
+                        f"{want_dtype} {list(want_shape)}",
+                        entry_id,
+                    )
                     continue
                 checked += 1
                 nbytes += end - start
                 if crc is None or checksum_kernels.crc32c(memoryview(data)[start:end]) != crc:
-                    out.add("tensor.checksum", ERROR, info.file, f"{name} fails its checksum",
-                            "CRC-32C " + (f"{crc:08x}" if crc is not None else "recorded"), entry_id)
+                    out.add(
+                        "tensor.checksum",
+                        ERROR,
+                        info.file,
+                        f"{name} fails its checksum",
+                        "CRC-32C " + (f"{crc:08x}" if crc is not None else "recorded"),
+                        entry_id,
+                    )
     return checked, nbytes, True
 
 

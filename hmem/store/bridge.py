@@ -49,8 +49,9 @@ def _check_cache(cache_k: Any, cache_v: Any, embed_dim: int) -> None:
         raise InvalidTensorError("cache_k and cache_v must both be numpy arrays or both torch tensors")
 
 
-def augmented_kv(store: Store, query: Any, cache_k: Any, cache_v: Any, layer_idx: int, top_k: int,
-                 **query_options: Any) -> AugmentedKV:
+def augmented_kv(
+    store: Store, query: Any, cache_k: Any, cache_v: Any, layer_idx: int, top_k: int, **query_options: Any
+) -> AugmentedKV:
     _check_cache(cache_k, cache_v, store.config.embed_dim)
     results = store.query(query, layer_idx, top_k, **query_options)
     if not results:
@@ -68,6 +69,7 @@ def augmented_kv(store: Store, query: Any, cache_k: Any, cache_v: Any, layer_idx
             retrieved = torch.from_numpy(np.concatenate(parts)).to(device=cache.device, dtype=cache.dtype)
             return torch.cat([retrieved, cache])
     else:
+
         def merge(parts: list[np.ndarray], cache: Any) -> Any:
             return np.concatenate([*parts, cache]).astype(cache.dtype, copy=False)
 

@@ -30,16 +30,22 @@ import numpy as np
 from hmem import validation
 from hmem.errors import InvalidArgumentError, InvalidTensorError
 from hmem.store import layouts
+from hmem.store.prepare import Entry
 from hmem.store.storage import Bf16Rows
 from hmem.store.tensors import bf16_words, to_numpy
-from hmem.store.prepare import Entry
 
 if TYPE_CHECKING:
     from hmem.store.store import Store
 
 
-def put_cache(store: Store, cache: Any, *, chunk_tokens: int | None = None, importance: float = 1.0,
-              layers: Iterable[int] | None = None) -> dict[int, list[int]]:
+def put_cache(
+    store: Store,
+    cache: Any,
+    *,
+    chunk_tokens: int | None = None,
+    importance: float = 1.0,
+    layers: Iterable[int] | None = None,
+) -> dict[int, list[int]]:
     """See Store.put_cache."""
     pairs = layouts.layer_pairs(cache)
     held = [layer for layer, pair in enumerate(pairs) if pair is not None]
@@ -48,8 +54,9 @@ def put_cache(store: Store, cache: Any, *, chunk_tokens: int | None = None, impo
         if layer >= len(pairs):
             raise InvalidArgumentError(f"layers names layer {layer}; the cache has {len(pairs)}")
         if pairs[layer] is None:
-            raise InvalidArgumentError(f"layers names layer {layer}, which holds no K/V (a mamba or "
-                                       "linear-attention layer keeps other state)")
+            raise InvalidArgumentError(
+                f"layers names layer {layer}, which holds no K/V (a mamba or linear-attention layer keeps other state)"
+            )
     entries: list[Entry] = []
     owners: list[int] = []
     for layer in chosen:
@@ -82,8 +89,14 @@ def put_cache(store: Store, cache: Any, *, chunk_tokens: int | None = None, impo
     return out
 
 
-def cache_tensors(layers: Mapping[int, Sequence[Any]] | Sequence[Sequence[Any]], num_kv_heads: int, *,
-                  dtype: Any = None, device: Any = None, framework: str = "torch") -> list[tuple[Any, Any]]:
+def cache_tensors(
+    layers: Mapping[int, Sequence[Any]] | Sequence[Sequence[Any]],
+    num_kv_heads: int,
+    *,
+    dtype: Any = None,
+    device: Any = None,
+    framework: str = "torch",
+) -> list[tuple[Any, Any]]:
     """Per-layer (keys, values) of [1, kv_heads, tokens, head_dim] from each
     layer's entries (StoredEntry or QueryResult, or (keys, values) rows), in
     order; layers in ascending order when given as a mapping.  With torch,

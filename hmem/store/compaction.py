@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from hmem import _io
-from hmem.errors import CorruptStoreError, HmemError, Hint
+from hmem.errors import CorruptStoreError, Hint, HmemError
 from hmem.formats import layout, manifest, shard_file
 from hmem.kernels import checksum as checksum_kernels
 from hmem.store import rewrite
@@ -50,9 +50,12 @@ class Compaction:
         needed = bool(dead or orphans or len(groups) < shard_count or state.n > state.committed_n)
         # What compaction frees for sure: evicted tensors, records and pooled.bin rows, and
         # orphan files (merging shards saves a little more, not counted).
-        reclaimable = (sum(info.dead_bytes for info in state.shards) + state.builder_dead.bytes
-                       + dead * state.entry_overhead
-                       + sum(_size(state.path / name) for name in orphans))
+        reclaimable = (
+            sum(info.dead_bytes for info in state.shards)
+            + state.builder_dead.bytes
+            + dead * state.entry_overhead
+            + sum(_size(state.path / name) for name in orphans)
+        )
         reclaimable = min(reclaimable, before)
         return CompactionPlan(
             shards_before=shard_count,
@@ -73,10 +76,24 @@ class Compaction:
         started = time.perf_counter()
         plan = self.plan()
         if not plan.needed or plan.reclaimable_share < min_reclaim_share:
-            reason = "already compact" if not plan.needed else (
-                f"would free {plan.reclaimable_share:.1%}, below the threshold of {min_reclaim_share:.1%}")
-            return CompactionReport(False, reason, plan.shards_before, plan.shards_before, plan.bytes_before,
-                                    plan.bytes_before, 0, state.live_count(), 0, 0, time.perf_counter() - started)
+            reason = (
+                "already compact"
+                if not plan.needed
+                else (f"would free {plan.reclaimable_share:.1%}, below the threshold of {min_reclaim_share:.1%}")
+            )
+            return CompactionReport(
+                False,
+                reason,
+                plan.shards_before,
+                plan.shards_before,
+                plan.bytes_before,
+                plan.bytes_before,
+                0,
+                state.live_count(),
+                0,
+                0,
+                time.perf_counter() - started,
+            )
         self.writer.flush(exact_ids=False)
         before = state.stored_bytes()
         shards_before = len(state.shards)
@@ -86,18 +103,35 @@ class Compaction:
             # leftovers to delete.
             _io.unlink_many([state.path / name for name in orphans])
             after = state.stored_bytes()
-            return CompactionReport(True, "removed orphan files", shards_before, shards_before, before, after,
-                                    max(0, before - after), state.live_count(), 0, len(orphans),
-                                    time.perf_counter() - started)
+            return CompactionReport(
+                True,
+                "removed orphan files",
+                shards_before,
+                shards_before,
+                before,
+                after,
+                max(0, before - after),
+                state.live_count(),
+                0,
+                len(orphans),
+                time.perf_counter() - started,
+            )
         live = state.live_positions()
         sizes = np.asarray(state.entry_file_bytes(state.records["n_tokens"][live].astype(np.int64)), dtype=np.int64)
         deletes = [info.file for info in state.shards] + orphans
         generation = state.committed.generation
         try:
             mf, new_records = rewrite.rewrite(
-                state.path, state.committed, state.records[live], [self._sources(int(p)) for p in live], sizes,
-                deletes, config_json=state.config_json, crash_prefix="compact",
-                progress=progress)
+                state.path,
+                state.committed,
+                state.records[live],
+                [self._sources(int(p)) for p in live],
+                sizes,
+                deletes,
+                config_json=state.config_json,
+                crash_prefix="compact",
+                progress=progress,
+            )
             state.cache.drop()
             state.adopt(mf, None, new_records)
         except BaseException:  # an interrupt included
@@ -119,9 +153,19 @@ class Compaction:
                     pass  # the next writer removes them
             raise
         after = state.stored_bytes()
-        return CompactionReport(True, "compacted", shards_before, len(mf.shards), before, after,
-                                max(0, before - after), state.n, plan.evicted_records, len(orphans),
-                                time.perf_counter() - started)
+        return CompactionReport(
+            True,
+            "compacted",
+            shards_before,
+            len(mf.shards),
+            before,
+            after,
+            max(0, before - after),
+            state.n,
+            plan.evicted_records,
+            len(orphans),
+            time.perf_counter() - started,
+        )
 
     def _sources(self, pos: int) -> Callable[[], rewrite.EntrySource]:
         """Where the tensors of record `pos` lie; each is checked against its
@@ -135,22 +179,31 @@ class Compaction:
             reader = self.reader.shard(int(row["shard_idx"]))
             found = {}
             for kind in kinds:
-                dtype, shape = shard_file.tensor_layout(kind, int(row["n_tokens"]), state.config.embed_dim,
-                                                        state.config.storage_dtype, state.config.signatures_per_entry)
+                dtype, shape = shard_file.tensor_layout(
+                    kind,
+                    int(row["n_tokens"]),
+                    state.config.embed_dim,
+                    state.config.storage_dtype,
+                    state.config.signatures_per_entry,
+                )
                 nbytes = math.prod(shape) * dtype.itemsize
                 crc = reader.crc(entry_id, kind)
                 where = reader.file_range(entry_id, kind, nbytes)
                 found[kind] = (dtype, shape, where._replace(check=_crc_check(crc, f"{kind}_{entry_id}", where)), crc)
             return found, reader.meta(entry_id)
+
         return locate
 
 
 def _crc_check(expected: int, name: str, where: _io.FileRange) -> Callable[[memoryview], None]:
     """A check for _io's copy: the bytes must match their recorded CRC-32C."""
+
     def check(data: memoryview) -> None:
         if checksum_kernels.crc32c(data) != expected:
-            raise CorruptStoreError(f"tensor {name} in {where.path.name} fails its checksum",
-                                    hint=Hint.VERIFY_THEN_REPAIR)
+            raise CorruptStoreError(
+                f"tensor {name} in {where.path.name} fails its checksum", hint=Hint.VERIFY_THEN_REPAIR
+            )
+
     return check
 
 

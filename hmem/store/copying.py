@@ -37,9 +37,14 @@ class CopyReport:
     bytes: int  # bytes of the files copied
 
 
-def copy_store(source: str | os.PathLike, destination: str | os.PathLike, *, lock_wait: float = 0.0,
-               source_options: dict[str, Any] | None = None,
-               destination_options: dict[str, Any] | None = None) -> CopyReport:
+def copy_store(
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *,
+    lock_wait: float = 0.0,
+    source_options: dict[str, Any] | None = None,
+    destination_options: dict[str, Any] | None = None,
+) -> CopyReport:
     """Copy the store at `source` to `destination` (a missing or empty
     directory, or a URL holding no store).  Each may be a directory or
     s3://bucket/prefix, with its own storage_options.  The source's writer

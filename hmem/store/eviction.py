@@ -14,9 +14,9 @@ from hmem.errors import EntryNotFoundError, EntryTooLargeError
 from hmem.formats.records import EVICTED
 from hmem.store.compaction import Compaction
 from hmem.store.policy import eviction_order, scores
+from hmem.store.prepare import PreparedBatch
 from hmem.store.results import DeletePlan, EvictionPlan
 from hmem.store.state import StoreState
-from hmem.store.prepare import PreparedBatch
 from hmem.store.writer import Writer
 
 DISK_LOW_WATER = 0.9  # a put past max_disk_bytes makes room down to this share, then compacts
@@ -69,8 +69,11 @@ class Eviction:
             found = (ids[at] == entry_ids) & (state.records["shard_idx"][at] != EVICTED)
         positions = at[found]
         nbytes = state.entry_file_bytes(state.records["n_tokens"][positions].astype(np.int64))
-        plan = DeletePlan(entry_ids=tuple(entry_ids[found].tolist()), missing=tuple(entry_ids[~found].tolist()),
-                          bytes_reclaimable=int(np.sum(nbytes)))
+        plan = DeletePlan(
+            entry_ids=tuple(entry_ids[found].tolist()),
+            missing=tuple(entry_ids[~found].tolist()),
+            bytes_reclaimable=int(np.sum(nbytes)),
+        )
         return plan, positions
 
     def delete(self, entry_ids: np.ndarray, *, missing_ok: bool) -> DeletePlan:
@@ -79,8 +82,10 @@ class Eviction:
         plan, positions = self.plan_delete(entry_ids)
         if plan.missing and not missing_ok:
             shown = ", ".join(map(str, plan.missing[:10])) + (", ..." if len(plan.missing) > 10 else "")
-            raise EntryNotFoundError(f"the store at {self.state.path} holds no entry {shown}; nothing was deleted",
-                                     hint="list the live ids with Store.entry_ids(), or pass missing_ok=True")
+            raise EntryNotFoundError(
+                f"the store at {self.state.path} holds no entry {shown}; nothing was deleted",
+                hint="list the live ids with Store.entry_ids(), or pass missing_ok=True",
+            )
         self.mark(positions)
         _io.crash_point("delete.marked")
         self.writer.flush(exact_ids=False)
@@ -107,8 +112,9 @@ class Eviction:
             else:
                 # a new ShardInfo, not the listed one changed: commits share the listed ones (writer.py)
                 info = shards[shard_idx]
-                shards[shard_idx] = dataclasses.replace(info, dead_entries=info.dead_entries + entries,
-                                                        dead_bytes=info.dead_bytes + nbytes)
+                shards[shard_idx] = dataclasses.replace(
+                    info, dead_entries=info.dead_entries + entries, dead_bytes=info.dead_bytes + nbytes
+                )
         state.shards = shards
         state.records["shard_idx"][victims] = EVICTED
         state.dirty.update(int(p) for p in victims if p < state.committed_n)
@@ -134,15 +140,19 @@ class Eviction:
         state = self.state
         cfg = state.config
         # the shard the batch may open counts too, in index.json
-        total = int(np.sum(state.entry_file_bytes(batch.n_tokens))) + len(batch) * state.entry_overhead \
+        total = (
+            int(np.sum(state.entry_file_bytes(batch.n_tokens)))
+            + len(batch) * state.entry_overhead
             + INDEX_BYTES_PER_SHARD
+        )
         if cfg.max_entries and len(batch) > cfg.max_entries:
             raise EntryTooLargeError(f"{len(batch)} entries can never fit max_entries={cfg.max_entries}")
         if cfg.max_disk_bytes and FIXED_OVERHEAD_BYTES + total > cfg.max_disk_bytes:
             raise EntryTooLargeError(
                 f"{'this entry' if len(batch) == 1 else 'this batch'} needs {FIXED_OVERHEAD_BYTES + total} "
                 f"bytes on disk with the store's fixed files; max_disk_bytes is {cfg.max_disk_bytes}",
-                hint="raise max_disk_bytes or store smaller entries")
+                hint="raise max_disk_bytes or store smaller entries",
+            )
         return total
 
     def make_room(self, batch: PreparedBatch) -> None:
@@ -164,16 +174,21 @@ class Eviction:
             needed = FIXED_OVERHEAD_BYTES + total
             budget = min(max(int(cfg.max_disk_bytes * DISK_LOW_WATER), needed), cfg.max_disk_bytes) - needed
             order = eviction_order(state.records, state.live_positions())
-            kept_bytes = np.asarray(state.entry_file_bytes(state.records["n_tokens"][order].astype(np.int64)),
-                                    dtype=np.int64) + state.entry_overhead
+            kept_bytes = (
+                np.asarray(state.entry_file_bytes(state.records["n_tokens"][order].astype(np.int64)), dtype=np.int64)
+                + state.entry_overhead
+            )
             # evict the shortest prefix of `order` whose removal leaves at most `budget`
             remaining = kept_bytes.sum() - np.concatenate([[0], np.cumsum(kept_bytes)])
             self._evict_for_room(order[: int(np.argmax(remaining <= budget))])
             report = self.compaction.run(min_reclaim_share=0.0)
             if report.performed and report.shards_after:
                 written = sum(info.bytes for info in state.shards[: report.shards_after])
-                state.limits = dataclasses.replace(state.limits, compactions=state.limits.compactions + 1,
-                                                   bytes_rewritten=state.limits.bytes_rewritten + written)
+                state.limits = dataclasses.replace(
+                    state.limits,
+                    compactions=state.limits.compactions + 1,
+                    bytes_rewritten=state.limits.bytes_rewritten + written,
+                )
 
     def _evict_for_room(self, victims: np.ndarray) -> None:
         self.mark(victims)

@@ -15,7 +15,6 @@ from hmem.errors import InvalidArgumentError
 from hmem.formats import sources as source_registry
 from hmem.formats.sources import ImportedSource, SourcesInfo
 
-
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -50,8 +49,9 @@ class ImportRegistry:
         if not isinstance(name, str) or not 0 < len(name) <= source_registry.MAX_NAME_CHARS:
             raise InvalidArgumentError(f"name must be a string of 1 to {source_registry.MAX_NAME_CHARS} characters")
         size = validation.integer(size, "size", low=0, high=2**63 - 1)
-        record = ImportedSource(sha256, size, name, ids[0] if ids else 0, len(ids),
-                                time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        record = ImportedSource(
+            sha256, size, name, ids[0] if ids else 0, len(ids), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        )
         self.pending.append(record)
         if self._by_content is not None:
             self._by_content[(sha256, size)] = record

@@ -31,9 +31,14 @@ from hmem.store.storage import widen
 
 LAYOUTS = ("td", "thd", "htd", "bhtd", "bthd", "l2thd")
 RANKS = {"td": 2, "thd": 3, "htd": 3, "bhtd": 4, "bthd": 4, "l2thd": 5}
-SHAPES = {"td": "[tokens, embed_dim]", "thd": "[tokens, kv_heads, head_dim]", "htd": "[kv_heads, tokens, head_dim]",
-          "bhtd": "[batch, kv_heads, tokens, head_dim]", "bthd": "[batch, tokens, kv_heads, head_dim]",
-          "l2thd": "[layers, 2, tokens, kv_heads, head_dim]"}
+SHAPES = {
+    "td": "[tokens, embed_dim]",
+    "thd": "[tokens, kv_heads, head_dim]",
+    "htd": "[kv_heads, tokens, head_dim]",
+    "bhtd": "[batch, kv_heads, tokens, head_dim]",
+    "bthd": "[batch, tokens, kv_heads, head_dim]",
+    "l2thd": "[layers, 2, tokens, kv_heads, head_dim]",
+}
 
 
 class Chunk(NamedTuple):
@@ -55,8 +60,9 @@ def token_major(array: np.ndarray, layout: str, what: str) -> list[np.ndarray]:
     if layout == "l2thd":
         raise InvalidTensorError(f"{what}: l2thd holds keys and values together; split it with split_l2thd")
     if array.ndim != RANKS[layout]:
-        raise InvalidTensorError(f"{what} has shape {list(array.shape)}, which is not layout {layout} "
-                                 f"({RANKS[layout]} dimensions)")
+        raise InvalidTensorError(
+            f"{what} has shape {list(array.shape)}, which is not layout {layout} ({RANKS[layout]} dimensions)"
+        )
     if layout in ("td", "thd"):
         return [array]
     if layout == "htd":
@@ -111,8 +117,9 @@ def split_l2thd(array: np.ndarray, what: str) -> list[tuple[np.ndarray, np.ndarr
     """(keys, values) token-major views [tokens, kv_heads, head_dim] of every
     layer of an l2thd tensor (``matrix`` makes their matrices)."""
     if array.ndim != 5 or array.shape[1] != 2:
-        raise InvalidTensorError(f"{what} has shape {list(array.shape)}, which is not layout l2thd "
-                                 "[layers, 2, tokens, kv_heads, head_dim]")
+        raise InvalidTensorError(
+            f"{what} has shape {list(array.shape)}, which is not layout l2thd [layers, 2, tokens, kv_heads, head_dim]"
+        )
     return [(layer[0], layer[1]) for layer in array]
 
 
@@ -156,15 +163,20 @@ def layer_pairs(cache: Any) -> list[HeldKV | None]:
     dropped."""
     layers = getattr(cache, "layers", None)
     if layers is not None:
-        return [_held(getattr(layer, "keys", None), getattr(layer, "values", None),
-                      getattr(layer, "cumulative_length", None)) for layer in layers]
+        return [
+            _held(
+                getattr(layer, "keys", None), getattr(layer, "values", None), getattr(layer, "cumulative_length", None)
+            )
+            for layer in layers
+        ]
     if hasattr(cache, "key_cache") and hasattr(cache, "value_cache"):
         return [_held(k, v, None) for k, v in zip(cache.key_cache, cache.value_cache)]
     try:
         pairs = [tuple(layer) for layer in cache]
     except TypeError:
-        raise InvalidTensorError(f"expected a transformers cache or a tuple of (key, value) pairs, "
-                                 f"got {type(cache).__name__}") from None
+        raise InvalidTensorError(
+            f"expected a transformers cache or a tuple of (key, value) pairs, got {type(cache).__name__}"
+        ) from None
     if not all(len(pair) >= 2 for pair in pairs):
         raise InvalidTensorError("each layer of a legacy cache must be a (key, value) pair")
     return [HeldKV(pair[0], pair[1]) for pair in pairs]

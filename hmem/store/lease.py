@@ -17,6 +17,7 @@ from hmem.errors import Hint, StoreLockedError
 from hmem.formats import remote as fmt
 from hmem.object_store import ConditionFailed, ObjectClient, ObjectMissing
 
+
 def _owner() -> dict[str, Any]:
     try:
         user = getpass.getuser()
@@ -67,7 +68,8 @@ class LeaseHolder:
                 raise StoreLockedError(
                     f"{self.client.url} is locked for writing by pid {owner.get('pid')} on {owner.get('host')} "
                     f"(user {owner.get('user')}); its lease runs {left:.0f} s more unless renewed",
-                    hint=Hint.LOCK_WAIT)
+                    hint=Hint.LOCK_WAIT,
+                )
             time.sleep(min(0.25, max(0.01, deadline - time.monotonic())))
 
     def _renew_loop(self) -> None:
@@ -86,8 +88,11 @@ class LeaseHolder:
         """Raise unless the lease is held with time to spare for a commit."""
         if self.lost or time.time() > self.expires - min(5.0, self.seconds / 4):
             self.lost = True
-            raise StoreLockedError(f"this writer lost its lease on {self.client.url} (another writer may hold it "
-                                   "now): nothing more is committed", hint=Hint.OPEN_AGAIN)
+            raise StoreLockedError(
+                f"this writer lost its lease on {self.client.url} (another writer may hold it "
+                "now): nothing more is committed",
+                hint=Hint.OPEN_AGAIN,
+            )
 
     def release(self) -> None:
         self._stop.set()
@@ -100,5 +105,3 @@ class LeaseHolder:
             self.client.put(fmt.LEASE_KEY, fmt.Lease(self.token, self.owner, 0.0).to_bytes(), if_match=self._etag)
         except Exception:
             pass  # it expires by itself
-
-

@@ -75,11 +75,17 @@ class EntryListing:
         for start in range(0, len(self), size):
             part = slice(start, start + size)
             importance, accesses = cols["importance"][part], cols["access_count"][part]
-            yield {"entry_id": cols["entry_id"][part].tolist(), "layer_idx": cols["layer_idx"][part].tolist(),
-                   "n_tokens": cols["n_tokens"][part].tolist(),
-                   "importance": importance.astype(np.float64).tolist(), "access_count": accesses.tolist(),
-                   "created": cols["timestamp"][part].tolist(), "shard_idx": cols["shard_idx"][part].tolist(),
-                   "bytes": self._sizes[part].tolist(), "score": policy.scores(importance, accesses).tolist()}
+            yield {
+                "entry_id": cols["entry_id"][part].tolist(),
+                "layer_idx": cols["layer_idx"][part].tolist(),
+                "n_tokens": cols["n_tokens"][part].tolist(),
+                "importance": importance.astype(np.float64).tolist(),
+                "access_count": accesses.tolist(),
+                "created": cols["timestamp"][part].tolist(),
+                "shard_idx": cols["shard_idx"][part].tolist(),
+                "bytes": self._sizes[part].tolist(),
+                "score": policy.scores(importance, accesses).tolist(),
+            }
 
     def __repr__(self) -> str:
         return f"EntryListing({len(self)} of {self.total} entries, sort={self.sort!r})"

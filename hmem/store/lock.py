@@ -18,8 +18,8 @@ from pathlib import Path
 
 from hmem import _io
 from hmem.errors import Hint, HmemError, StoreLockedError
+from hmem.formats.layout import LOCK_FILE
 
-from hmem.formats.layout import LOCK_FILE  # noqa: F401  (lock.LOCK_FILE stays importable)
 _POLL_SECONDS = 0.05
 
 
@@ -67,8 +67,12 @@ def _flock_holder(path: Path) -> int | None:
             for line in table:
                 fields = line.split()
                 # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"
-                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[3] == "WRITE" \
-                        and fields[5].rsplit(":", 1)[-1] == str(inode):
+                if (
+                    len(fields) >= 6
+                    and fields[1] == "FLOCK"
+                    and fields[3] == "WRITE"
+                    and fields[5].rsplit(":", 1)[-1] == str(inode)
+                ):
                     return int(fields[4])
     except (OSError, ValueError):
         pass

@@ -14,8 +14,7 @@ def scores(importance: np.ndarray, access_count: np.ndarray) -> np.ndarray:
     return importance.astype(np.float64) * (1.0 + np.log1p(access_count.astype(np.float64)))
 
 
-def order(importance: np.ndarray, access_count: np.ndarray, timestamp: np.ndarray,
-          entry_id: np.ndarray) -> np.ndarray:
+def order(importance: np.ndarray, access_count: np.ndarray, timestamp: np.ndarray, entry_id: np.ndarray) -> np.ndarray:
     """The permutation that puts entries (given as columns) in eviction
     order, first to evict first."""
     return np.lexsort((entry_id, timestamp, scores(importance, access_count)))

@@ -105,9 +105,16 @@ def prepare_all(state: StoreState, entries: Iterable[Entry | tuple], *, single: 
                     f"entry {i}: expected (keys, values[, layer_idx[, importance]]), got {type(item).__name__}"
                 ) from None
         try:
-            if not (type(k) is np.ndarray and type(v) is np.ndarray and k.dtype is _F32 and v.dtype is _F32
-                    and k.ndim == 2 and k.shape == v.shape and k.shape[1] == dim
-                    and 0 < k.shape[0] <= validation.U32_MAX):
+            if not (
+                type(k) is np.ndarray
+                and type(v) is np.ndarray
+                and k.dtype is _F32
+                and v.dtype is _F32
+                and k.ndim == 2
+                and k.shape == v.shape
+                and k.shape[1] == dim
+                and 0 < k.shape[0] <= validation.U32_MAX
+            ):
                 if type(k) is storage_codec.Bf16Rows or type(v) is storage_codec.Bf16Rows:
                     _check_bf16_rows(k, v, dim)  # kept as words until _converted
                     words = True
@@ -152,8 +159,12 @@ def _common_form(state: StoreState, items: list) -> PreparedBatch | None:
     tokens = np.empty(n, dtype=np.int64)
     layers = np.empty(n, dtype=np.int64)
     weights = np.empty(n, dtype=np.float64)
-    if kernels.entries.scan_entries(items, dim, validation.U32_MAX, validation.U32_MAX, validation.F32_MAX,
-                                    tokens, layers, weights, Entry) != n:
+    if (
+        kernels.entries.scan_entries(
+            items, dim, validation.U32_MAX, validation.U32_MAX, validation.F32_MAX, tokens, layers, weights, Entry
+        )
+        != n
+    ):
         return None
     starts = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(tokens, out=starts[1:])
@@ -171,9 +182,18 @@ def _common_form(state: StoreState, items: list) -> PreparedBatch | None:
         raise
 
 
-def _converted(state: StoreState, keys: list[np.ndarray], values: list[np.ndarray], n_tokens: np.ndarray,
-               layers: list[int], weights: list[float], metas: dict[int, str], buffers: list[np.ndarray],
-               single: bool, words: bool = False) -> PreparedBatch:
+def _converted(
+    state: StoreState,
+    keys: list[np.ndarray],
+    values: list[np.ndarray],
+    n_tokens: np.ndarray,
+    layers: list[int],
+    weights: list[float],
+    metas: dict[int, str],
+    buffers: list[np.ndarray],
+    single: bool,
+    words: bool = False,
+) -> PreparedBatch:
     """The batch of entries whose types and shapes are checked: rows
     checked and encoded, signatures and pooled keys computed.  Small
     entries are joined into pool buffers (listed in `buffers`) and
@@ -193,9 +213,18 @@ def _converted(state: StoreState, keys: list[np.ndarray], values: list[np.ndarra
     return _from_joined(state, k_rows, v_rows, n_tokens, starts, layers, weights, metas, buffers, single)
 
 
-def _from_joined(state: StoreState, k_rows: np.ndarray, v_rows: np.ndarray, n_tokens: np.ndarray,
-                 starts: np.ndarray, layers: Any, weights: Any, metas: dict[int, str],
-                 buffers: list[np.ndarray], single: bool) -> PreparedBatch:
+def _from_joined(
+    state: StoreState,
+    k_rows: np.ndarray,
+    v_rows: np.ndarray,
+    n_tokens: np.ndarray,
+    starts: np.ndarray,
+    layers: Any,
+    weights: Any,
+    metas: dict[int, str],
+    buffers: list[np.ndarray],
+    single: bool,
+) -> PreparedBatch:
     """The batch whose rows are joined (entry e's at starts[e] ..
     starts[e + 1] - 1): values checked and encoded, signatures and pooled
     keys computed."""
@@ -218,12 +247,24 @@ def _from_joined(state: StoreState, k_rows: np.ndarray, v_rows: np.ndarray, n_to
         signatures = np.zeros((0, state.config.signature_bytes), dtype=np.uint8)
         means = np.zeros((0, dim))
     spans, pooled = _with_spans(state, k_rows, starts, means)
-    return PreparedBatch(n_tokens, starts, np.array(layers, dtype=np.int64), np.array(weights, dtype=np.float64),
-                         signatures, pooled, rows, True, metas, buffers, spans)
+    return PreparedBatch(
+        n_tokens,
+        starts,
+        np.array(layers, dtype=np.int64),
+        np.array(weights, dtype=np.float64),
+        signatures,
+        pooled,
+        rows,
+        True,
+        metas,
+        buffers,
+        spans,
+    )
 
 
-def _with_spans(state: StoreState, k_rows: np.ndarray, starts: np.ndarray, means: np.ndarray
-                ) -> tuple[np.ndarray | None, np.ndarray]:
+def _with_spans(
+    state: StoreState, k_rows: np.ndarray, starts: np.ndarray, means: np.ndarray
+) -> tuple[np.ndarray | None, np.ndarray]:
     """(span signatures or None, pooled keys float32 [n, signatures_per_entry
     x embed_dim]) of entries whose mean keys are `means`."""
     if state.span_projector is None:
@@ -233,9 +274,17 @@ def _with_spans(state: StoreState, k_rows: np.ndarray, starts: np.ndarray, means
     return spans, pooled.reshape(len(means), -1)
 
 
-def _one_by_one(state: StoreState, keys: list[np.ndarray], values: list[np.ndarray], n_tokens: np.ndarray,
-                starts: np.ndarray, layers: list[int], weights: list[float], metas: dict[int, str],
-                single: bool) -> PreparedBatch:
+def _one_by_one(
+    state: StoreState,
+    keys: list[np.ndarray],
+    values: list[np.ndarray],
+    n_tokens: np.ndarray,
+    starts: np.ndarray,
+    layers: list[int],
+    weights: list[float],
+    metas: dict[int, str],
+    single: bool,
+) -> PreparedBatch:
     """_converted for large entries, entry by entry, without joining their rows."""
     storage = state.config.storage_dtype
     rows: dict[str, list[np.ndarray]] = {}
@@ -252,7 +301,8 @@ def _one_by_one(state: StoreState, keys: list[np.ndarray], values: list[np.ndarr
             _finite_token_sums(v, "values", e, single)
             for kind, rows_in in (("k", k), ("v", v)):
                 rows.setdefault(kind, []).append(
-                    rows_in.words() if storage == "bf16" else storage_codec.WideningRows(rows_in))
+                    rows_in.words() if storage == "bf16" else storage_codec.WideningRows(rows_in)
+                )
             signatures.append(state.projector.signature_of_sum(key_sums))
             means.append(key_sums / k.shape[0])
             continue
@@ -274,11 +324,31 @@ def _one_by_one(state: StoreState, keys: list[np.ndarray], values: list[np.ndarr
             spans.append(span_sigs)
             pooled_keys.append(pooled)
     if not spans:
-        return PreparedBatch(n_tokens, starts, np.array(layers, dtype=np.int64), np.array(weights, dtype=np.float64),
-                             np.stack(signatures), np.stack(means).astype(np.float32), rows, False, metas, [])
-    return PreparedBatch(n_tokens, starts, np.array(layers, dtype=np.int64), np.array(weights, dtype=np.float64),
-                         np.stack(signatures), np.concatenate(pooled_keys), rows, False, metas, [],
-                         np.concatenate(spans))
+        return PreparedBatch(
+            n_tokens,
+            starts,
+            np.array(layers, dtype=np.int64),
+            np.array(weights, dtype=np.float64),
+            np.stack(signatures),
+            np.stack(means).astype(np.float32),
+            rows,
+            False,
+            metas,
+            [],
+        )
+    return PreparedBatch(
+        n_tokens,
+        starts,
+        np.array(layers, dtype=np.int64),
+        np.array(weights, dtype=np.float64),
+        np.stack(signatures),
+        np.concatenate(pooled_keys),
+        rows,
+        False,
+        metas,
+        [],
+        np.concatenate(spans),
+    )
 
 
 class _Scratch:
@@ -295,8 +365,16 @@ class _Scratch:
         return self.buffer[:count]
 
 
-def _stored_bf16(storage: str, rows_in: storage_codec.Bf16Rows, kind: str, what: str,
-                 rows: dict[str, list[Any]], entry: int, single: bool, scratch: _Scratch) -> np.ndarray:
+def _stored_bf16(
+    storage: str,
+    rows_in: storage_codec.Bf16Rows,
+    kind: str,
+    what: str,
+    rows: dict[str, list[Any]],
+    entry: int,
+    single: bool,
+    scratch: _Scratch,
+) -> np.ndarray:
     """Store bfloat16 words in `rows` as the storage dtype keeps them: the
     words themselves in a bf16 store, widened as they are copied into the
     shard in an f32 store, else widened (exactly) and encoded.  Returns the
@@ -325,8 +403,9 @@ def _finite_token_sums(rows_in: storage_codec.Bf16Rows, what: str, entry: int, s
     return sums
 
 
-def _store_encoded(storage: str, array: np.ndarray, kind: str, what: str, rows: dict[str, list[np.ndarray]],
-                   entry: int, single: bool) -> None:
+def _store_encoded(
+    storage: str, array: np.ndarray, kind: str, what: str, rows: dict[str, list[np.ndarray]], entry: int, single: bool
+) -> None:
     try:
         encoded = storage_codec.encode(array, storage, what)
     except InvalidTensorError as exc:
@@ -347,8 +426,9 @@ def _check_bf16_rows(keys: Any, values: Any, dim: int) -> None:
         raise InvalidTensorError(f"an entry holds 1 to {validation.U32_MAX} tokens, got {keys.shape[0]}")
 
 
-def prepare(state: StoreState, keys: Any, values: Any, layer_idx: Any, importance: Any,
-            meta: Any = None) -> PreparedBatch:
+def prepare(
+    state: StoreState, keys: Any, values: Any, layer_idx: Any, importance: Any, meta: Any = None
+) -> PreparedBatch:
     """One put checked and converted; bad input raises and changes nothing."""
     return prepare_all(state, [(keys, values, layer_idx, importance, meta)], single=True)
 
@@ -413,7 +493,9 @@ def _meta_json(meta: Any) -> str:
         raise InvalidArgumentError(f"meta must be a mapping of strings, got {type(meta).__name__}")
     scalar = (str, int, float, bool, type(None))
     for key, value in meta.items():
-        if not (isinstance(value, scalar) or isinstance(value, (list, tuple)) and all(isinstance(x, scalar) for x in value)):
+        if not (
+            isinstance(value, scalar) or isinstance(value, (list, tuple)) and all(isinstance(x, scalar) for x in value)
+        ):
             raise InvalidArgumentError(f"meta[{key!r}] must be a number, a string or a list of them, got {value!r}")
     try:
         text = json.dumps(dict(meta), sort_keys=True, separators=(",", ":"), allow_nan=False)

@@ -68,9 +68,9 @@ class Projector:
         projection_kernels.signature(rows, self.signs, self.m, ROUNDS, self.hdc_dim, out, sums)
         return out, sums / rows.shape[0]
 
-
-    def signatures_and_means(self, rows: np.ndarray, starts: np.ndarray,
-                             buffers: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def signatures_and_means(
+        self, rows: np.ndarray, starts: np.ndarray, buffers: list[np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """signature_and_mean of many entries at once: entry e is rows
         starts[e] .. starts[e + 1] - 1 of the float32 matrix `rows`.  Returns
         the signatures [n, hdc_dim / 8] and the float64 means [n, embed_dim];
@@ -89,8 +89,16 @@ class Projector:
 
         def run(lo: int, hi: int) -> None:
             first, last = int(starts[lo]), int(starts[hi])
-            projection_kernels.signature_many(rows[first:last], starts[lo : hi + 1] - first, self.signs, self.m,
-                                              ROUNDS, self.hdc_dim, out[lo:hi], sums[lo:hi])
+            projection_kernels.signature_many(
+                rows[first:last],
+                starts[lo : hi + 1] - first,
+                self.signs,
+                self.m,
+                ROUNDS,
+                self.hdc_dim,
+                out[lo:hi],
+                sums[lo:hi],
+            )
 
         if count < 2 * MANY_PER_THREAD:
             run(0, count)  # one thread's share: no pool
@@ -116,8 +124,9 @@ def _array(shape: tuple[int, int], dtype: type, buffers: list[np.ndarray] | None
 SINK_FACTOR = 3.0
 
 
-def span_bounds(starts: np.ndarray, spans: int, skip: np.ndarray | None = None,
-                layout: str = "overlapping") -> tuple[np.ndarray, np.ndarray]:
+def span_bounds(
+    starts: np.ndarray, spans: int, skip: np.ndarray | None = None, layout: str = "overlapping"
+) -> tuple[np.ndarray, np.ndarray]:
     """(first, end) rows of each span of each entry, int64 [n, spans] each:
     entry e (rows starts[e] .. starts[e + 1] - 1, n_e of them; without its
     first row where skip[e]) cut by `layout` (docs/format.md, "Span
@@ -185,8 +194,9 @@ class SpanProjector:
         else:  # spans overlap or share a row: each span's rows copied out, back to back
             lengths = (end - first).ravel()
             span_starts = np.concatenate([[0], np.cumsum(lengths)])
-            source = np.ascontiguousarray(rows[np.repeat(first.ravel() - span_starts[:-1], lengths)
-                                               + np.arange(span_starts[-1])])
+            source = np.ascontiguousarray(
+                rows[np.repeat(first.ravel() - span_starts[:-1], lengths) + np.arange(span_starts[-1])]
+            )
             sigs, means = self.projector.signatures_and_means(source, span_starts)
         return sigs.reshape(count, self.spans, -1), means.reshape(count, self.spans, -1)
 

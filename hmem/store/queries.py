@@ -48,32 +48,83 @@ class Queries:
         self.state = state
         self.reader = reader
 
-    def query(self, query: Any, layer_idx: int, top_k: int, *, rerank: bool, shortlist_factor: int,
-              framework: str, count_access: bool, on_damage: str = "raise", search: str = "auto") -> QueryResults:
+    def query(
+        self,
+        query: Any,
+        layer_idx: int,
+        top_k: int,
+        *,
+        rerank: bool,
+        shortlist_factor: int,
+        framework: str,
+        count_access: bool,
+        on_damage: str = "raise",
+        search: str = "auto",
+    ) -> QueryResults:
         """See Store.query."""
         rows = [as_rows(query, "query", self.state.config.embed_dim, allow_vector=True)]
-        return self._run(rows, layer_idx, top_k, rerank=rerank, shortlist_factor=shortlist_factor,
-                         framework=framework, count_access=count_access, on_damage=on_damage, search=search)[0]
+        return self._run(
+            rows,
+            layer_idx,
+            top_k,
+            rerank=rerank,
+            shortlist_factor=shortlist_factor,
+            framework=framework,
+            count_access=count_access,
+            on_damage=on_damage,
+            search=search,
+        )[0]
 
-    def query_many(self, queries: Any, layer_idx: int, top_k: int, *, rerank: bool, shortlist_factor: int,
-                   framework: str, count_access: bool, on_damage: str = "raise", search: str = "auto"
-                   ) -> list[QueryResults]:
+    def query_many(
+        self,
+        queries: Any,
+        layer_idx: int,
+        top_k: int,
+        *,
+        rerank: bool,
+        shortlist_factor: int,
+        framework: str,
+        count_access: bool,
+        on_damage: str = "raise",
+        search: str = "auto",
+    ) -> list[QueryResults]:
         """See Store.query_many."""
         ndim = getattr(queries, "ndim", None)
         if ndim is not None and ndim != 3:
             # a 2-d array would be taken row by row as one-token queries
             raise InvalidArgumentError(
                 f"queries must be a list of token matrices or a 3-d array, got {ndim}-d "
-                f"{list(queries.shape)}: give one query in a list, or use Store.query")
+                f"{list(queries.shape)}: give one query in a list, or use Store.query"
+            )
         if isinstance(queries, (str, bytes)) or not hasattr(queries, "__iter__"):
             raise InvalidArgumentError(f"queries must be a list of token matrices, got {type(queries).__name__}")
         embed_dim = self.state.config.embed_dim
         rows = [as_rows(q, f"queries[{i}]", embed_dim, allow_vector=True) for i, q in enumerate(queries)]
-        return self._run(rows, layer_idx, top_k, rerank=rerank, shortlist_factor=shortlist_factor,
-                         framework=framework, count_access=count_access, on_damage=on_damage, search=search)
+        return self._run(
+            rows,
+            layer_idx,
+            top_k,
+            rerank=rerank,
+            shortlist_factor=shortlist_factor,
+            framework=framework,
+            count_access=count_access,
+            on_damage=on_damage,
+            search=search,
+        )
 
-    def _run(self, rows: list[np.ndarray], layer_idx: int, top_k: int, *, rerank: bool, shortlist_factor: int,
-             framework: str, count_access: bool, on_damage: str, search: str) -> list[QueryResults]:
+    def _run(
+        self,
+        rows: list[np.ndarray],
+        layer_idx: int,
+        top_k: int,
+        *,
+        rerank: bool,
+        shortlist_factor: int,
+        framework: str,
+        count_access: bool,
+        on_damage: str,
+        search: str,
+    ) -> list[QueryResults]:
         """Answer checked queries in order.  The shortlists of all of them
         come from one scan of the layer; each is then answered exactly as a
         query of its own would be."""
@@ -97,20 +148,35 @@ class Queries:
         # the query's token count for a span re-rank; None: mean keys only
         span_tokens = [len(q) if search == "spans" else None for q in rows]
         if search == "spans":  # one span scan per query (a scan of S rows per entry)
-            shortlists = [self._shortlist(layer, sig, k * factor, search, None, rerank, raw=True)
-                          for sig, _ in prepared]
+            shortlists = [
+                self._shortlist(layer, sig, k * factor, search, None, rerank, raw=True) for sig, _ in prepared
+            ]
             if len(prepared) > 1:
-                pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check,
-                                               span_tokens)
+                pooled, kvs = self._read_ahead(
+                    shortlists, [mean for _, mean in prepared], k, rerank, check, span_tokens
+                )
         elif len(prepared) == 1:
             shortlists = [state.index.search(layer, prepared[0][0], k * factor, search)]
         else:
             shortlists = state.index.search_many(layer, np.stack([sig for sig, _ in prepared]), k * factor, search)
-            pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check,
-                                           span_tokens)
-        answers = [self._answer(layer, sig, mean, shortlist, k, factor, rerank=rerank,
-                                skip=skip, search=search, pooled=pooled, kvs=kvs, q_tokens=q_tokens)
-                   for (sig, mean), shortlist, q_tokens in zip(prepared, shortlists, span_tokens)]
+            pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check, span_tokens)
+        answers = [
+            self._answer(
+                layer,
+                sig,
+                mean,
+                shortlist,
+                k,
+                factor,
+                rerank=rerank,
+                skip=skip,
+                search=search,
+                pooled=pooled,
+                kvs=kvs,
+                q_tokens=q_tokens,
+            )
+            for (sig, mean), shortlist, q_tokens in zip(prepared, shortlists, span_tokens)
+        ]
         used = self._searched(layer, search, k * factor)
         # Accesses are counted once every query is answered (a damaged entry
         # that raises leaves no count behind), in order: each query's results
@@ -129,9 +195,15 @@ class Queries:
         index = self.state.index.layers.get(layer)
         return "two-stage" if index is not None and index.two_stage(search, n) else "full"
 
-    def _read_ahead(self, shortlists: list[tuple[np.ndarray, np.ndarray]], means: list[np.ndarray], k: int,
-                    rerank: bool, check: bool | None, span_tokens: list[int | None]
-                    ) -> tuple[dict[int, np.ndarray], dict[int, tuple]]:
+    def _read_ahead(
+        self,
+        shortlists: list[tuple[np.ndarray, np.ndarray]],
+        means: list[np.ndarray],
+        k: int,
+        rerank: bool,
+        check: bool | None,
+        span_tokens: list[int | None],
+    ) -> tuple[dict[int, np.ndarray], dict[int, tuple]]:
         """The pooled keys of every shortlisted entry of a batch (from
         pooled.bin, or else its shard) and the K/V of every entry its
         queries will return, read shard by shard: each query alone would
@@ -145,24 +217,30 @@ class Queries:
             wanted = np.unique(np.concatenate([pos for pos, _ in shortlists]))
             keys, found = self._from_pooled_file(wanted, skip=check is True)
             pooled = dict(zip(wanted[found].tolist(), keys[found]))
-            pooled.update(self._read_by_shard(wanted[~found],
-                                              lambda pos: self.reader.tensor(pos, "p", check=check).ravel(),
-                                              ("p",)))
+            pooled.update(
+                self._read_by_shard(
+                    wanted[~found], lambda pos: self.reader.tensor(pos, "p", check=check).ravel(), ("p",)
+                )
+            )
         finals = []
         for (positions, _), mean, q_tokens in zip(shortlists, means, span_tokens):
             if rerank and len(positions):
                 if not all(int(pos) in pooled for pos in positions):
                     continue  # damaged: this query reads on its own
-                cosines = self._rerank_cosines(positions, np.stack([pooled[int(pos)] for pos in positions]), mean,
-                                               q_tokens)
+                cosines = self._rerank_cosines(
+                    positions, np.stack([pooled[int(pos)] for pos in positions]), mean, q_tokens
+                )
                 positions = positions[np.lexsort((records["entry_id"][positions], -cosines))[:k]]
             finals.append(positions)
-        kvs = self._read_by_shard(np.concatenate(finals) if finals else np.zeros(0, dtype=np.int64),
-                                  lambda pos: self.reader.kv(pos, check=check))
+        kvs = self._read_by_shard(
+            np.concatenate(finals) if finals else np.zeros(0, dtype=np.int64),
+            lambda pos: self.reader.kv(pos, check=check),
+        )
         return pooled, kvs
 
-    def _read_by_shard(self, positions: np.ndarray, read: Callable[[int], T],
-                       kinds: tuple[str, ...] | None = None) -> dict[int, T]:
+    def _read_by_shard(
+        self, positions: np.ndarray, read: Callable[[int], T], kinds: tuple[str, ...] | None = None
+    ) -> dict[int, T]:
         """read(pos) of each distinct position, in shard order; damaged ones left out."""
         unique = np.unique(positions)
         out: dict[int, T] = {}
@@ -174,10 +252,22 @@ class Queries:
                 pass
         return out
 
-    def _answer(self, layer: int, signature: np.ndarray, q_mean: np.ndarray,
-                shortlist: tuple[np.ndarray, np.ndarray], k: int, factor: int, *, rerank: bool,
-                skip: bool, search: str, pooled: dict[int, np.ndarray],
-                kvs: dict[int, tuple[np.ndarray, np.ndarray]], q_tokens: int | None) -> _Answer:
+    def _answer(
+        self,
+        layer: int,
+        signature: np.ndarray,
+        q_mean: np.ndarray,
+        shortlist: tuple[np.ndarray, np.ndarray],
+        k: int,
+        factor: int,
+        *,
+        rerank: bool,
+        skip: bool,
+        search: str,
+        pooled: dict[int, np.ndarray],
+        kvs: dict[int, tuple[np.ndarray, np.ndarray]],
+        q_tokens: int | None,
+    ) -> _Answer:
         """One query's answer from its signature shortlist (record
         positions, Hamming distances), re-ranked and read.  `pooled` and
         `kvs` hold tensors already read, by record position; `q_tokens` is
@@ -201,14 +291,20 @@ class Queries:
                 order = np.lexsort((state.records["entry_id"][positions], -cosines))[:k]
                 positions, sims, cosines = positions[order], sims[order], cosines[order]
             self.reader.prefetch(positions[~np.isin(positions, list(kvs))])  # object storage: all at once
-            kv = self._read_all(positions, lambda pos: kvs[pos] if pos in kvs
-                                else self.reader.kv(pos, check=check), skipped)
+            kv = self._read_all(
+                positions, lambda pos: kvs[pos] if pos in kvs else self.reader.kv(pos, check=check), skipped
+            )
             if kv is not None:
                 break
             positions, sims = self._shortlist(layer, signature, k * factor, search, skipped, rerank)
-        return _Answer(positions, self.state.records[list(_RESULT_FIELDS)][positions].tolist(), sims.tolist(),
-                       None if cosines is None else cosines.tolist(), kv,
-                       () if skipped is None else tuple(skipped.values()))
+        return _Answer(
+            positions,
+            self.state.records[list(_RESULT_FIELDS)][positions].tolist(),
+            sims.tolist(),
+            None if cosines is None else cosines.tolist(),
+            kv,
+            () if skipped is None else tuple(skipped.values()),
+        )
 
     def _from_pooled_file(self, positions: np.ndarray, *, skip: bool) -> tuple[np.ndarray, np.ndarray]:
         """(keys, found): the pooled keys pooled.bin holds for these
@@ -227,8 +323,13 @@ class Queries:
             keys[where], found[where] = state.pooled.get(positions[where], state.records["entry_id"][positions[where]])
         return keys, found
 
-    def _pooled_keys(self, positions: np.ndarray, pooled: dict[int, np.ndarray], check: bool | None,
-                     skipped: dict[int, SkippedEntry] | None) -> np.ndarray | None:
+    def _pooled_keys(
+        self,
+        positions: np.ndarray,
+        pooled: dict[int, np.ndarray],
+        check: bool | None,
+        skipped: dict[int, SkippedEntry] | None,
+    ) -> np.ndarray | None:
         """The pooled key of each position: from pooled.bin where its row is
         usable, else from `pooled` (read ahead) or the entry's shard, as
         _read_all reads (None when `skipped` gained entries)."""
@@ -236,16 +337,26 @@ class Queries:
         if found.all():
             return keys
         missing = np.flatnonzero(~found)
-        rest = self._read_all(positions[missing], lambda pos: pooled[pos] if pos in pooled
-                              else self.reader.tensor(pos, "p", check=check).ravel(), skipped)
+        rest = self._read_all(
+            positions[missing],
+            lambda pos: pooled[pos] if pos in pooled else self.reader.tensor(pos, "p", check=check).ravel(),
+            skipped,
+        )
         if rest is None:
             return None
         keys[missing] = np.stack(rest)
         return keys
 
-    def _shortlist(self, layer: int, signature: np.ndarray, n: int, search: str,
-                   skipped: dict[int, SkippedEntry] | None, rerank: bool, raw: bool = False
-                   ) -> tuple[np.ndarray, np.ndarray]:
+    def _shortlist(
+        self,
+        layer: int,
+        signature: np.ndarray,
+        n: int,
+        search: str,
+        skipped: dict[int, SkippedEntry] | None,
+        rerank: bool,
+        raw: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(record positions, similarities) of the `n` entries of the layer
         nearest by signature, the skipped ones left out (so the next take
         their places: the order is the same total order either way).  A
@@ -271,8 +382,9 @@ class Queries:
         config = self.state.config
         return config.span_signature_bytes * 8 if search == "spans" else config.hdc_dim
 
-    def _rerank_cosines(self, positions: np.ndarray, keys: np.ndarray, q_mean: np.ndarray,
-                        q_tokens: int | None) -> np.ndarray:
+    def _rerank_cosines(
+        self, positions: np.ndarray, keys: np.ndarray, q_mean: np.ndarray, q_tokens: int | None
+    ) -> np.ndarray:
         """The re-rank score of each candidate from its pooled keys (float32
         [m, signatures_per_entry x embed_dim]): the cosine of its mean key;
         for a span search of q_tokens tokens, the best cosine of its mean
@@ -289,8 +401,9 @@ class Queries:
         scores[:, 1:] = np.where(held, scores[:, 1:], -np.inf)
         return scores.max(axis=1)
 
-    def _read_all(self, positions: np.ndarray, read: Callable[[int], T],
-                  skipped: dict[int, SkippedEntry] | None) -> list[T] | None:
+    def _read_all(
+        self, positions: np.ndarray, read: Callable[[int], T], skipped: dict[int, SkippedEntry] | None
+    ) -> list[T] | None:
         """read(pos) of every position.  Raising on damage (`skipped` None),
         or noting each damaged entry in `skipped` and returning None when it
         found any (the caller ranks again without them)."""
@@ -349,20 +462,22 @@ class _Answer(NamedTuple):
             sim = self.sims[i]
             cosine = None if self.cosines is None else self.cosines[i]
             keys, values = self.kvs[i]
-            out.append(QueryResult(
-                entry_id=entry_id,
-                layer_idx=layer_idx,
-                score=sim if cosine is None else cosine,
-                similarity=sim,
-                cosine=cosine,
-                keys=as_framework(keys, framework),
-                values=as_framework(values, framework),
-                n_tokens=n_tokens,
-                importance=importance,
-                timestamp=timestamp,
-                access_count=access_count if access_counts is None else access_counts[i],
-                shard_idx=shard_idx,
-            ))
+            out.append(
+                QueryResult(
+                    entry_id=entry_id,
+                    layer_idx=layer_idx,
+                    score=sim if cosine is None else cosine,
+                    similarity=sim,
+                    cosine=cosine,
+                    keys=as_framework(keys, framework),
+                    values=as_framework(values, framework),
+                    n_tokens=n_tokens,
+                    importance=importance,
+                    timestamp=timestamp,
+                    access_count=access_count if access_counts is None else access_counts[i],
+                    shard_idx=shard_idx,
+                )
+            )
         return QueryResults(out, self.skipped, search)
 
 

@@ -8,9 +8,8 @@ wrong size (docs/reliability.md, "Degraded reads")."""
 from __future__ import annotations
 
 import json
-from typing import Any
-
 import os
+from typing import Any
 
 import numpy as np
 
@@ -41,14 +40,17 @@ class EntryReader:
             return rows[0], rows[1]
         # a sealed shard, no scales: both tensors through one look-up of the entry's index row
         reader = self.shard(shard_idx)
-        keys, values = reader.pair(entry_id, shard_file.DTYPES[shard_file.KV_DTYPES[storage]],
-                                   (n_tokens, state.config.embed_dim))
+        keys, values = reader.pair(
+            entry_id, shard_file.DTYPES[shard_file.KV_DTYPES[storage]], (n_tokens, state.config.embed_dim)
+        )
         if state.verify_reads if check is None else check:
             verified = reader.verified
             for kind, array in (("k", keys), ("v", values)):
                 if (entry_id, kind) not in verified and not reader.check(entry_id, kind, array):
-                    raise CorruptStoreError(f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} "
-                                            "fails its checksum", hint=Hint.VERIFY_FULL)
+                    raise CorruptStoreError(
+                        f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} fails its checksum",
+                        hint=Hint.VERIFY_FULL,
+                    )
         return storage_codec.decode(keys, None, storage), storage_codec.decode(values, None, storage)
 
     def stored(self, pos: int, *, check: bool | None = None) -> dict[str, np.ndarray]:
@@ -104,9 +106,13 @@ class EntryReader:
                 entry_id, shard_idx = int(row["entry_id"]), int(row["shard_idx"])
                 reader = self.shard(shard_idx)
                 for kind in kinds:
-                    dtype, shape = shard_file.tensor_layout(kind, int(row["n_tokens"]), state.config.embed_dim,
-                                                            state.config.storage_dtype,
-                                                            state.config.signatures_per_entry)
+                    dtype, shape = shard_file.tensor_layout(
+                        kind,
+                        int(row["n_tokens"]),
+                        state.config.embed_dim,
+                        state.config.storage_dtype,
+                        state.config.signatures_per_entry,
+                    )
                     spans.append((reader.source, *reader.span(entry_id, kind, int(np.prod(shape)) * dtype.itemsize)))
             fetcher.fetch_many([span for span in spans if span[0] is not None])
         except HmemError:
@@ -123,13 +129,20 @@ class EntryReader:
             # The open shard's memory is reused after it is sealed: copy.
             return builder.get(entry_id, kind).copy()
         reader = self.shard(shard_idx)
-        dtype, shape = shard_file.tensor_layout(kind, int(row["n_tokens"]), state.config.embed_dim,
-                                                state.config.storage_dtype, state.config.signatures_per_entry)
+        dtype, shape = shard_file.tensor_layout(
+            kind,
+            int(row["n_tokens"]),
+            state.config.embed_dim,
+            state.config.storage_dtype,
+            state.config.signatures_per_entry,
+        )
         array = reader.tensor(entry_id, kind, dtype, shape)
         wanted = state.verify_reads if check is None else check
         if wanted and (entry_id, kind) not in reader.verified and not reader.check(entry_id, kind, array):
-            raise CorruptStoreError(f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} "
-                                    "fails its checksum", hint=Hint.VERIFY_FULL)
+            raise CorruptStoreError(
+                f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} fails its checksum",
+                hint=Hint.VERIFY_FULL,
+            )
         return array
 
     def _in_memory(self, shard_idx: int) -> ShardBuilder | None:
@@ -172,11 +185,13 @@ class EntryReader:
                 raise  # on object storage: a newer commit removed the object (hmem/store/remote.py)
             changed = state.store_changed()
             if changed and state.read_only:
-                raise StoreChangedError(f"{state.path} was changed by a writer since it was opened",
-                                        hint=Hint.OPEN_AGAIN) from None
+                raise StoreChangedError(
+                    f"{state.path} was changed by a writer since it was opened", hint=Hint.OPEN_AGAIN
+                ) from None
             if isinstance(exc, StoreChangedError) and not changed:
-                raise CorruptStoreError(f"shard {info.file} is not the file the store names (its uid differs)",
-                                        hint=Hint.VERIFY) from None
+                raise CorruptStoreError(
+                    f"shard {info.file} is not the file the store names (its uid differs)", hint=Hint.VERIFY
+                ) from None
             raise
 
     def health(self) -> StoreHealth:
@@ -205,8 +220,7 @@ class EntryReader:
                 problems.append(f"shard {info.file} is missing ({held})")
             else:
                 wrong_size.append(info.file)
-                problems.append(f"shard {info.file} is {size} bytes, the store expects {info.bytes} "
-                                f"({held})")
+                problems.append(f"shard {info.file} is {size} bytes, the store expects {info.bytes} ({held})")
         # evicted entries have shard_idx EVICTED; np.isin costs ~20 ms at its first call, so only when needed
         unreachable = int(np.count_nonzero(np.isin(shard_of, bad_shards))) if bad_shards else 0
         need = state.committed_n * state.record_size
@@ -215,14 +229,21 @@ class EntryReader:
         if size is None:
             entries_problem = f"{layout.ENTRIES_FILE} is missing"
         elif size < need:
-            entries_problem = (f"{layout.ENTRIES_FILE} is {size} bytes, shorter than its {state.committed_n} "
-                               f"committed records ({need} bytes)")
+            entries_problem = (
+                f"{layout.ENTRIES_FILE} is {size} bytes, shorter than its {state.committed_n} "
+                f"committed records ({need} bytes)"
+            )
         if entries_problem:
             problems.append(entries_problem)
-        return StoreHealth(ok=not problems, problems=tuple(problems),
-                           advice=Hint.VERIFY_THEN_REPAIR if problems else "", missing_shards=tuple(missing),
-                           wrong_size_shards=tuple(wrong_size), unreachable_entries=unreachable,
-                           entries_file_problem=entries_problem)
+        return StoreHealth(
+            ok=not problems,
+            problems=tuple(problems),
+            advice=Hint.VERIFY_THEN_REPAIR if problems else "",
+            missing_shards=tuple(missing),
+            wrong_size_shards=tuple(wrong_size),
+            unreachable_entries=unreachable,
+            entries_file_problem=entries_problem,
+        )
 
     def _file_size(self, name: str) -> int | None:
         """The size of a file the commit names, where a reader finds it now

@@ -116,8 +116,9 @@ def _updated_positions(written: bytes | None, generation: int) -> np.ndarray | N
         return None
 
 
-def _changed_spans(positions: np.ndarray, record_size: int, before: dict[str, int],
-                   after: dict[str, int]) -> list[tuple[int, int, int]]:
+def _changed_spans(
+    positions: np.ndarray, record_size: int, before: dict[str, int], after: dict[str, int]
+) -> list[tuple[int, int, int]]:
     """(file number, offset, length) of what one commit changed: its records
     updated in place (runs of consecutive positions), and what it appended
     to each file."""
@@ -141,8 +142,11 @@ class RemoteLink:
         client_options, own = split_options(storage_options)
         self.client = ObjectClient(url, client_options)
         self.url = self.client.url
-        bound = int(_positive(own.get("cache_bytes", cache_bytes if cache_bytes is not None else DEFAULT_CACHE_BYTES),
-                              "cache_bytes"))
+        bound = int(
+            _positive(
+                own.get("cache_bytes", cache_bytes if cache_bytes is not None else DEFAULT_CACHE_BYTES), "cache_bytes"
+            )
+        )
         self.lease_seconds = _positive(own.get("lease_seconds", DEFAULT_LEASE_SECONDS), "lease_seconds")
         self.retire_seconds = float(own.get("retire_seconds", DEFAULT_RETIRE_SECONDS))
         if self.retire_seconds < 0:
@@ -177,8 +181,7 @@ class RemoteLink:
         try:
             data, etag = self.client.get(fmt.MANIFEST_KEY)
         except ObjectMissing:
-            raise NotAStoreError(f"{self.url} holds no hmem store (no {fmt.MANIFEST_KEY})",
-                                 hint=Hint.CREATE) from None
+            raise NotAStoreError(f"{self.url} holds no hmem store (no {fmt.MANIFEST_KEY})", hint=Hint.CREATE) from None
         mf = fmt.RemoteManifest.parse(data, f"{self.url}/{fmt.MANIFEST_KEY}")
         self.manifest, self.etag = mf, etag
         return mf
@@ -191,12 +194,14 @@ class RemoteLink:
         mf = self.manifest
         assert mf is not None
         files = [bytearray(mf.sizes[name]) for name in (*fmt.STATE_FILES, fmt.HEADS_FILE)]
+
         def fetch(key: str) -> bytes:
             try:
                 return self.client.get(key)[0]
             except ObjectMissing:
-                raise StoreChangedError(f"{self.url} changed while it was being read (state object "
-                                        f"{key} is gone)", hint=Hint.REFRESH) from None
+                raise StoreChangedError(
+                    f"{self.url} changed while it was being read (state object {key} is gone)", hint=Hint.REFRESH
+                ) from None
 
         keys = [item["key"] for item in mf.state]
         cache = self.state_cache
@@ -263,9 +268,15 @@ class RemoteLink:
             mf = self.read_manifest()
             assert self.lease is not None
             self.lease.check()
-            fenced = fmt.RemoteManifest(generation=mf.generation + 1, index=mf.index, sizes=mf.sizes,
-                                        state=mf.state, shards=mf.shards, retired=mf.retired,
-                                        writer=self.lease.token)
+            fenced = fmt.RemoteManifest(
+                generation=mf.generation + 1,
+                index=mf.index,
+                sizes=mf.sizes,
+                state=mf.state,
+                shards=mf.shards,
+                retired=mf.retired,
+                writer=self.lease.token,
+            )
             try:
                 self.etag = self.client.put(fmt.MANIFEST_KEY, fenced.to_bytes(), if_match=self.etag)
             except ConditionFailed:
@@ -297,8 +308,17 @@ class RemoteLink:
             return
         self.publish(directory, committed, snapshot=True, again=True)
 
-    def publish(self, directory: Path, committed: Manifest, written: bytes | None = None, *, create: bool = False,
-                snapshot: bool = False, data_only: bool = False, again: bool = False) -> None:
+    def publish(
+        self,
+        directory: Path,
+        committed: Manifest,
+        written: bytes | None = None,
+        *,
+        create: bool = False,
+        snapshot: bool = False,
+        data_only: bool = False,
+        again: bool = False,
+    ) -> None:
         """Commit the working copy's last local commit (`committed`; `written`:
         the index.json it wrote, whose pending updates say which records it
         changed in place) to the object store: a state object with what that
@@ -335,7 +355,7 @@ class RemoteLink:
             self.uploaded_bytes += info.bytes
             named[info.uid] = {"key": key, "bytes": info.bytes}
             new_heads[info.uid] = _local_head(directory / info.file, info)
-        retired = [] if old is None else [r for r in old.retired]
+        retired = [] if old is None else list(old.retired)
         expired = [r["key"] for r in retired if now - r["since"] >= self.retire_seconds]
         retired = [r for r in retired if r["key"] not in expired]
         if old is not None:
@@ -343,16 +363,23 @@ class RemoteLink:
         # state: the bytes of the small files this local commit changed, or all of them
         record_size = layout.record_bytes(committed.config)
         changed = _updated_positions(written, generation)
-        whole = (old is None or snapshot or changed is None or generation != self.published_generation + 1
-                 or len(old.state) >= SNAPSHOT_AFTER
-                 or any(sizes[name] < old.sizes[name] for name in fmt.STATE_FILES))
+        whole = (
+            old is None
+            or snapshot
+            or changed is None
+            or generation != self.published_generation + 1
+            or len(old.state) >= SNAPSHOT_AFTER
+            or any(sizes[name] < old.sizes[name] for name in fmt.STATE_FILES)
+        )
         appended_heads = b"".join(fmt.encode_head(uid, start - 8, index) for uid, (start, index) in new_heads.items())
         pieces: list[tuple[int, int, Any]] = []
         if not whole:
             assert old is not None and changed is not None
             spans = _changed_spans(changed, record_size, old.sizes, sizes)
-            pieces = [(number, offset, _read_range(directory / fmt.STATE_FILES[number], offset, length))
-                      for number, offset, length in spans]
+            pieces = [
+                (number, offset, _read_range(directory / fmt.STATE_FILES[number], offset, length))
+                for number, offset, length in spans
+            ]
             if appended_heads:
                 pieces.append((fmt.HEADS, old.sizes[fmt.HEADS_FILE], appended_heads))
             sizes[fmt.HEADS_FILE] = old.sizes[fmt.HEADS_FILE] + len(appended_heads)
@@ -363,8 +390,10 @@ class RemoteLink:
             # store written before heads existed has none for its older shards)
             known = {**self.fetcher.heads, **new_heads}
             heads = b"".join(fmt.encode_head(uid, known[uid][0] - 8, known[uid][1]) for uid in named if uid in known)
-            pieces = [(number, 0, _read_range(directory / name, 0, sizes[name]))
-                      for number, name in enumerate(fmt.STATE_FILES)]
+            pieces = [
+                (number, 0, _read_range(directory / name, 0, sizes[name]))
+                for number, name in enumerate(fmt.STATE_FILES)
+            ]
             pieces.append((fmt.HEADS, 0, heads))
             sizes[fmt.HEADS_FILE] = len(heads)
         next_generation = 0 if old is None else old.generation + 1
@@ -378,8 +407,16 @@ class RemoteLink:
             self.client.put(key, body)
             self.uploaded_bytes += len(body)
             state_list.append({"key": key, "bytes": len(body)})
-        new_mf = fmt.RemoteManifest(generation=next_generation, index=index_bytes, sizes=sizes, state=state_list,
-                                    shards=named, retired=retired, writer=lease.token, committed=now)
+        new_mf = fmt.RemoteManifest(
+            generation=next_generation,
+            index=index_bytes,
+            sizes=sizes,
+            state=state_list,
+            shards=named,
+            retired=retired,
+            writer=lease.token,
+            committed=now,
+        )
         _io.crash_point("remote.objects_written")
         lease.check()
         try:
@@ -391,8 +428,11 @@ class RemoteLink:
             lease.lost = True
             if create:
                 raise StoreExistsError(f"{self.url} already holds an hmem store", hint="open it instead") from None
-            raise StoreLockedError(f"another writer committed to {self.url} after this writer's lease was "
-                                   "taken over: nothing was committed", hint=Hint.OPEN_AGAIN) from None
+            raise StoreLockedError(
+                f"another writer committed to {self.url} after this writer's lease was "
+                "taken over: nothing was committed",
+                hint=Hint.OPEN_AGAIN,
+            ) from None
         _io.crash_point("remote.committed")
         self.manifest, self.etag = new_mf, etag
         self.fetcher.manifest_etag = etag
@@ -417,9 +457,13 @@ class RemoteLink:
         if last is None or self.published_generation < 0:
             return False
         changed = _updated_positions(written, committed.generation)
-        return (changed is not None and not len(changed) and committed.record_count == last.record_count
-                and [s.uid for s in committed.shards] == [s.uid for s in last.shards]
-                and committed.sources == last.sources)
+        return (
+            changed is not None
+            and not len(changed)
+            and committed.record_count == last.record_count
+            and [s.uid for s in committed.shards] == [s.uid for s in last.shards]
+            and committed.sources == last.sources
+        )
 
     # ---- whole objects, for verify and repair ------------------------------------------
 
@@ -442,8 +486,13 @@ class RemoteLink:
         or not, and their sizes (one listing)."""
         mf = self.manifest
         assert mf is not None
-        named = {fmt.MANIFEST_KEY, fmt.LEASE_KEY, *(s["key"] for s in mf.state),
-                 *(s["key"] for s in mf.shards.values()), *(r["key"] for r in mf.retired)}
+        named = {
+            fmt.MANIFEST_KEY,
+            fmt.LEASE_KEY,
+            *(s["key"] for s in mf.state),
+            *(s["key"] for s in mf.shards.values()),
+            *(r["key"] for r in mf.retired),
+        }
         return {key: size for key, size in sorted(self.client.list()) if key not in named}
 
     def orphans(self) -> list[str]:
@@ -463,8 +512,7 @@ class RemoteLink:
         """Bytes of the objects the manifest names (retired ones aside)."""
         mf = self.manifest
         assert mf is not None
-        return sum(s["bytes"] for s in mf.shards.values()) + sum(s["bytes"] for s in mf.state) \
-            + len(mf.to_bytes())
+        return sum(s["bytes"] for s in mf.shards.values()) + sum(s["bytes"] for s in mf.state) + len(mf.to_bytes())
 
     # ---- end -------------------------------------------------------------------------
 
@@ -483,9 +531,11 @@ def committed_sizes(directory: Path, committed: Manifest) -> dict[str, int]:
         pooled_bytes = (directory / layout.POOLED_FILE).stat().st_size
     except FileNotFoundError:
         pooled_bytes = 0
-    return {layout.ENTRIES_FILE: committed.record_count * layout.record_bytes(committed.config),
-            layout.POOLED_FILE: min(pooled_bytes, committed.record_count * pooled.row_bytes(committed.config.pooled_width)),
-            layout.SOURCES_FILE: committed.sources.bytes}
+    return {
+        layout.ENTRIES_FILE: committed.record_count * layout.record_bytes(committed.config),
+        layout.POOLED_FILE: min(pooled_bytes, committed.record_count * pooled.row_bytes(committed.config.pooled_width)),
+        layout.SOURCES_FILE: committed.sources.bytes,
+    }
 
 
 def _local_head(path: Path, info: Any) -> tuple[int, bytes]:

@@ -39,8 +39,9 @@ class RemoteShardFile:
     """One shard's object, mirrored into a sparse local file block by block
     as reads need its bytes (the reads go through the file's memory map)."""
 
-    def __init__(self, fetcher: ShardFetcher, key: str, path: Path, size: int,
-                 head: tuple[int, Any] | None = None) -> None:
+    def __init__(
+        self, fetcher: ShardFetcher, key: str, path: Path, size: int, head: tuple[int, Any] | None = None
+    ) -> None:
         self.fetcher = fetcher
         self.key = key
         self.path = path
@@ -65,8 +66,10 @@ class RemoteShardFile:
         if not missing.any():
             return []
         edges = np.flatnonzero(np.diff(np.concatenate(([0], missing.astype(np.int8), [0]))))
-        return [((first + int(lo)) * FETCH_BLOCK, min((first + int(hi)) * FETCH_BLOCK, self.size))
-                for lo, hi in zip(edges[0::2], edges[1::2])]
+        return [
+            ((first + int(lo)) * FETCH_BLOCK, min((first + int(hi)) * FETCH_BLOCK, self.size))
+            for lo, hi in zip(edges[0::2], edges[1::2])
+        ]
 
     def store(self, begin: int, data: bytes) -> int:
         """Write fetched whole blocks from `begin`; returns the bytes newly
@@ -110,7 +113,7 @@ class RemoteShardFile:
                 except ObjectMissing:
                     raise self.fetcher.missing(self.key) from None
                 _io.write_cache_at(self.fd, self.path, begin, data)
-                self.present[first + int(lo): first + int(hi)] = True
+                self.present[first + int(lo) : first + int(hi)] = True
                 self.fetched_bytes += len(data)
                 fetched += len(data)
         # outside this file's lock: the cache may drop files and tell the
@@ -152,8 +155,9 @@ class ShardFetcher:
         except ObjectMissing:
             etag = None
         if etag != self.manifest_etag:
-            return StoreChangedError(f"{self.client.url} changed since it was opened (shard object {key} is gone)",
-                                     hint=Hint.REFRESH)
+            return StoreChangedError(
+                f"{self.client.url} changed since it was opened (shard object {key} is gone)", hint=Hint.REFRESH
+            )
         return CorruptStoreError(f"{self.client.url}: shard object {key} is missing", hint=Hint.VERIFY)
 
     def source(self, uid: str) -> RemoteShardFile | None:
@@ -167,8 +171,7 @@ class ShardFetcher:
             if found is None:
                 path = self.directory / f"{uid}.safetensors"
                 _io.unlink(path)  # a file dropped from the cache earlier
-                found = self._files[uid] = RemoteShardFile(self, info["key"], path, info["bytes"],
-                                                           self.heads.get(uid))
+                found = self._files[uid] = RemoteShardFile(self, info["key"], path, info["bytes"], self.heads.get(uid))
             return found
 
     def fetched(self, nbytes: int) -> None:
@@ -246,5 +249,3 @@ class ShardFetcher:
             for found in self._files.values():
                 found.close()
             self._files.clear()
-
-

@@ -79,10 +79,17 @@ class EntryInfo:
     @classmethod
     def from_record(cls, row: Any, size: int) -> EntryInfo:
         """The info of a record of entries.bin (hmem/formats/records.py)."""
-        return cls(entry_id=int(row["entry_id"]), layer_idx=int(row["layer_idx"]), n_tokens=int(row["n_tokens"]),
-                   importance=float(row["importance"]), access_count=int(row["access_count"]),
-                   created=int(row["timestamp"]), shard_idx=int(row["shard_idx"]), bytes=size,
-                   score=float(policy.scores(np.asarray(row["importance"]), np.asarray(row["access_count"]))))
+        return cls(
+            entry_id=int(row["entry_id"]),
+            layer_idx=int(row["layer_idx"]),
+            n_tokens=int(row["n_tokens"]),
+            importance=float(row["importance"]),
+            access_count=int(row["access_count"]),
+            created=int(row["timestamp"]),
+            shard_idx=int(row["shard_idx"]),
+            bytes=size,
+            score=float(policy.scores(np.asarray(row["importance"]), np.asarray(row["access_count"]))),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

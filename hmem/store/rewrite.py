@@ -24,8 +24,8 @@ from hmem import _io
 from hmem.errors import CorruptStoreError, Hint, UnsafeFileError
 from hmem.formats import layout, manifest, pooled, records, shard_file, stamp
 from hmem.formats.layout import ENTRIES_FILE, POOLED_FILE
-from hmem.kernels import checksum as checksum_kernels
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
+from hmem.kernels import checksum as checksum_kernels
 from hmem.store import shard_builder
 
 # kind -> (dtype, shape, where the bytes are, their checked CRC-32C)
@@ -82,8 +82,9 @@ def rewrite(
             pooled_keys.append((tensors["p"][2], tensors["p"][3]))
         name = layout.shard_file(j)
         size, index_crc = builder.seal(root / (TEMP_PREFIX + name))
-        new_shards.append(ShardInfo(file=name, bytes=size, uid=builder.uid, entries=builder.entries,
-                                    index_crc=index_crc))
+        new_shards.append(
+            ShardInfo(file=name, bytes=size, uid=builder.uid, entries=builder.entries, index_crc=index_crc)
+        )
         renames.append((TEMP_PREFIX + name, name))
         new_records["shard_idx"][start : start + count] = j
         start += count
@@ -96,13 +97,17 @@ def rewrite(
     _io.write_file(root / entries_temp, [new_records.tobytes()])
     renames.append((entries_temp, ENTRIES_FILE))
     pooled_temp = TEMP_PREFIX + POOLED_FILE
-    _io.write_file(root / pooled_temp, [_pooled_rows(new_records["entry_id"], pooled_keys,
-                                                     base.config.pooled_width).tobytes()])
+    _io.write_file(
+        root / pooled_temp, [_pooled_rows(new_records["entry_id"], pooled_keys, base.config.pooled_width).tobytes()]
+    )
     renames.append((pooled_temp, POOLED_FILE))
     _io.crash_point(f"{crash_prefix}.records_written")
     keep = {info.file for info in new_shards}
     mf = dataclasses.replace(
-        base, generation=base.generation + 1, record_count=len(new_records), shards=new_shards,
+        base,
+        generation=base.generation + 1,
+        record_count=len(new_records),
+        shards=new_shards,
         pending=Pending(renames=renames, deletes=sorted({name for name in deletes if name not in keep})),
     )
     manifest.write(root, mf)
@@ -125,8 +130,9 @@ def _pooled_rows(entry_ids: np.ndarray, keys: Sequence[tuple[_io.FileRange, int]
     bad = np.flatnonzero(checksum_kernels.crc32c_rows(raw, 0, 0) != np.array([crc for _, crc in keys], np.uint32))
     if len(bad):
         where = keys[int(bad[0])][0]
-        raise CorruptStoreError(f"tensor p_{int(entry_ids[bad[0]])} in {where.path.name} fails its checksum",
-                                hint=Hint.VERIFY_THEN_REPAIR)
+        raise CorruptStoreError(
+            f"tensor p_{int(entry_ids[bad[0]])} in {where.path.name} fails its checksum", hint=Hint.VERIFY_THEN_REPAIR
+        )
     return pooled.make_rows(entry_ids, raw.view("<f4"))
 
 
@@ -137,8 +143,9 @@ def finish_pending(root: Path, mf: Manifest) -> None:
     updates = mf.pending.record_updates
     if len(updates):
         size = layout.record_bytes(mf.config)
-        _io.write_pieces(root / ENTRIES_FILE,
-                         records.update_pieces(updates[updates["position"] < mf.record_count], size))
+        _io.write_pieces(
+            root / ENTRIES_FILE, records.update_pieces(updates[updates["position"] < mf.record_count], size)
+        )
     _io.unlink_many([root / name for name in mf.pending.deletes])
 
 
@@ -148,13 +155,17 @@ def refuse_unsafe(root: Path, files: layout.DirectoryFiles) -> None:
     pooled.bin, which are written in place, has other names (a hard link): nothing is read or
     written through them, so a writer would fail part way (docs/security.md)."""
     if files.unsafe:
-        raise UnsafeFileError(f"{', '.join(files.unsafe)} in {root}: not a regular file (a symbolic link or the "
-                              "like); hmem writes no store whose own files are links", hint=Hint.VERIFY)
+        raise UnsafeFileError(
+            f"{', '.join(files.unsafe)} in {root}: not a regular file (a symbolic link or the "
+            "like); hmem writes no store whose own files are links",
+            hint=Hint.VERIFY,
+        )
     for name in (ENTRIES_FILE, layout.STAMP_FILE, POOLED_FILE):
         if name in files.committed and os.lstat(root / name).st_nlink > 1:
-            raise UnsafeFileError(f"{name} in {root} has other names (hard links); hmem writes no file in place "
-                                  "that another name shares",
-                                  hint="copy the store directory and use the copy, whose files are its own")
+            raise UnsafeFileError(
+                f"{name} in {root} has other names (hard links); hmem writes no file in place that another name shares",
+                hint="copy the store directory and use the copy, whose files are its own",
+            )
 
 
 def remove_leftovers(root: Path, mf: Manifest) -> None:
@@ -167,8 +178,10 @@ def remove_leftovers(root: Path, mf: Manifest) -> None:
     for name in files.orphans:  # regular files only: a link or directory is never hmem's
         if name in files.temporary or (layout.shard_index(name) or 0) >= len(mf.shards):
             _io.unlink(root / name)
-    for name, row in ((ENTRIES_FILE, layout.record_bytes(mf.config)),
-                      (POOLED_FILE, pooled.row_bytes(mf.config.pooled_width))):
+    for name, row in (
+        (ENTRIES_FILE, layout.record_bytes(mf.config)),
+        (POOLED_FILE, pooled.row_bytes(mf.config.pooled_width)),
+    ):
         # rows past the commit: no reader ever reads them (nor has them mapped in use)
         path, committed_size = root / name, mf.record_count * row
         if path.exists() and path.stat().st_size > committed_size:

@@ -115,12 +115,14 @@ class LayerIndex:
     def __init__(self, signature_bytes: int, spans: int = 0, span_bytes: int = 0) -> None:
         self.per_entry = spans + 1
         self.view = LayerView(
-            n=0, dead=0,
+            n=0,
+            dead=0,
             sigs=np.zeros((_MIN_CAPACITY, signature_bytes), dtype=np.uint8),
             positions=np.zeros(_MIN_CAPACITY, dtype=np.int64),
             alive=np.ones(_MIN_CAPACITY, dtype=np.uint8),
             prefixes=None,
-            span_rows=np.zeros((_MIN_CAPACITY * self.per_entry, span_bytes), dtype=np.uint8) if spans else None)
+            span_rows=np.zeros((_MIN_CAPACITY * self.per_entry, span_bytes), dtype=np.uint8) if spans else None,
+        )
         self._making = threading.RLock()
         # (signatures, positions, spans) whose gather waits for the layer's
         # first use (defer); None once the matrix holds them
@@ -201,8 +203,7 @@ class LayerIndex:
             # into new arrays (_reserved), and pack() moves rows only once the
             # deferred gather has read them (ready)
             self._deferred = (signatures, positions, spans)
-            self.view = view._replace(n=k, dead=0, positions=positions, alive=np.ones(k, dtype=np.uint8),
-                                      prefixes=None)
+            self.view = view._replace(n=k, dead=0, positions=positions, alive=np.ones(k, dtype=np.uint8), prefixes=None)
 
     def ready(self) -> LayerView:
         """The view, its matrix made first when defer() left it for later:
@@ -307,15 +308,17 @@ class LayerIndex:
     def _scan(self, view: LayerView, query: np.ndarray, sigs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows and distances of the k best rows of `sigs`, every core scanning."""
         alive = view.alive[: view.n] if view.dead else None
-        parts = threads.run_ranges(lambda lo, hi: hamming_kernels.topk(query, sigs, alive, k, lo, hi),
-                                   threads.split(view.n, _ROWS_PER_THREAD))
+        parts = threads.run_ranges(
+            lambda lo, hi: hamming_kernels.topk(query, sigs, alive, k, lo, hi), threads.split(view.n, _ROWS_PER_THREAD)
+        )
         if len(parts) == 1:
             return parts[0]
         return _best(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), k)
 
     @staticmethod
-    def _second_stage(view: LayerView, query: np.ndarray, survivors: np.ndarray, k: int
-                      ) -> tuple[np.ndarray, np.ndarray]:
+    def _second_stage(
+        view: LayerView, query: np.ndarray, survivors: np.ndarray, k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The k best survivors of stage one by their full signatures."""
         survivors = np.sort(survivors)
         full = np.empty((len(survivors), view.sigs.shape[1]), dtype=np.uint8)
@@ -328,8 +331,7 @@ class LayerIndex:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
         view = self.ready()
         if self.two_stage(search, k, view):
-            survivors, _ = self._scan(view, query[:PREFIX_BYTES], self._prefix_matrix(view),
-                                      SURVIVORS_PER_PLACE * k)
+            survivors, _ = self._scan(view, query[:PREFIX_BYTES], self._prefix_matrix(view), SURVIVORS_PER_PLACE * k)
             rows, dists = self._second_stage(view, query, survivors, k)
         else:
             rows, dists = self._scan(view, query, view.sigs[: view.n], k)
@@ -353,9 +355,13 @@ class LayerIndex:
         for m in (min(2 * k + 64, k * per), k * per):
             parts = threads.run_ranges(
                 lambda lo, hi: hamming_kernels.topk(query[:width], rows, alive, m, lo * per, hi * per),
-                threads.split(view.n, max(1, _ROWS_PER_THREAD // per)))
-            found, dists = parts[0] if len(parts) == 1 else _best(np.concatenate([p[0] for p in parts]),
-                                                                  np.concatenate([p[1] for p in parts]), m)
+                threads.split(view.n, max(1, _ROWS_PER_THREAD // per)),
+            )
+            found, dists = (
+                parts[0]
+                if len(parts) == 1
+                else _best(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), m)
+            )
             entries = found // per
             _, first = np.unique(entries, return_index=True)
             if len(first) >= k or len(found) < m:  # k entries, or every live row seen
@@ -381,12 +387,17 @@ class LayerIndex:
         alive = view.alive[: view.n] if view.dead else None
         two_stage = self.two_stage(search, k, view)
         if two_stage:
-            sigs, scanned, keep = self._prefix_matrix(view), np.ascontiguousarray(queries[:, :PREFIX_BYTES]), \
-                SURVIVORS_PER_PLACE * k
+            sigs, scanned, keep = (
+                self._prefix_matrix(view),
+                np.ascontiguousarray(queries[:, :PREFIX_BYTES]),
+                SURVIVORS_PER_PLACE * k,
+            )
         else:
             sigs, scanned, keep = view.sigs[: view.n], queries, k
-        parts = threads.run_ranges(lambda lo, hi: hamming_kernels.topk_many(scanned, sigs, alive, keep, lo, hi),
-                                   threads.split(view.n, _ROWS_PER_THREAD))
+        parts = threads.run_ranges(
+            lambda lo, hi: hamming_kernels.topk_many(scanned, sigs, alive, keep, lo, hi),
+            threads.split(view.n, _ROWS_PER_THREAD),
+        )
         rows, dists, counts = _merge(parts, keep)
         found = [(rows[j, : counts[j]], dists[j, : counts[j]]) for j in range(len(queries))]
         if two_stage:
@@ -457,7 +468,7 @@ class SearchIndex:
         spans = records["spans"] if self.spans else None
         for start, size in zip(starts.tolist(), sizes.tolist()):
             layer = self._layer(int(sorted_keys[start]))
-            layer.defer(signatures, order[start:start + size], spans)
+            layer.defer(signatures, order[start : start + size], spans)
 
     def add_records(self, records: np.ndarray, positions: np.ndarray) -> None:
         """Index the live records among records[positions] (vectorised per layer)."""
@@ -502,8 +513,7 @@ class SearchIndex:
             if survivors is not None:
                 self._track(survivors, np.arange(len(survivors), dtype=np.int64))
 
-    def search(self, layer_idx: int, query: np.ndarray, k: int, search: str = "full"
-               ) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, layer_idx: int, query: np.ndarray, k: int, search: str = "full") -> tuple[np.ndarray, np.ndarray]:
         """(record positions, Hamming distances) of the k nearest entries of
         a layer; `search` is one of SEARCHES."""
         layer = self.layers.get(layer_idx)
@@ -511,8 +521,7 @@ class SearchIndex:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
         return layer.topk(query, k, search)
 
-    def search_spans(self, layer_idx: int, query: np.ndarray, k: int, whole: int = 0
-                     ) -> tuple[np.ndarray, np.ndarray]:
+    def search_spans(self, layer_idx: int, query: np.ndarray, k: int, whole: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(record positions, Hamming distances over span-signature bits) of
         the k entries of a layer with the nearest span-matrix row, and with
         `whole` > 0 also of the `whole` nearest by their whole signature
@@ -530,8 +539,9 @@ class SearchIndex:
                 positions, dists = positions[order], dists[order]
         return positions, dists
 
-    def search_many(self, layer_idx: int, queries: np.ndarray, k: int, search: str = "full"
-                    ) -> list[tuple[np.ndarray, np.ndarray]]:
+    def search_many(
+        self, layer_idx: int, queries: np.ndarray, k: int, search: str = "full"
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
         """search() of each row of `queries`, in one pass over the layer."""
         layer = self.layers.get(layer_idx)
         if layer is None:

@@ -182,7 +182,9 @@ class Arena:
 
     def append_space(self, n: int) -> memoryview:
         """`n` bytes after the previous ones, to be filled by the caller."""
-        while self._current < len(self._segments) and self._used[self._current] + n > len(self._segments[self._current]):
+        while self._current < len(self._segments) and self._used[self._current] + n > len(
+            self._segments[self._current]
+        ):
             self._current += 1
         if self._current == len(self._segments):
             segment = self.spares.take(max(n, self.SEGMENT_BYTES))
@@ -221,7 +223,7 @@ class _Block:
             return self.shapes
         row_shape, per_entry = self.shapes
         shapes = np.empty((len(n_tokens), len(row_shape) + (0 if per_entry else 1)), dtype=np.int64)
-        shapes[:, shapes.shape[1] - len(row_shape):] = row_shape
+        shapes[:, shapes.shape[1] - len(row_shape) :] = row_shape
         if not per_entry:
             shapes[:, 0] = n_tokens
         return shapes
@@ -288,8 +290,13 @@ class ShardBuilder:
     def data_bytes(self) -> int:
         return self._totals()[2]
 
-    def add_entries(self, ids: np.ndarray, n_tokens: np.ndarray, tensors: dict[str, list[np.ndarray]],
-                    meta: dict[int, str] | None = None) -> None:
+    def add_entries(
+        self,
+        ids: np.ndarray,
+        n_tokens: np.ndarray,
+        tensors: dict[str, list[np.ndarray]],
+        meta: dict[int, str] | None = None,
+    ) -> None:
         """Add entries (increasing ids, past every id here) whose tensors of
         each kind are the rows of the arrays tensors[kind], back to back:
         one row per entry for "p", n_tokens rows per entry for the others.
@@ -309,8 +316,12 @@ class ShardBuilder:
             per_entry = kind in PER_ENTRY_KINDS
             row_shape = array.shape[1:]
             rows = count if per_entry else int(token_bounds[-1])
-            if kind not in KINDS or array.dtype not in DTYPE_NAMES or sum(len(a) for a in arrays) != rows or any(
-                    a.dtype != array.dtype or a.shape[1:] != row_shape or not _contiguous(a) for a in arrays):
+            if (
+                kind not in KINDS
+                or array.dtype not in DTYPE_NAMES
+                or sum(len(a) for a in arrays) != rows
+                or any(a.dtype != array.dtype or a.shape[1:] != row_shape or not _contiguous(a) for a in arrays)
+            ):
                 raise AssertionError(f"bad shard tensor {kind} ({array.dtype}, {len(arrays)} pieces)")
             if kind == "v":
                 continue  # with the keys, below
@@ -336,9 +347,13 @@ class ShardBuilder:
         totals = (entries + count, tensor_count + tensors_added, data_bytes + added)
         self._parts.append(_Part(ids, n_tokens, blocks, meta, totals))  # one step: in or out, never half
 
-    def add_lent_entry(self, entry_id: int, n_tokens: int,
-                       tensors: dict[str, tuple[np.dtype, tuple[int, ...], _io.FileRange, int]],
-                       meta: str | None = None) -> None:
+    def add_lent_entry(
+        self,
+        entry_id: int,
+        n_tokens: int,
+        tensors: dict[str, tuple[np.dtype, tuple[int, ...], _io.FileRange, int]],
+        meta: str | None = None,
+    ) -> None:
         """Add one entry whose tensors stay where they are (kind -> dtype,
         shape, the bytes in another file, their checked CRC): the sealed
         file copies them inside the kernel."""
@@ -368,12 +383,18 @@ class ShardBuilder:
             dtype = specs[0][0]
             if any(spec[0] != dtype for spec in specs):
                 raise AssertionError(f"lent {kind} tensors of different dtypes")
-            shapes = np.array([spec[1] for spec in specs[:: 2 if kind == PAIR else 1]],
-                              dtype=np.int64).reshape(len(lent), -1)
+            shapes = np.array([spec[1] for spec in specs[:: 2 if kind == PAIR else 1]], dtype=np.int64).reshape(
+                len(lent), -1
+            )
             bounds = np.zeros(len(specs) + 1, dtype=np.int64)
             np.cumsum([spec[2].length for spec in specs], out=bounds[1:])
-            blocks[kind] = _Block(dtype, shapes, bounds, [spec[2] for spec in specs],
-                                  np.array([spec[3] for spec in specs], dtype=np.uint32))
+            blocks[kind] = _Block(
+                dtype,
+                shapes,
+                bounds,
+                [spec[2] for spec in specs],
+                np.array([spec[3] for spec in specs], dtype=np.uint32),
+            )
         meta = {item[0]: item[3] for item in lent if item[3] is not None}
         self._parts.append(_Part(ids, n_tokens, blocks, meta, totals))
 
@@ -430,7 +451,12 @@ class ShardBuilder:
         n = self.entries
         index = np.full((n + 1, INDEX_COLUMNS), -1, dtype="<i8")
         uid = int(self.uid, 16)
-        index[0, :5] = [INDEX_MAGIC, INDEX_VERSION, n, *np.array([uid >> 64, uid & (2**64 - 1)], dtype="<u8").view("<i8")]
+        index[0, :5] = [
+            INDEX_MAGIC,
+            INDEX_VERSION,
+            n,
+            *np.array([uid >> 64, uid & (2**64 - 1)], dtype="<u8").view("<i8"),
+        ]
         starts = np.cumsum([0] + [len(part.ids) for part in self._parts])
         for part, first in zip(self._parts, starts):
             index[1 + first : 1 + first + len(part.ids), 0] = part.ids
@@ -453,20 +479,23 @@ class ShardBuilder:
                     begins, ends = at + block.bounds[:-1], at + block.bounds[1:]
                     shapes = block.shape_rows(part.n_tokens)
                     # a pair block's tensors alternate: k_0, v_0, k_1, v_1, ...
-                    for kind, pick in ((("k", slice(0, None, 2)), ("v", slice(1, None, 2))) if unit == PAIR
-                                       else ((unit, slice(None)),)):
+                    for kind, pick in (
+                        (("k", slice(0, None, 2)), ("v", slice(1, None, 2))) if unit == PAIR else ((unit, slice(None)),)
+                    ):
                         column = KINDS.index(kind)
                         index[rows, 2 + column] = begins[pick]
                         index[rows, 7 + column] = block.crcs[pick]
                         members.setdefault((kind, block.dtype), []).append(
-                            (part.ids, shapes, begins[pick], ends[pick], block.crcs[pick]))
+                            (part.ids, shapes, begins[pick], ends[pick], block.crcs[pick])
+                        )
                     data.extend(block.data)
                     at += int(block.bounds[-1])
             for (kind, dtype), pieces in members.items():
                 name = f"{kind}_".encode()
                 ids, shapes, begins, ends, crcs = (np.concatenate(column) for column in zip(*pieces))
-                tensor_text.append(header_text.tensor_entries(name, ids, DTYPE_NAMES[dtype].encode(), shapes,
-                                                              begins, ends))
+                tensor_text.append(
+                    header_text.tensor_entries(name, ids, DTYPE_NAMES[dtype].encode(), shapes, begins, ends)
+                )
                 crc_text.append(header_text.crc_entries(CRC_PREFIX.encode() + name, ids, crcs))
         index_crc = checksum_kernels.crc32c(bytes_view(index))
         metadata = {"format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION, "shard_uid": self.uid}
@@ -506,8 +535,9 @@ class SealInFlight:
         self.builder = builder
         self.path = path
         self._buffers, self.index_crc = builder.encode()
-        self.size = sum(part.length if isinstance(part, _io.FileRange) else memoryview(part).nbytes
-                        for part in self._buffers)
+        self.size = sum(
+            part.length if isinstance(part, _io.FileRange) else memoryview(part).nbytes for part in self._buffers
+        )
         self.error: BaseException | None = None
         # finished once, by whichever thread claims it first: the seal's own,
         # or one waiting for it (a signal may cut start() short anywhere)

@@ -71,11 +71,11 @@ class ShardReader:
         try:
             actual = os.fstat(fd).st_size
             if actual != info.bytes:
-                raise CorruptStoreError(f"shard {path.name} is {actual} bytes, the store expects {info.bytes}",
-                                        hint=Hint.VERIFY)
+                raise CorruptStoreError(
+                    f"shard {path.name} is {actual} bytes, the store expects {info.bytes}", hint=Hint.VERIFY
+                )
             if actual < 8:
-                raise CorruptStoreError(f"shard {path.name} is damaged: too short to be safetensors",
-                                        hint=Hint.VERIFY)
+                raise CorruptStoreError(f"shard {path.name} is damaged: too short to be safetensors", hint=Hint.VERIFY)
             try:
                 self._map = mmap.mmap(fd, actual, access=mmap.ACCESS_READ)
             except OSError as exc:
@@ -116,11 +116,13 @@ class ShardReader:
         if length > self.size or data_start + index_bytes > self.size:
             raise self._bad("its header or index runs past the end of the file")
         self._ensure(0, data_start + index_bytes)
-        index = np.frombuffer(self._map, dtype="<i8", count=(entries + 1) * INDEX_COLUMNS,
-                              offset=data_start).reshape(entries + 1, INDEX_COLUMNS)
+        index = np.frombuffer(self._map, dtype="<i8", count=(entries + 1) * INDEX_COLUMNS, offset=data_start).reshape(
+            entries + 1, INDEX_COLUMNS
+        )
         if (int(index[0, 3]), int(index[0, 4])) != self.state.uid_halves:
-            raise StoreChangedError(f"shard {self.path.name} was replaced since the store was opened",
-                                    hint=Hint.OPEN_AGAIN)
+            raise StoreChangedError(
+                f"shard {self.path.name} was replaced since the store was opened", hint=Hint.OPEN_AGAIN
+            )
         if self.state.ids is None:
             if checksum_kernels.crc32c(bytes_view(index)) != index_crc:
                 raise self._bad("its entry index fails its checksum")
@@ -129,15 +131,18 @@ class ShardReader:
             self.state.ids = np.ascontiguousarray(index[1:, 0])
         return data_start, index
 
-    def _head_index(self, entries: int, index_crc: int, data_start: int,
-                    raw: Any) -> tuple[int, np.ndarray] | None:
+    def _head_index(self, entries: int, index_crc: int, data_start: int, raw: Any) -> tuple[int, np.ndarray] | None:
         """The index a head gives, once it checks out against the store's
         record of the shard (its CRC, entries, uid); None otherwise."""
         if len(raw) != (entries + 1) * INDEX_ROW_BYTES or data_start + len(raw) > self.size:
             return None
         index = np.frombuffer(raw, dtype="<i8").reshape(entries + 1, INDEX_COLUMNS)
-        if (int(index[0, 3]), int(index[0, 4])) != self.state.uid_halves or index[0, 0] != INDEX_MAGIC \
-                or index[0, 1] != INDEX_VERSION or index[0, 2] != entries:
+        if (
+            (int(index[0, 3]), int(index[0, 4])) != self.state.uid_halves
+            or index[0, 0] != INDEX_MAGIC
+            or index[0, 1] != INDEX_VERSION
+            or index[0, 2] != entries
+        ):
             return None
         if checksum_kernels.crc32c(raw) != index_crc:  # checked each time: heads come with every commit read
             return None

@@ -31,16 +31,16 @@ import numpy as np
 
 from hmem import memory
 from hmem.config import StoreConfig
-from hmem.errors import CorruptStoreError, HmemError, Hint, ReadOnlyStoreError, StoreClosedError, UnsupportedFormatError
+from hmem.errors import CorruptStoreError, Hint, HmemError, ReadOnlyStoreError, StoreClosedError, UnsupportedFormatError
 from hmem.formats import layout, manifest, pooled, records, shard_file
 from hmem.formats.manifest import Manifest, ShardInfo
 from hmem.formats.records import EVICTED
 from hmem.store import lock
 from hmem.store.imported import ImportRegistry
 from hmem.store.pooled_keys import PooledKeys
-from hmem.store.rwlock import ReadWriteLock
 from hmem.store.projection import Projector, SpanProjector
 from hmem.store.results import LimitActivity
+from hmem.store.rwlock import ReadWriteLock
 from hmem.store.search import SearchIndex
 from hmem.store.shard_builder import SealInFlight, ShardBuilder, SpareSegments
 from hmem.store.shard_reader import ShardCache
@@ -57,8 +57,16 @@ class DeadBytes:
 class StoreState:
     """The live state of one open store (see the module docstring)."""
 
-    def __init__(self, path: Path, committed: Manifest, *, writer: lock.WriterLock | None,
-                 verify_reads: bool, manifest_bytes: bytes, loaded: np.ndarray) -> None:
+    def __init__(
+        self,
+        path: Path,
+        committed: Manifest,
+        *,
+        writer: lock.WriterLock | None,
+        verify_reads: bool,
+        manifest_bytes: bytes,
+        loaded: np.ndarray,
+    ) -> None:
         cfg = committed.config
         self.path = path
         self.config: StoreConfig = cfg
@@ -69,9 +77,11 @@ class StoreState:
         self.verify_reads = verify_reads
         self.closed = False
         self.projector = Projector(cfg.embed_dim, cfg.hdc_dim, cfg.seed)
-        self.span_projector = SpanProjector(cfg.embed_dim, cfg.span_signature_bytes * 8, cfg.seed, cfg.spans,
-                                            cfg.span_layout) \
-            if cfg.spans else None
+        self.span_projector = (
+            SpanProjector(cfg.embed_dim, cfg.span_signature_bytes * 8, cfg.seed, cfg.spans, cfg.span_layout)
+            if cfg.spans
+            else None
+        )
         if committed.projection != self.projector.describe():
             raise UnsupportedFormatError(
                 f"{path} was written with projection {committed.projection}, which this hmem cannot reproduce",
@@ -141,8 +151,11 @@ class StoreState:
         """Bytes an entry of n_tokens takes in a shard, header entries and
         index row included (an int, or an array for an array)."""
         storage = self.config.storage_dtype
-        return (shard_file.entry_bytes(n_tokens, self.config.embed_dim, storage, self.config.signatures_per_entry)
-                + len(shard_file.kinds(storage)) * shard_file.HEADER_BYTES_PER_TENSOR + shard_file.INDEX_ROW_BYTES)
+        return (
+            shard_file.entry_bytes(n_tokens, self.config.embed_dim, storage, self.config.signatures_per_entry)
+            + len(shard_file.kinds(storage)) * shard_file.HEADER_BYTES_PER_TENSOR
+            + shard_file.INDEX_ROW_BYTES
+        )
 
     def grow(self, extra: int) -> None:
         """Room for `extra` more records.  A put grows the records while
@@ -161,8 +174,7 @@ class StoreState:
     def shard_info(self, shard_idx: int) -> ShardInfo:
         if shard_idx < len(self.shards):
             return self.shards[shard_idx]
-        raise CorruptStoreError(f"a record names shard {shard_idx}, which the store does not have",
-                                hint=Hint.VERIFY)
+        raise CorruptStoreError(f"a record names shard {shard_idx}, which the store does not have", hint=Hint.VERIFY)
 
     def store_changed(self) -> bool:
         """Whether index.json is no longer what this state was loaded from."""
@@ -180,8 +192,9 @@ class StoreState:
     def check_writable(self) -> None:
         self.check_open()
         if self.read_only:
-            raise ReadOnlyStoreError(f"the store at {self.path} is open read-only",
-                                     hint="open it without read_only to write")
+            raise ReadOnlyStoreError(
+                f"the store at {self.path} is open read-only", hint="open it without read_only to write"
+            )
 
     def shut(self) -> None:
         """Mark the state closed, drop the memory maps and let the lock go."""

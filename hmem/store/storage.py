@@ -46,8 +46,9 @@ class Bf16Rows:
 
     def __init__(self, view: np.ndarray) -> None:
         if view.dtype != np.uint16 or view.ndim < 2:
-            raise InvalidTensorError(f"bfloat16 words must be a uint16 array [tokens, ...], got {view.dtype} "
-                                     f"{list(view.shape)}")
+            raise InvalidTensorError(
+                f"bfloat16 words must be a uint16 array [tokens, ...], got {view.dtype} {list(view.shape)}"
+            )
         self.view = view
         width = 1
         for n in view.shape[1:]:
@@ -124,8 +125,10 @@ def encode(rows: np.ndarray, storage: str, what: str) -> dict[str, np.ndarray]:
         stored = to_bf16_words(rows)
         finite = (stored & np.uint16(0x7F80)) != np.uint16(0x7F80)
     if not finite.all():
-        raise InvalidTensorError(f"{what} holds values too large for the store's storage_dtype {storage}",
-                                 hint="store them in a store with a wider storage_dtype (f32)")
+        raise InvalidTensorError(
+            f"{what} holds values too large for the store's storage_dtype {storage}",
+            hint="store them in a store with a wider storage_dtype (f32)",
+        )
     return {"": stored}
 
 

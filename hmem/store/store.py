@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hmem import _io, kernels, validation
-from hmem.object_store import is_url
 from hmem.config import MAX_OPEN_SHARDS, StoreConfig
 from hmem.errors import (
     CorruptStoreError,
@@ -38,14 +37,17 @@ from hmem.errors import (
     StoreExistsError,
 )
 from hmem.formats import layout, manifest, records, shard_file, stamp
-from hmem.formats.sources import ImportedSource
 from hmem.formats.layout import is_store
 from hmem.formats.manifest import Manifest
 from hmem.formats.records import EVICTED
+from hmem.formats.sources import ImportedSource
+from hmem.object_store import is_url
 from hmem.store import caches, listing, lock, prepare, rewrite
 from hmem.store.bridge import AugmentedKV, augmented_kv
 from hmem.store.compaction import Compaction
 from hmem.store.eviction import Eviction
+from hmem.store.listing import ENTRY_SORTS, EntryListing
+from hmem.store.prepare import Entry
 from hmem.store.projection import Projector
 from hmem.store.queries import Queries
 from hmem.store.reading import EntryReader
@@ -62,9 +64,7 @@ from hmem.store.results import (
     StoredKV,
     StoreStats,
 )
-from hmem.store.listing import ENTRY_SORTS, EntryListing
 from hmem.store.state import StoreState, load_records
-from hmem.store.prepare import Entry
 from hmem.store.writer import Writer
 
 if TYPE_CHECKING:
@@ -106,7 +106,8 @@ class Store:
         # (not __del__) so that a closed store runs no Python code when
         # collected: a signal arriving then would be lost in a destructor.
         self._release_unclosed: weakref.finalize[[], Store] | None = (
-            weakref.finalize(self, lambda: _release_writer(state)) if state.writer is not None else None)
+            weakref.finalize(self, lambda: _release_writer(state)) if state.writer is not None else None
+        )
         # a store on object storage: the link to its objects (hmem/store/remote.py)
         self._remote: RemoteLink | None = None
         self.location: str = str(state.path)  # what the store was opened as: a directory or a URL
@@ -137,8 +138,14 @@ class Store:
     # ---- lifecycle -------------------------------------------------------------------
 
     @classmethod
-    def create(cls, path: str | os.PathLike, config: StoreConfig | None = None, *,
-               storage_options: dict[str, Any] | None = None, **settings: Any) -> Store:
+    def create(
+        cls,
+        path: str | os.PathLike,
+        config: StoreConfig | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        **settings: Any,
+    ) -> Store:
         """Create a new store at `path` (a missing or empty directory, or a
         URL s3://bucket/prefix holding no store) and open it for writing.
         `storage_options` (object storage only): endpoint, credentials,
@@ -147,8 +154,9 @@ class Store:
             known = {f.name for f in dataclasses.fields(StoreConfig)}
             unknown = sorted(set(settings) - known)
             if unknown:
-                raise InvalidArgumentError(f"unknown store setting(s): {', '.join(unknown)}",
-                                           hint="settings are " + ", ".join(sorted(known)))
+                raise InvalidArgumentError(
+                    f"unknown store setting(s): {', '.join(unknown)}", hint="settings are " + ", ".join(sorted(known))
+                )
             config = StoreConfig(**settings)
         elif settings:
             raise InvalidArgumentError("give either a StoreConfig or settings, not both")
@@ -161,8 +169,9 @@ class Store:
         if (root / layout.INDEX_FILE).exists():
             raise StoreExistsError(f"{root} already holds an hmem store", hint="open it instead")
         if root.exists() and (not root.is_dir() or any(root.iterdir())):
-            raise StoreExistsError(f"{root} exists and is not an empty directory",
-                                   hint="choose a new path for the store")
+            raise StoreExistsError(
+                f"{root} exists and is not an empty directory", hint="choose a new path for the store"
+            )
         _io.make_dir(root)
         writer = lock.WriterLock(root)
         try:
@@ -173,13 +182,22 @@ class Store:
         except BaseException:
             writer.release()
             raise
-        return cls(StoreState(root, mf, writer=writer, verify_reads=True, manifest_bytes=data,
-                              loaded=records.empty(0, config)))
+        return cls(
+            StoreState(root, mf, writer=writer, verify_reads=True, manifest_bytes=data, loaded=records.empty(0, config))
+        )
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, read_only: bool = False, verify_reads: bool = True,
-             lock_wait: float = 0.0, storage_options: dict[str, Any] | None = None,
-             refresh_seconds: float | None = None, max_open_shards: int | None = None) -> Store:
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        read_only: bool = False,
+        verify_reads: bool = True,
+        lock_wait: float = 0.0,
+        storage_options: dict[str, Any] | None = None,
+        refresh_seconds: float | None = None,
+        max_open_shards: int | None = None,
+    ) -> Store:
         """Open an existing store: a directory, or a URL s3://bucket/prefix.
 
         A writer takes the store's lock (waiting up to `lock_wait` seconds),
@@ -202,14 +220,25 @@ class Store:
         lock_wait = validation.wait_seconds(lock_wait, "lock_wait")
         if max_open_shards is not None:
             max_open_shards = validation.integer(max_open_shards, "max_open_shards", low=1, high=MAX_OPEN_SHARDS)
-            store = cls.open(path, read_only=read_only, verify_reads=verify_reads, lock_wait=lock_wait,
-                             storage_options=storage_options, refresh_seconds=refresh_seconds)
+            store = cls.open(
+                path,
+                read_only=read_only,
+                verify_reads=verify_reads,
+                lock_wait=lock_wait,
+                storage_options=storage_options,
+                refresh_seconds=refresh_seconds,
+            )
             store._state.cache.capacity = max_open_shards
             return store
         if is_url(path):
-            return cls._open_remote(str(path), read_only=read_only, verify_reads=verify_reads,
-                                    lock_wait=lock_wait, storage_options=storage_options,
-                                    refresh_seconds=refresh_seconds)
+            return cls._open_remote(
+                str(path),
+                read_only=read_only,
+                verify_reads=verify_reads,
+                lock_wait=lock_wait,
+                storage_options=storage_options,
+                refresh_seconds=refresh_seconds,
+            )
         _local_only(storage_options)
         if refresh_seconds is not None:
             raise InvalidArgumentError("refresh_seconds applies to stores on object storage only")
@@ -227,8 +256,9 @@ class Store:
             rewrite.finish_pending(root, mf)
             rewrite.remove_leftovers(root, mf)
             loaded = load_records(root, mf, follow_renames=False)
-            return cls(StoreState(root, mf, writer=writer, verify_reads=verify_reads, manifest_bytes=data,
-                                  loaded=loaded))
+            return cls(
+                StoreState(root, mf, writer=writer, verify_reads=verify_reads, manifest_bytes=data, loaded=loaded)
+            )
         except BaseException:
             writer.release()
             raise
@@ -242,8 +272,9 @@ class Store:
             mf = manifest.parse(root, data)
             loaded = load_records(root, mf, follow_renames=True)
             if manifest.read_bytes(root) == data:
-                return cls(StoreState(root, mf, writer=None, verify_reads=verify_reads, manifest_bytes=data,
-                                      loaded=loaded))
+                return cls(
+                    StoreState(root, mf, writer=None, verify_reads=verify_reads, manifest_bytes=data, loaded=loaded)
+                )
             time.sleep(0.01)
         raise StoreChangedError(f"{root} kept changing while it was being opened", hint="try again")
 
@@ -268,8 +299,16 @@ class Store:
             raise
 
     @classmethod
-    def _open_remote(cls, url: str, *, read_only: bool, verify_reads: bool, lock_wait: float,
-                     storage_options: dict[str, Any] | None, refresh_seconds: float | None) -> Store:
+    def _open_remote(
+        cls,
+        url: str,
+        *,
+        read_only: bool,
+        verify_reads: bool,
+        lock_wait: float,
+        storage_options: dict[str, Any] | None,
+        refresh_seconds: float | None,
+    ) -> Store:
         if refresh_seconds is not None:
             refresh_seconds = validation.number(refresh_seconds, "refresh_seconds", low=0.0)
         from hmem.store.remote import RemoteLink  # here, not at the top: see the TYPE_CHECKING import
@@ -329,8 +368,7 @@ class Store:
                 fresh._state.cache.capacity = old.cache.capacity  # the bound open() was given, if any
                 fresh._state.cache.fetcher = link.fetcher
                 link.fetcher.on_drop = fresh._state.cache.drop_uid
-                for name in ("_state", "_reader", "_writer", "_queries", "_compaction", "_eviction", "path",
-                             "config"):
+                for name in ("_state", "_reader", "_writer", "_queries", "_compaction", "_eviction", "path", "config"):
                     setattr(self, name, getattr(fresh, name))
                 assert link.manifest is not None
                 link.fetcher.remote, link.fetcher.manifest_etag = dict(link.manifest.shards), link.etag
@@ -445,9 +483,19 @@ class Store:
 
     # ---- reading ---------------------------------------------------------------------
 
-    def query(self, query: Any, layer_idx: int, top_k: int = 5, *, rerank: bool = True,
-              shortlist_factor: int = 4, framework: str = "numpy",
-              count_access: bool = True, on_damage: str = "raise", search: str = "auto") -> QueryResults:
+    def query(
+        self,
+        query: Any,
+        layer_idx: int,
+        top_k: int = 5,
+        *,
+        rerank: bool = True,
+        shortlist_factor: int = 4,
+        framework: str = "numpy",
+        count_access: bool = True,
+        on_damage: str = "raise",
+        search: str = "auto",
+    ) -> QueryResults:
         """The `top_k` entries of layer `layer_idx` most similar to `query`
         ([n_tokens, embed_dim] or [embed_dim]), best first.
 
@@ -479,14 +527,31 @@ class Store:
         self._maybe_refresh()
         with self._state.lock.shared():
             self._state.check_open()
-            return self._queries.query(query, layer_idx, top_k, rerank=rerank, shortlist_factor=shortlist_factor,
-                                       framework=framework, count_access=count_access, on_damage=on_damage,
-                                       search=search)
+            return self._queries.query(
+                query,
+                layer_idx,
+                top_k,
+                rerank=rerank,
+                shortlist_factor=shortlist_factor,
+                framework=framework,
+                count_access=count_access,
+                on_damage=on_damage,
+                search=search,
+            )
 
-    def query_many(self, queries: Any, layer_idx: int, top_k: int = 5, *, rerank: bool = True,
-                   shortlist_factor: int = 4, framework: str = "numpy",
-                   count_access: bool = True, on_damage: str = "raise", search: str = "auto"
-                   ) -> list[QueryResults]:
+    def query_many(
+        self,
+        queries: Any,
+        layer_idx: int,
+        top_k: int = 5,
+        *,
+        rerank: bool = True,
+        shortlist_factor: int = 4,
+        framework: str = "numpy",
+        count_access: bool = True,
+        on_damage: str = "raise",
+        search: str = "auto",
+    ) -> list[QueryResults]:
         """query() of each item of `queries` (a list of [n_tokens, embed_dim]
         or [embed_dim] arrays, or one [n_queries, n_tokens, embed_dim]
         array), as a serving engine batches requests: the same results, in
@@ -501,9 +566,17 @@ class Store:
         self._maybe_refresh()
         with self._state.lock.shared():
             self._state.check_open()
-            return self._queries.query_many(queries, layer_idx, top_k, rerank=rerank,
-                                            shortlist_factor=shortlist_factor, framework=framework,
-                                            count_access=count_access, on_damage=on_damage, search=search)
+            return self._queries.query_many(
+                queries,
+                layer_idx,
+                top_k,
+                rerank=rerank,
+                shortlist_factor=shortlist_factor,
+                framework=framework,
+                count_access=count_access,
+                on_damage=on_damage,
+                search=search,
+            )
 
     def entry_ids(self, layer_idx: int | None = None) -> list[int]:
         """Ids of the live entries (of one layer, if given), ascending."""
@@ -547,8 +620,16 @@ class Store:
             row = state.records[pos]
             info = EntryInfo.from_record(row, int(state.entry_file_bytes(int(row["n_tokens"]))))
             storage = self.config.storage_dtype
-            return StoredKV(info, storage, shard_file.KV_DTYPES[storage], tensors["k"], tensors["v"],
-                            tensors.get("ks"), tensors.get("vs"), self._reader.meta(pos))
+            return StoredKV(
+                info,
+                storage,
+                shard_file.KV_DTYPES[storage],
+                tensors["k"],
+                tensors["v"],
+                tensors.get("ks"),
+                tensors.get("vs"),
+                self._reader.meta(pos),
+            )
 
     def get(self, entry_id: int) -> StoredEntry:
         """One live entry's metadata and K/V (read-only arrays, bit-exact as
@@ -576,8 +657,9 @@ class Store:
         ids = state.records["entry_id"][: state.n]
         pos = int(np.searchsorted(ids, entry_id))
         if pos >= state.n or int(ids[pos]) != entry_id or state.records["shard_idx"][pos] == EVICTED:
-            raise EntryNotFoundError(f"the store at {self.path} holds no entry {entry_id}",
-                                     hint="list the live ids with Store.entry_ids()")
+            raise EntryNotFoundError(
+                f"the store at {self.path} holds no entry {entry_id}", hint="list the live ids with Store.entry_ids()"
+            )
         return pos
 
     # ---- the import registry (hmem/formats/sources.py) --------------------------------
@@ -656,12 +738,19 @@ class Store:
             return plan
         reclaimable = plan.reclaimable_bytes + sum(orphans.values())
         before = plan.bytes_before + sum(orphans.values())
-        return dataclasses.replace(plan, orphan_files=plan.orphan_files + tuple(orphans), needed=True,
-                                   bytes_before=before, bytes_after_estimate=before - reclaimable,
-                                   reclaimable_bytes=reclaimable, reclaimable_share=reclaimable / before)
+        return dataclasses.replace(
+            plan,
+            orphan_files=plan.orphan_files + tuple(orphans),
+            needed=True,
+            bytes_before=before,
+            bytes_after_estimate=before - reclaimable,
+            reclaimable_bytes=reclaimable,
+            reclaimable_share=reclaimable / before,
+        )
 
-    def compact(self, min_reclaim_share: float = 0.0, *,
-                progress: Callable[[int, int], None] | None = None) -> CompactionReport:
+    def compact(
+        self, min_reclaim_share: float = 0.0, *, progress: Callable[[int, int], None] | None = None
+    ) -> CompactionReport:
         """Rewrite the live entries into fresh shards packed up to
         shard_max_bytes, numbered from 0; drop evicted records and orphan
         files.  Ids, scores and query results do not change.
@@ -680,13 +769,23 @@ class Store:
             if not removed:
                 return report
             freed = sum(removed.values())
-            return dataclasses.replace(report, performed=True, orphans_removed=report.orphans_removed + len(removed),
-                                       bytes_before=report.bytes_before + freed,
-                                       bytes_freed=report.bytes_freed + freed,
-                                       reason=report.reason if report.performed else "removed orphan objects")
+            return dataclasses.replace(
+                report,
+                performed=True,
+                orphans_removed=report.orphans_removed + len(removed),
+                bytes_before=report.bytes_before + freed,
+                bytes_freed=report.bytes_freed + freed,
+                reason=report.reason if report.performed else "removed orphan objects",
+            )
 
-    def put_cache(self, cache: Any, *, chunk_tokens: int | None = None, importance: float = 1.0,
-                  layers: Iterable[int] | None = None) -> dict[int, list[int]]:
+    def put_cache(
+        self,
+        cache: Any,
+        *,
+        chunk_tokens: int | None = None,
+        importance: float = 1.0,
+        layers: Iterable[int] | None = None,
+    ) -> dict[int, list[int]]:
         """Store a transformers cache (DynamicCache, or the legacy tuple of
         per-layer (key, value) [batch, kv_heads, tokens, head_dim]): each
         layer's batch rows, cut into chunks of `chunk_tokens` if given, heads
@@ -696,8 +795,9 @@ class Store:
         order (hmem/store/caches.py; `hmem.cache_tensors` turns entries back)."""
         return caches.put_cache(self, cache, chunk_tokens=chunk_tokens, importance=importance, layers=layers)
 
-    def augmented_kv(self, query: Any, cache_k: Any, cache_v: Any, layer_idx: int, top_k: int = 5,
-                     **query_options: Any) -> AugmentedKV:
+    def augmented_kv(
+        self, query: Any, cache_k: Any, cache_v: Any, layer_idx: int, top_k: int = 5, **query_options: Any
+    ) -> AugmentedKV:
         """Keys and values of the `top_k` retrieved entries (rank order)
         followed by the cache rows, and which rows came from which entry.
         numpy in, numpy out; torch in, torch out (the cache's dtype and
@@ -714,8 +814,10 @@ class Store:
             state.check_open()
             live = state.live_positions()
             rows = state.records[: state.n]
-            shard_rows = [ShardStats(i, s.file, s.bytes, s.entries, s.dead_entries, s.dead_bytes,
-                                     i < state.shards_committed) for i, s in enumerate(state.shards)]
+            shard_rows = [
+                ShardStats(i, s.file, s.bytes, s.entries, s.dead_entries, s.dead_bytes, i < state.shards_committed)
+                for i, s in enumerate(state.shards)
+            ]
             files = layout.classify(state.path, state.shards, state.committed.pending)
             n_tokens = rows["n_tokens"][live].astype(np.int64)
             return StoreStats(
@@ -729,9 +831,13 @@ class Store:
                 layers=state.index.layer_counts(),
                 shards=shard_rows,
                 bytes_on_disk=state.stored_bytes(),
-                live_bytes=int(np.sum(shard_file.entry_bytes(n_tokens, self.config.embed_dim,
-                                                             self.config.storage_dtype,
-                                                             self.config.signatures_per_entry))),
+                live_bytes=int(
+                    np.sum(
+                        shard_file.entry_bytes(
+                            n_tokens, self.config.embed_dim, self.config.storage_dtype, self.config.signatures_per_entry
+                        )
+                    )
+                ),
                 reclaimable_bytes=self._compaction.plan().reclaimable_bytes,
                 orphan_files=files.orphans,
                 foreign_files=files.foreign,
@@ -748,11 +854,22 @@ class Store:
         if link is None or link.manifest is None:
             return None
         counts = link.client.stats
-        return RemoteStats(url=link.url, endpoint=link.client.endpoint, generation=link.manifest.generation,
-                           state_objects=len(link.manifest.state), object_bytes=link.total_bytes(),
-                           requests=counts.requests, gets=counts.gets, puts=counts.puts, deletes=counts.deletes,
-                           lists=counts.lists, bytes_fetched=counts.bytes_fetched, bytes_sent=counts.bytes_sent,
-                           cached_shard_bytes=link.fetcher.cached_bytes(), cache_dir=str(link.workdir))
+        return RemoteStats(
+            url=link.url,
+            endpoint=link.client.endpoint,
+            generation=link.manifest.generation,
+            state_objects=len(link.manifest.state),
+            object_bytes=link.total_bytes(),
+            requests=counts.requests,
+            gets=counts.gets,
+            puts=counts.puts,
+            deletes=counts.deletes,
+            lists=counts.lists,
+            bytes_fetched=counts.bytes_fetched,
+            bytes_sent=counts.bytes_sent,
+            cached_shard_bytes=link.fetcher.cached_bytes(),
+            cache_dir=str(link.workdir),
+        )
 
     def size(self) -> int:
         """Bytes on disk: the files of the store directory (the lock file's

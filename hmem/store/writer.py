@@ -38,9 +38,9 @@ from hmem.formats import layout, manifest, pooled, records, shard_file, stamp
 from hmem.formats import sources as source_registry
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.formats.sources import SourcesInfo
+from hmem.store.prepare import PreparedBatch
 from hmem.store.search import SearchIndex
 from hmem.store.shard_builder import Arena, SealInFlight, ShardBuilder
-from hmem.store.prepare import PreparedBatch
 from hmem.store.state import DeadBytes, StoreState
 
 ROWS_PER_WRITE = 1 << 16  # records (and pooled.bin rows) a flush seals and writes at a time
@@ -84,8 +84,12 @@ class Writer:
                 if n:
                     self.seal_open_shard(background=True)
                 b = self._open_shard()
-                b.add_entries(ids[lo:hi], batch.n_tokens[lo:hi], _part_tensors(batch, lo, hi),
-                              {int(ids[p]): t for p, t in batch.meta.items() if lo <= p < hi})
+                b.add_entries(
+                    ids[lo:hi],
+                    batch.n_tokens[lo:hi],
+                    _part_tensors(batch, lo, hi),
+                    {int(ids[p]): t for p, t in batch.meta.items() if lo <= p < hi},
+                )
                 shard_of[lo:hi] = b.index
             state.grow(count)
             rows = state.records[start : start + count]  # past state.n: not yet part of the store
@@ -136,8 +140,9 @@ class Writer:
             lo, bound, held, sealed = hi, shard_file.HEADER_FIXED_BYTES, 0, True
         return plan
 
-    def _undo_insert(self, shards_mark: int, builder: ShardBuilder | None, builder_mark: tuple | None,
-                     index_mark: dict[int, int]) -> None:
+    def _undo_insert(
+        self, shards_mark: int, builder: ShardBuilder | None, builder_mark: tuple | None, index_mark: dict[int, int]
+    ) -> None:
         """Take back a failed batch: its rows in the search index, its
         entries in the open shard from before it (`builder`, which the batch
         sealed nothing of), and the shards sealed for it (not yet committed)."""
@@ -169,8 +174,9 @@ class Writer:
         # fsyncs, 50 of them in an import of 1M entries in batches of 10,000
         # before.  A crash skips at most the reserved ids, never reuses one.
         room = max(ID_LEASE, count, min(state.next_id, ID_LEASE_MAX))
-        mf = dataclasses.replace(state.committed, generation=state.committed.generation + 1,
-                                 next_entry_id=state.next_id + count + room)
+        mf = dataclasses.replace(
+            state.committed, generation=state.committed.generation + 1, next_entry_id=state.next_id + count + room
+        )
         self.commit(mf)
         state.id_limit = mf.next_entry_id
 
@@ -178,8 +184,7 @@ class Writer:
         """The open shard, begun when there is none."""
         state = self.state
         if state.builder is None:
-            state.builder = ShardBuilder(len(state.shards), uuid.uuid4().hex, state.config_json,
-                                         Arena(state.spares))
+            state.builder = ShardBuilder(len(state.shards), uuid.uuid4().hex, state.config_json, Arena(state.spares))
         return state.builder
 
     def seal_open_shard(self, *, background: bool = False) -> None:
@@ -203,11 +208,22 @@ class Writer:
             size, index_crc = b.seal(state.path / name)
         try:
             dead = state.builder_dead
-            info = ShardInfo(file=name, bytes=size, uid=b.uid, entries=b.entries, index_crc=index_crc,
-                             dead_entries=dead.entries, dead_bytes=dead.bytes)
+            info = ShardInfo(
+                file=name,
+                bytes=size,
+                uid=b.uid,
+                entries=b.entries,
+                index_crc=index_crc,
+                dead_entries=dead.entries,
+                dead_bytes=dead.bytes,
+            )
             # One assignment: an interrupt leaves the shard listed and closed, or open and unlisted.
-            state.shards, state.builder, state.builder_dead, state.sealing = \
-                [*state.shards, info], None, DeadBytes(), sealing
+            state.shards, state.builder, state.builder_dead, state.sealing = (
+                [*state.shards, info],
+                None,
+                DeadBytes(),
+                sealing,
+            )
         except BaseException:
             if sealing is not None and state.sealing is not sealing:
                 sealing.discard()  # still open: sealed again later
@@ -244,8 +260,14 @@ class Writer:
         self.settle()
         new = state.n - state.committed_n
         next_id = state.next_id if exact_ids else state.id_limit
-        if not new and not state.dirty and state.builder is None and state.shards == state.committed.shards \
-                and next_id == state.committed.next_entry_id and not state.imports.pending:
+        if (
+            not new
+            and not state.dirty
+            and state.builder is None
+            and state.shards == state.committed.shards
+            and next_id == state.committed.next_entry_id
+            and not state.imports.pending
+        ):
             return
         self.seal_open_shard()
         _io.crash_point("flush.shards_written")
@@ -275,8 +297,12 @@ class Writer:
             # over whatever rows a failed flush left past the commit: a
             # committed record's row is always its own (hmem/formats/pooled.py)
             assert sum(len(keys) for keys in state.fresh_pooled) == new
-            _io.write_at(state.path / pooled.POOLED_FILE, start * pooled.row_bytes(state.config.pooled_width),
-                         self._pooled_rows(start), create=True)
+            _io.write_at(
+                state.path / pooled.POOLED_FILE,
+                start * pooled.row_bytes(state.config.pooled_width),
+                self._pooled_rows(start),
+                create=True,
+            )
         _io.crash_point("flush.records_written")
         sources_info = self._append_sources()
         # Updates a failed earlier flush could not write in place go again.

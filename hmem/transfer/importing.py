@@ -33,7 +33,9 @@ from hmem.transfer.kv_import import KvFile, entries_of, find_files
 __all__ = ["FileResult", "ImportReport", "import_files"]
 
 LARGE_FILE_BYTES = 4 << 20  # from this size on a file is put alone, its rows made as the put takes them
-HASH_BESIDE_BYTES = 64 << 10  # from this size on a file is hashed on the second thread (below, handing it over costs more)
+HASH_BESIDE_BYTES = (
+    64 << 10
+)  # from this size on a file is hashed on the second thread (below, handing it over costs more)
 BATCH_BYTES = 16 << 20  # small files put together, up to this many bytes of files
 BATCH_FILES = 512  # or this many files
 AHEAD_BYTES = 16 << 20  # files opened and hashed this many bytes ahead of the one being read
@@ -142,8 +144,9 @@ def import_files(
     if chunk_tokens is not None:
         chunk_tokens = validation.integer(chunk_tokens, "chunk_tokens", low=1)
     again = validation.flag(again, "again")
-    options = _Options(layer, importance, layout, chunk_tokens, store.config.embed_dim,
-                       validation.flag(dry_run, "dry_run"), again)
+    options = _Options(
+        layer, importance, layout, chunk_tokens, store.config.embed_dim, validation.flag(dry_run, "dry_run"), again
+    )
     files = find_files(paths, store=store.path)
     # Only a file of a size the registry holds can be in it: others are not looked up.
     known_sizes = {s.bytes for s in store.imported_sources()} if not again else set()  # grows as files go in
@@ -193,8 +196,9 @@ def import_files(
     return ImportReport(tuple(results), options.dry_run)
 
 
-def _opened(files: list[Path], hashing: concurrent.futures.Executor
-            ) -> Iterator[tuple[Path, KvFile | BadFileError, concurrent.futures.Future[str]]]:
+def _opened(
+    files: list[Path], hashing: concurrent.futures.Executor
+) -> Iterator[tuple[Path, KvFile | BadFileError, concurrent.futures.Future[str]]]:
     """Each file opened (or why it cannot be) with its SHA-256 to come,
     opened and handed to the hashing thread up to AHEAD_BYTES before the
     caller takes it: the next batch is hashed while this one is put."""
@@ -236,8 +240,10 @@ def _put_batch(store: Store, batch: list[_Read], options: _Options, known_sizes:
             firsts.setdefault((read.digest.result(), read.size), read)
         if len(firsts) < len(batch):  # copies: put the firsts, then say the copies are in already
             put = dict(zip(firsts, _put_batch(store, list(firsts.values()), options, known_sizes)))
-            return [put[key] if firsts[key] is read else _copy_of(store, read, put[key])
-                    for read, key in ((read, (read.digest.result(), read.size)) for read in batch)]
+            return [
+                put[key] if firsts[key] is read else _copy_of(store, read, put[key])
+                for read, key in ((read, (read.digest.result(), read.size)) for read in batch)
+            ]
     entries = [entry for read in batch for entry in read.entries]
     try:
         if options.dry_run:
@@ -269,8 +275,14 @@ def _copy_of(store: Store, read: _Read, original: FileResult) -> FileResult:
     return dataclasses.replace(original, path=str(read.path))  # skipped, or a dry run
 
 
-def _import_large(store: Store, f: KvFile, path: Path, digest: concurrent.futures.Future[str],
-                  known_sizes: set[int], options: _Options) -> FileResult:
+def _import_large(
+    store: Store,
+    f: KvFile,
+    path: Path,
+    digest: concurrent.futures.Future[str],
+    known_sizes: set[int],
+    options: _Options,
+) -> FileResult:
     """A large file alone: its rows made as the put takes them, hashed beside
     the put unless its size says it may be imported already."""
     if not options.again and f.size in known_sizes:

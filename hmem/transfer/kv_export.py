@@ -30,8 +30,7 @@ __all__ = ["EXPORT_LAYOUTS", "check_export_path", "export_entries", "export_resu
 def _write(path: Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None) -> int:
     """Write C-contiguous arrays of safetensors dtypes, back to back in the
     order given, atomically; returns the file size."""
-    return _write_typed(path, [(name, safetensors.DTYPE_NAMES[a.dtype], a) for name, a in tensors.items()],
-                        metadata)
+    return _write_typed(path, [(name, safetensors.DTYPE_NAMES[a.dtype], a) for name, a in tensors.items()], metadata)
 
 
 def _write_typed(path: Path, tensors: list[tuple[str, str, np.ndarray]], metadata: Mapping[str, str] | None) -> int:
@@ -41,8 +40,9 @@ def _write_typed(path: Path, tensors: list[tuple[str, str, np.ndarray]], metadat
     return _io.write_file(Path(path), [header, *(safetensors.bytes_view(a) for _, _, a in tensors)])
 
 
-def write_kv_file(path: str | Path, tensors: Mapping[str, np.ndarray],
-                  metadata: Mapping[str, str] | None = None) -> int:
+def write_kv_file(
+    path: str | Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+) -> int:
     """Write `tensors` (name -> numpy array of float32, float16, float64,
     int8, int64 or another dtype safetensors names) to a standard
     safetensors file, in the order given, with `metadata` (strings) as its
@@ -51,14 +51,17 @@ def write_kv_file(path: str | Path, tensors: Mapping[str, np.ndarray],
     arrays: dict[str, np.ndarray] = {}
     for name, value in tensors.items():
         if not isinstance(name, str) or name == safetensors.METADATA:
-            raise InvalidArgumentError(f"tensor names must be strings other than {safetensors.METADATA!r}, "
-                                       f"got {name!r}")
+            raise InvalidArgumentError(
+                f"tensor names must be strings other than {safetensors.METADATA!r}, got {name!r}"
+            )
         array = np.asarray(value)
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
         if array.dtype not in safetensors.DTYPE_NAMES:
-            raise InvalidArgumentError(f"tensor {name!r} is {array.dtype}, which a safetensors file cannot hold",
-                                       hint="give float32, float16, float64 or integer arrays")
+            raise InvalidArgumentError(
+                f"tensor {name!r} is {array.dtype}, which a safetensors file cannot hold",
+                hint="give float32, float16, float64 or integer arrays",
+            )
         arrays[name] = np.ascontiguousarray(array)
     if metadata is not None:
         for key, text in metadata.items():
@@ -84,8 +87,15 @@ def check_export_path(path: str | Path) -> None:
 EXPORT_LAYOUTS = ("entries", "hf")
 
 
-def export_results(results: Iterable[Any], path: Path, metadata: dict[str, str] | None = None, *,
-                   layout: str = "entries", kv_heads: int | None = None, storage_dtype: str | None = None) -> int:
+def export_results(
+    results: Iterable[Any],
+    path: Path,
+    metadata: dict[str, str] | None = None,
+    *,
+    layout: str = "entries",
+    kv_heads: int | None = None,
+    storage_dtype: str | None = None,
+) -> int:
     """Write query results to a safetensors file, in `layout`:
 
     - "entries" (the default): ``k_{id}`` and ``v_{id}`` [n_tokens,
@@ -114,12 +124,21 @@ def export_results(results: Iterable[Any], path: Path, metadata: dict[str, str] 
     if layout != "hf" and kv_heads is not None:
         raise InvalidArgumentError("kv_heads applies to the hf export layout only")
     results = list(results)
-    stored = {} if storage_dtype is None else {"storage_dtype": validation.choice(storage_dtype, "storage_dtype",
-                                                                                 STORAGE_DTYPES)}
+    stored = (
+        {}
+        if storage_dtype is None
+        else {"storage_dtype": validation.choice(storage_dtype, "storage_dtype", STORAGE_DTYPES)}
+    )
     if storage_dtype == "int8":
         stored["dequantized"] = "true"
-    meta = {"format": "hmem-export", "layout": layout, "entry_ids": json.dumps([r.entry_id for r in results]),
-            "scores": json.dumps([r.score for r in results]), **stored, **(metadata or {})}
+    meta = {
+        "format": "hmem-export",
+        "layout": layout,
+        "entry_ids": json.dumps([r.entry_id for r in results]),
+        "scores": json.dumps([r.score for r in results]),
+        **stored,
+        **(metadata or {}),
+    }
     tensors: dict[str, np.ndarray] = {}
     if layout == "entries":
         for r in results:
@@ -134,15 +153,17 @@ def export_results(results: Iterable[Any], path: Path, metadata: dict[str, str] 
         for side, kind in (("keys", "key"), ("values", "value")):
             rows = np.concatenate([np.asarray(getattr(r, side), dtype=np.float32) for r in by_layer[layer]])
             if rows.shape[1] % heads:
-                raise InvalidArgumentError(f"rows of {rows.shape[1]} values do not split into kv_heads={heads} "
-                                           "heads of equal size")
+                raise InvalidArgumentError(
+                    f"rows of {rows.shape[1]} values do not split into kv_heads={heads} heads of equal size"
+                )
             tensors[f"past_key_values.{layer}.{kind}"] = np.ascontiguousarray(layouts.to_heads(rows, heads)[None])
     meta.update(kv_heads=str(heads), entry_tokens=json.dumps([int(np.shape(r.keys)[0]) for r in results]))
     return _write(path, tensors, meta)
 
 
-def export_entries(store: Store, entry_ids: Iterable[int], path: str | Path,
-                   metadata: Mapping[str, str] | None = None) -> int:
+def export_entries(
+    store: Store, entry_ids: Iterable[int], path: str | Path, metadata: Mapping[str, str] | None = None
+) -> int:
     """Write the K/V of entries of `store` to a safetensors file exactly as
     the store holds them (``Store.stored_kv``), in the order given
     (repeated ids once):
@@ -167,8 +188,10 @@ def export_entries(store: Store, entry_ids: Iterable[int], path: str | Path,
     Written atomically; returns the file size."""
     check_export_path(path)
     if Path(store.path).resolve() in Path(path).resolve().parents:
-        raise InvalidArgumentError(f"{path} is inside the store at {store.path}: an export never writes there",
-                                   hint="write it outside the store directory")
+        raise InvalidArgumentError(
+            f"{path} is inside the store at {store.path}: an export never writes there",
+            hint="write it outside the store directory",
+        )
     if isinstance(entry_ids, (str, bytes)):
         raise InvalidArgumentError(f"entry_ids must be an iterable of integers, got {type(entry_ids).__name__}")
     ids = list(dict.fromkeys(validation.integer(i, "entry id", low=0) for i in entry_ids))
@@ -183,12 +206,19 @@ def export_entries(store: Store, entry_ids: Iterable[int], path: str | Path,
             missing.append(entry_id)
     if missing:
         names = ", ".join(map(str, sorted(missing)))
-        raise EntryNotFoundError(f"the store at {store.path} holds no {'entry' if len(missing) == 1 else 'entries'} "
-                                 f"{names}", hint="list the live ids with Store.entry_ids()")
+        raise EntryNotFoundError(
+            f"the store at {store.path} holds no {'entry' if len(missing) == 1 else 'entries'} {names}",
+            hint="list the live ids with Store.entry_ids()",
+        )
     storage = store.config.storage_dtype
-    meta = {"format": "hmem-export", "layout": "entries", "storage_dtype": storage,
-            "entry_ids": json.dumps(ids), "layers": json.dumps([e.info.layer_idx for e in found]),
-            "meta": json.dumps([e.meta for e in found])}
+    meta = {
+        "format": "hmem-export",
+        "layout": "entries",
+        "storage_dtype": storage,
+        "entry_ids": json.dumps(ids),
+        "layers": json.dumps([e.info.layer_idx for e in found]),
+        "meta": json.dumps([e.meta for e in found]),
+    }
     layers = {e.info.layer_idx for e in found}
     if len(layers) == 1:
         meta["layer"] = str(layers.pop())
@@ -201,7 +231,10 @@ def export_entries(store: Store, entry_ids: Iterable[int], path: str | Path,
     for e in found:
         tensors += [(f"k_{e.entry_id}", e.dtype, e.keys), (f"v_{e.entry_id}", e.dtype, e.values)]
         if e.key_scales is not None and e.value_scales is not None:
-            tensors += [(f"k_scale_{e.entry_id}", "F32", e.key_scales),
-                        (f"v_scale_{e.entry_id}", "F32", e.value_scales)]
-    return _write_typed(Path(path), [(name, dtype, np.ascontiguousarray(a)) for name, dtype, a in tensors],
-                        {**meta, **(metadata or {})})
+            tensors += [
+                (f"k_scale_{e.entry_id}", "F32", e.key_scales),
+                (f"v_scale_{e.entry_id}", "F32", e.value_scales),
+            ]
+    return _write_typed(
+        Path(path), [(name, dtype, np.ascontiguousarray(a)) for name, dtype, a in tensors], {**meta, **(metadata or {})}
+    )

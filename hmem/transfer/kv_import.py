@@ -90,11 +90,15 @@ def _refuse_inside(path: Path, root: Path) -> None:
     except (OSError, RuntimeError):  # a symlink loop: inside nothing; reported unreadable when read
         return
     if resolved == root:
-        raise InvalidArgumentError(f"{path} is the store itself: a store never imports its own files",
-                                   hint="give the files or directories to import into it")
+        raise InvalidArgumentError(
+            f"{path} is the store itself: a store never imports its own files",
+            hint="give the files or directories to import into it",
+        )
     if root in resolved.parents:
-        raise InvalidArgumentError(f"{path} lies inside the store {root}: a store never imports its own files",
-                                   hint="import files kept outside the store directory")
+        raise InvalidArgumentError(
+            f"{path} lies inside the store {root}: a store never imports its own files",
+            hint="import files kept outside the store directory",
+        )
 
 
 # ---- reading one file ----------------------------------------------------------------
@@ -146,8 +150,9 @@ class KvFile:
         if dtype not in _FLOAT_DTYPES:
             raise BadFileError(f"tensor {name!r} is {dtype}; K/V must be F32, F16, BF16 or F64")
         np_dtype = np.dtype("<u2") if dtype == "BF16" else safetensors.NUMPY_DTYPES[dtype]
-        view = np.frombuffer(self._map, dtype=np_dtype, count=(end - begin) // np_dtype.itemsize,
-                             offset=self._start + begin).reshape(shape)
+        view = np.frombuffer(
+            self._map, dtype=np_dtype, count=(end - begin) // np_dtype.itemsize, offset=self._start + begin
+        ).reshape(shape)
         return view, dtype == "BF16"
 
 
@@ -172,9 +177,15 @@ def _metadata_number(metadata: dict, key: str, cast: Callable[[str], Any]) -> An
         raise BadFileError(f"__metadata__[{key!r}] = {value!r} is not a number") from None
 
 
-def read_entries(path: Path, *, layer: int | None = None, importance: float | None = None,
-                 layout: str | None = None, chunk_tokens: int | None = None,
-                 embed_dim: int | None = None) -> tuple[list[Entry], int]:
+def read_entries(
+    path: Path,
+    *,
+    layer: int | None = None,
+    importance: float | None = None,
+    layout: str | None = None,
+    chunk_tokens: int | None = None,
+    embed_dim: int | None = None,
+) -> tuple[list[Entry], int]:
     """The entries one file holds under the naming conventions, and its size.
     `embed_dim` (the store's) tells per-head layouts apart when neither
     `layout` nor the naming convention says; `chunk_tokens` cuts each
@@ -183,8 +194,17 @@ def read_entries(path: Path, *, layer: int | None = None, importance: float | No
     return list(entries_of(f, Path(path).name, layer, importance, layout, chunk_tokens, embed_dim)), f.size
 
 
-def entries_of(f: KvFile, source: str, layer: int | None, importance: float | None, layout: str | None,
-             chunk_tokens: int | None, embed_dim: int | None, *, words: bool = False) -> Iterator[Entry]:
+def entries_of(
+    f: KvFile,
+    source: str,
+    layer: int | None,
+    importance: float | None,
+    layout: str | None,
+    chunk_tokens: int | None,
+    embed_dim: int | None,
+    *,
+    words: bool = False,
+) -> Iterator[Entry]:
     """A file's entries one by one, each chunk's rows made when it is reached
     (transposed and widened in one pass): a put of a large file never holds
     a converted copy of the whole file besides what the store keeps.  With
@@ -206,8 +226,9 @@ def entries_of(f: KvFile, source: str, layer: int | None, importance: float | No
             continue
         (k, k_bf16), (v, v_bf16) = f.raw(pair["k"]), f.raw(pair["v"])
         if k.shape != v.shape:
-            raise InvalidTensorError(f"tensors {pair['k']!r} {list(k.shape)} and {pair['v']!r} {list(v.shape)} "
-                                     "differ in shape")
+            raise InvalidTensorError(
+                f"tensors {pair['k']!r} {list(k.shape)} and {pair['v']!r} {list(v.shape)} differ in shape"
+            )
         if k_bf16 != v_bf16:  # one widening for both (F32/F16/F64 mix freely: each is converted as it is)
             k, v = (f.array(pair["k"]), f.array(pair["v"]))
             k_bf16 = False
@@ -216,12 +237,23 @@ def entries_of(f: KvFile, source: str, layer: int | None, importance: float | No
         value_views = layouts.token_major(v, chosen, f"tensor {pair['v']!r}")
         entry_layer = number if convention in kv_names.CARRIES_LAYER else default_layer
         for batch, (key_view, value_view) in enumerate(zip(key_views, value_views)):
-            yield from _cut(key_view, value_view, k_bf16, entry_layer, imp, source, chunk_tokens, batch,
-                            len(key_views), words)
+            yield from _cut(
+                key_view, value_view, k_bf16, entry_layer, imp, source, chunk_tokens, batch, len(key_views), words
+            )
 
 
-def _cut(keys: np.ndarray, values: np.ndarray, bf16: bool, layer: int, importance: float, source: str,
-         chunk_tokens: int | None, batch: int, batches: int, words: bool) -> Iterator[Entry]:
+def _cut(
+    keys: np.ndarray,
+    values: np.ndarray,
+    bf16: bool,
+    layer: int,
+    importance: float,
+    source: str,
+    chunk_tokens: int | None,
+    batch: int,
+    batches: int,
+    words: bool,
+) -> Iterator[Entry]:
     """The entries of one sequence (token-major views): one, or one per chunk
     of `chunk_tokens`."""
     for ck, cv in zip(layouts.chunks(keys, chunk_tokens, batch), layouts.chunks(values, chunk_tokens, batch)):
@@ -233,5 +265,10 @@ def _cut(keys: np.ndarray, values: np.ndarray, bf16: bool, layer: int, importanc
         if bf16 and words:
             yield Entry(Bf16Rows(ck.view), Bf16Rows(cv.view), layer, importance, meta)
         else:
-            yield Entry(layouts.matrix(ck.view, bf16_words=bf16), layouts.matrix(cv.view, bf16_words=bf16),
-                        layer, importance, meta)
+            yield Entry(
+                layouts.matrix(ck.view, bf16_words=bf16),
+                layouts.matrix(cv.view, bf16_words=bf16),
+                layer,
+                importance,
+                meta,
+            )

@@ -33,7 +33,7 @@ from hmem.store import layouts
 
 _KEY_WORDS = ("k", "key", "keys", "k_cache", "key_cache")
 _VALUE_WORDS = ("v", "value", "values", "v_cache", "value_cache")
-ROLE = {**{w: "k" for w in _KEY_WORDS}, **{w: "v" for w in _VALUE_WORDS}}
+ROLE = {**dict.fromkeys(_KEY_WORDS, "k"), **dict.fromkeys(_VALUE_WORDS, "v")}
 _WORD = "|".join(sorted(ROLE, key=len, reverse=True))
 
 # short name -> an example, in the order entries of one file are stored
@@ -103,8 +103,9 @@ def describe(names: list[str], shown: int = 6) -> str:
 
 def conventions() -> str:
     """The conventions by short name, each with its keys' name, for a refusal."""
-    return "naming conventions: " + ", ".join(f"{short} ({example.split(' ')[0]})"
-                                              for short, example in CONVENTIONS.items())
+    return "naming conventions: " + ", ".join(
+        f"{short} ({example.split(' ')[0]})" for short, example in CONVENTIONS.items()
+    )
 
 
 def groups(names: list[str], layout: str | None) -> dict[tuple[str, int], dict[str, str]]:
@@ -119,8 +120,10 @@ def groups(names: list[str], layout: str | None) -> dict[tuple[str, int], dict[s
         group = found.setdefault((slot.convention, slot.number), {})
         if slot.role in group:
             what = {"k": "keys", "v": "values", "kv": "every layer's K/V"}[slot.role]
-            raise BadFileError(f"tensors {group[slot.role]!r} and {name!r} both name the {what} of one entry "
-                               "(names are matched case-insensitively)")
+            raise BadFileError(
+                f"tensors {group[slot.role]!r} and {name!r} both name the {what} of one entry "
+                "(names are matched case-insensitively)"
+            )
         group[slot.role] = name
     if not found and layout == "l2thd" and len(names) == 1:
         found[("all-layers", 0)] = {"kv": names[0]}  # the caller says what the only tensor is
@@ -133,23 +136,27 @@ def groups(names: list[str], layout: str | None) -> dict[tuple[str, int], dict[s
     return found
 
 
-def layout_of(name: str, shape: tuple[int, ...], convention: str, given: str | None,
-               embed_dim: int | None) -> str:
+def layout_of(name: str, shape: tuple[int, ...], convention: str, given: str | None, embed_dim: int | None) -> str:
     """The layout of a tensor: the caller's, else its convention's, else the
     one layout its shape fits for embed_dim (two fitting is refused)."""
     rank = len(shape)
     if convention == "all-layers":
         if given not in (None, "l2thd"):
-            raise InvalidArgumentError(f"tensor {name!r} holds every layer's keys and values: its layout is "
-                                       f"l2thd {layouts.SHAPES['l2thd']}, not {given}")
+            raise InvalidArgumentError(
+                f"tensor {name!r} holds every layer's keys and values: its layout is "
+                f"l2thd {layouts.SHAPES['l2thd']}, not {given}"
+            )
         if embed_dim is not None and rank == 5 and layouts.row_width(shape, "l2thd") != embed_dim:
-            raise InvalidTensorError(f"tensor {name!r} has shape {list(shape)}: as l2thd {layouts.SHAPES['l2thd']} "
-                                     f"its rows hold {layouts.row_width(shape, 'l2thd')} values; the store's "
-                                     f"embed_dim is {embed_dim}")
+            raise InvalidTensorError(
+                f"tensor {name!r} has shape {list(shape)}: as l2thd {layouts.SHAPES['l2thd']} "
+                f"its rows hold {layouts.row_width(shape, 'l2thd')} values; the store's "
+                f"embed_dim is {embed_dim}"
+            )
         return "l2thd"
     if given == "l2thd":
-        raise InvalidArgumentError(f"layout l2thd is for one tensor holding every layer (named kv); {name!r} is "
-                                   "one side of a K/V pair")
+        raise InvalidArgumentError(
+            f"layout l2thd is for one tensor holding every layer (named kv); {name!r} is one side of a K/V pair"
+        )
     chosen: str | None
     if given is not None:
         chosen, why = given, "as given"
@@ -161,33 +168,44 @@ def layout_of(name: str, shape: tuple[int, ...], convention: str, given: str | N
         if embed_dim is not None and rank == layouts.RANKS[chosen]:
             width = layouts.row_width(shape, chosen)
             if width != embed_dim and chosen == "td":
-                raise InvalidTensorError(f"tensor {name!r} has rows of {width} values; the store's embed_dim is "
-                                         f"{embed_dim}")
+                raise InvalidTensorError(
+                    f"tensor {name!r} has rows of {width} values; the store's embed_dim is {embed_dim}"
+                )
             if width != embed_dim:
-                raise InvalidTensorError(f"tensor {name!r} has shape {list(shape)}: as {chosen} "
-                                         f"{layouts.SHAPES[chosen]} ({why}) its rows hold {width} values; the "
-                                         f"store's embed_dim is {embed_dim}")
+                raise InvalidTensorError(
+                    f"tensor {name!r} has shape {list(shape)}: as {chosen} "
+                    f"{layouts.SHAPES[chosen]} ({why}) its rows hold {width} values; the "
+                    f"store's embed_dim is {embed_dim}"
+                )
         return chosen
     if rank not in (3, 4):
-        raise InvalidTensorError(f"tensor {name!r} has shape {list(shape)}: K/V tensors must have shape "
-                                 f"{layouts.SHAPES['td']} (td), 3 dimensions (thd, htd) or 4 (bhtd, bthd); "
-                                 f"one tensor of 5, {layouts.SHAPES['l2thd']}, is named kv")
+        raise InvalidTensorError(
+            f"tensor {name!r} has shape {list(shape)}: K/V tensors must have shape "
+            f"{layouts.SHAPES['td']} (td), 3 dimensions (thd, htd) or 4 (bhtd, bthd); "
+            f"one tensor of 5, {layouts.SHAPES['l2thd']}, is named kv"
+        )
     candidates = [x for x in layouts.LAYOUTS if layouts.RANKS[x] == rank]
     if embed_dim is None:
-        raise InvalidArgumentError(f"tensor {name!r} has shape {list(shape)}: give its layout "
-                                   f"({' or '.join(candidates)}) or the store's embed_dim")
+        raise InvalidArgumentError(
+            f"tensor {name!r} has shape {list(shape)}: give its layout "
+            f"({' or '.join(candidates)}) or the store's embed_dim"
+        )
     fits = layouts.fitting(shape, embed_dim)
     if not fits:
         a, b = candidates
-        raise InvalidTensorError(f"tensor {name!r} has shape {list(shape)}, which makes no rows of the store's "
-                                 f"embed_dim {embed_dim}: as {a} {layouts.SHAPES[a]} its rows hold "
-                                 f"{layouts.row_width(shape, a)} values, as {b} {layouts.SHAPES[b]} "
-                                 f"{layouts.row_width(shape, b)}")
+        raise InvalidTensorError(
+            f"tensor {name!r} has shape {list(shape)}, which makes no rows of the store's "
+            f"embed_dim {embed_dim}: as {a} {layouts.SHAPES[a]} its rows hold "
+            f"{layouts.row_width(shape, a)} values, as {b} {layouts.SHAPES[b]} "
+            f"{layouts.row_width(shape, b)}"
+        )
     if len(fits) > 1:
         heads = shape[1] if rank == 3 else shape[2]
         raise AmbiguousLayoutError(
             f"tensor {name!r} has shape {list(shape)}: it reads as "
             + " and as ".join(f"{x} {layouts.SHAPES[x]}" for x in fits)
             + f" ({heads} heads, {heads} tokens) and no naming convention says which",
-            layouts=fits, hint="give layout=" + " or layout=".join(repr(x) for x in fits))
+            layouts=fits,
+            hint="give layout=" + " or layout=".join(repr(x) for x in fits),
+        )
     return fits[0]

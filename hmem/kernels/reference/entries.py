@@ -22,21 +22,41 @@ def active_path() -> int:
 
 def _rows(array: object, dim: int, max_tokens: int) -> bool:
     """An ndarray of native float32 rows [n, dim], C-contiguous, 0 < n <= max_tokens."""
-    return (type(array) is np.ndarray and array.dtype == np.float32 and array.dtype.isnative
-            and array.ndim == 2 and array.shape[1] == dim and 0 < array.shape[0] <= max_tokens
-            and array.flags.c_contiguous)
+    return (
+        type(array) is np.ndarray
+        and array.dtype == np.float32
+        and array.dtype.isnative
+        and array.ndim == 2
+        and array.shape[1] == dim
+        and 0 < array.shape[0] <= max_tokens
+        and array.flags.c_contiguous
+    )
 
 
 def _common(item: object, entry_type: type | None) -> bool:
     """A plain 4-tuple, or an entry_type 5-tuple without meta."""
     if type(item) is tuple:
         return len(item) == 4
-    return (entry_type is not None and type(item) is entry_type and isinstance(item, tuple) and len(item) == 5
-            and item[4] is None)
+    return (
+        entry_type is not None
+        and type(item) is entry_type
+        and isinstance(item, tuple)
+        and len(item) == 5
+        and item[4] is None
+    )
 
 
-def scan_entries(items: list, dim: int, max_tokens: int, max_layer: int, max_importance: float,
-                 tokens: np.ndarray, layers: np.ndarray, weights: np.ndarray, entry_type: type | None = None) -> int:
+def scan_entries(
+    items: list,
+    dim: int,
+    max_tokens: int,
+    max_layer: int,
+    max_importance: float,
+    tokens: np.ndarray,
+    layers: np.ndarray,
+    weights: np.ndarray,
+    entry_type: type | None = None,
+) -> int:
     """The index of the first entry not of the common form, or len(items);
     tokens, layers and weights of the entries before it filled."""
     if type(items) is not list:
@@ -62,8 +82,9 @@ def scan_entries(items: list, dim: int, max_tokens: int, max_layer: int, max_imp
     return n
 
 
-def join_rows(items: list, starts: np.ndarray, k_out: np.ndarray, v_out: np.ndarray,
-              entry_type: type | None = None) -> None:
+def join_rows(
+    items: list, starts: np.ndarray, k_out: np.ndarray, v_out: np.ndarray, entry_type: type | None = None
+) -> None:
     """Entry e's keys into rows starts[e] .. starts[e + 1] - 1 of k_out, its values into v_out's."""
     if type(items) is not list:
         raise TypeError("items must be a list")
@@ -74,8 +95,13 @@ def join_rows(items: list, starts: np.ndarray, k_out: np.ndarray, v_out: np.ndar
         raise ValueError("starts must run from 0 to the output's row count")
     for i, item in enumerate(items):
         count = int(starts[i + 1] - starts[i])
-        if (not _common(item, entry_type) or not _rows(item[0], dim, count)
-                or not _rows(item[1], dim, count) or item[0].shape[0] != count or item[1].shape[0] != count):
+        if (
+            not _common(item, entry_type)
+            or not _rows(item[0], dim, count)
+            or not _rows(item[1], dim, count)
+            or item[0].shape[0] != count
+            or item[1].shape[0] != count
+        ):
             raise ValueError(f"entry {i} is not as scan_entries found it")
     for i, item in enumerate(items):
         k_out[starts[i] : starts[i + 1]] = item[0]

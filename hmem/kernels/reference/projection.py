@@ -178,8 +178,7 @@ def signature_many(rows, starts, signs, m, rounds, hdc_dim, out, sums=None) -> N
     if sums is not None and sums.shape != (count, x.shape[1]):
         raise ValueError(f"sums must be ({count}, {x.shape[1]}), got {sums.shape}")
     for e in range(count):
-        signature(x[bounds[e] : bounds[e + 1]], signs, m, rounds, hdc_dim, out[e],
-                  None if sums is None else sums[e])
+        signature(x[bounds[e] : bounds[e + 1]], signs, m, rounds, hdc_dim, out[e], None if sums is None else sums[e])
 
 
 def signature_of_sum(sums, signs, m, rounds, hdc_dim, out) -> None:
