@@ -10,7 +10,10 @@ Every change to a store goes through these primitives, so that
 - tests can inject faults (``set_fault_hook``: fail the N-th write, fsync or
   rename with ENOSPC or EIO) and crashes (``HMEM_CRASH_AT=name[:n]`` makes
   the n-th pass through ``crash_point(name)`` end the process at once, as a
-  power cut would, without flushing or cleaning up anything).
+  power cut would, without flushing or cleaning up anything), and stop a
+  process at named points (``HMEM_PAUSE_AT=name[:n][,name[:n]...]``: each
+  n-th pass stops it with SIGSTOP, so that a test's signal lands exactly
+  there, whatever else the machine is doing; SIGCONT resumes it).
 
 Temporary files start with TEMP_PREFIX; only the store's writer creates
 them, so any that exist when a writer opens the store are garbage.
@@ -24,6 +27,7 @@ import fcntl
 import itertools
 import os
 import re
+import signal
 import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -34,6 +38,7 @@ from hmem.file_reads import open_regular, read_regular  # noqa: F401  (read thro
 
 TEMP_PREFIX = ".hmem-tmp."
 CRASH_ENV = "HMEM_CRASH_AT"
+PAUSE_ENV = "HMEM_PAUSE_AT"
 CRASH_EXIT_CODE = 86
 
 Buffer = bytes | bytearray | memoryview
@@ -50,7 +55,7 @@ class FileRange(NamedTuple):
 
 
 _fault_hook: Callable[[str, str], None] | None = None
-_crash_hits: dict[str, int] = {}
+_point_passes: dict[tuple[str, str], int] = {}  # (variable, point) -> passes counted
 _temp_counter = itertools.count()
 
 
@@ -82,12 +87,24 @@ def _errors(op: str, path: Path) -> Iterator[None]:
 
 
 def crash_point(name: str) -> None:
-    """End the process abruptly here when HMEM_CRASH_AT names this point."""
-    target, _, nth = os.environ.get(CRASH_ENV, "").partition(":")
-    if target == name:
-        _crash_hits[name] = _crash_hits.get(name, 0) + 1
-        if _crash_hits[name] >= int(nth or 1):
-            os._exit(CRASH_EXIT_CODE)
+    """End the process abruptly here when HMEM_CRASH_AT names this point;
+    stop it here (until a SIGCONT) when HMEM_PAUSE_AT does."""
+    if _asked_at(CRASH_ENV, name):
+        os._exit(CRASH_EXIT_CODE)
+    if _asked_at(PAUSE_ENV, name):
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _asked_at(variable: str, name: str) -> bool:
+    """Whether this pass through point `name` is one that the environment
+    variable's comma-separated ``name[:n]`` items ask for (n: 1 if left out)."""
+    items = (item.partition(":") for item in os.environ.get(variable, "").split(","))
+    wanted = [int(nth or 1) for target, _, nth in items if target == name]
+    if not wanted:
+        return False
+    key = (variable, name)
+    passes = _point_passes[key] = _point_passes.get(key, 0) + 1
+    return passes in wanted
 
 
 # ---- building blocks ---------------------------------------------------------

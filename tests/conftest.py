@@ -517,6 +517,25 @@ class _StoreInternals:
             state.__dict__.pop("grow", None)
 
     @staticmethod
+    @contextmanager
+    def seals_in_the_writers_thread() -> Iterator[None]:
+        """Within the block, a shard that a put fills is written when the
+        writer next waits for it (before its next write or commit), in the
+        writer's own thread, not on a thread of its own while the put goes on
+        (hmem/store/shard_builder.py, SealInFlight).  The writer's file
+        operations then come in the same order on every run, however busy
+        the machine, so a fault hook can count them.  It is the path a
+        signal that lands between sealing and starting the thread takes."""
+        from hmem.store.shard_builder import SealInFlight
+
+        start = SealInFlight.start
+        SealInFlight.start = lambda self: None  # private: the seal's thread has no public switch
+        try:
+            yield
+        finally:
+            SealInFlight.start = start
+
+    @staticmethod
     def abandon_writer(store) -> None:
         """The writer vanishes as a killed process would: its lock is
         released, nothing is flushed, and the object is closed without
@@ -528,7 +547,7 @@ class _StoreInternals:
 def store_internals() -> _StoreInternals:
     """``store_internals.open_shard_maps(store)``, ``.shard_map_limit(store)``,
     ``.watch_shard_maps(store)`` (a context manager), ``.prepared_joined(store, entries)``,
-    ``.failing_records_growth(store)`` (a context manager) and
+    ``.failing_records_growth(store)``, ``.seals_in_the_writers_thread()`` (context managers) and
     ``.abandon_writer(store)``: the only checks that reach past the Store's
     public API (see the comment above _StoreInternals)."""
     return _StoreInternals()

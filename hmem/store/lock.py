@@ -116,6 +116,7 @@ class WriterLock:
         except BaseException:
             self.release()
             raise
+        _io.crash_point("lock.taken")
 
     @property
     def held(self) -> bool:

@@ -89,6 +89,7 @@ def rewrite(
         new_records["shard_idx"][start : start + count] = j
         start += count
         done += int(sizes[start - count : start].sum())
+        _io.crash_point(f"{crash_prefix}.shard_written")
         if progress is not None:
             progress(done, total)
     _io.crash_point(f"{crash_prefix}.shards_written")

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hmem import validation
+from hmem import _io, validation
 from hmem.errors import BadFileError, InvalidArgumentError
 from hmem.formats.sources import ImportedSource
 from hmem.store import layouts
@@ -168,6 +168,7 @@ def import_files(
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hmem-hash") as hashing:
         for i, (path, f, digest) in enumerate(_opened(files, hashing)):
+            _io.crash_point("import.file")
             if should_stop is not None and should_stop():
                 put_batch()
                 return ImportReport(tuple(results), options.dry_run, tuple(str(p) for p in files[i:]))
