@@ -2,7 +2,9 @@
 wording of library hints as commands to run.
 
 The exit codes are part of hmem's interface (scripts and cron jobs test
-them) and are documented in docs/cli.md: never renumber one.
+them): never renumber one.  docs/cli-reference.md lists them, each with the
+comment on its line below as its meaning (scripts/cli_reference.py reads
+it), and docs/cli.md says more.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from hmem import (
 
 
 class ExitCode(enum.IntEnum):
-    OK = 0
+    OK = 0  # the command did what was asked
     FAILURE = 1  # the operation failed; nothing more specific applies
     USAGE = 2  # bad options, arguments or input values
     PARTIAL = 3  # done, but some inputs were skipped (see the report)
