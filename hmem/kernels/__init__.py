@@ -17,9 +17,21 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from hmem.errors import KernelUnavailableError
+
+if TYPE_CHECKING:
+    from hmem.kernels._interface import (
+        BitopsKernels,
+        ChecksumKernels,
+        EntriesKernels,
+        HammingKernels,
+        HeaderTextKernels,
+        KernelModule,
+        ProjectionKernels,
+        QuantizeKernels,
+    )
 
 KERNELS_ENV = "HMEM_KERNELS"
 CPU_ENV = "HMEM_CPU"
@@ -45,7 +57,7 @@ def _import(name: str) -> ModuleType:
     return module
 
 
-def _apply_cpu_env(module: ModuleType) -> None:
+def _apply_cpu_env(module: KernelModule) -> None:
     wanted = os.environ.get(CPU_ENV, "").strip().lower()
     names = module.PATH_NAMES
     if not wanted:
@@ -62,7 +74,6 @@ class _KernelModule:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        _MODULES.append(self)
 
     def __getattr__(self, attr: str) -> Any:
         module = _import(self.__dict__["_name"])
@@ -72,15 +83,54 @@ class _KernelModule:
         return getattr(module, attr)
 
 
-_MODULES: list[_KernelModule] = []
+# Each stand-in is typed as the interface its module implements in both
+# kernel sets (the casts are checked below), so that mypy checks every call
+# into a kernel.
+bitops = cast("BitopsKernels", _KernelModule("bitops"))
+checksum = cast("ChecksumKernels", _KernelModule("checksum"))
+entries = cast("EntriesKernels", _KernelModule("entries"))
+header_text = cast("HeaderTextKernels", _KernelModule("header_text"))
+hamming = cast("HammingKernels", _KernelModule("hamming"))
+projection = cast("ProjectionKernels", _KernelModule("projection"))
+quantize = cast("QuantizeKernels", _KernelModule("quantize"))
 
-bitops: Any = _KernelModule("bitops")
-checksum: Any = _KernelModule("checksum")
-entries: Any = _KernelModule("entries")
-header_text: Any = _KernelModule("header_text")
-hamming: Any = _KernelModule("hamming")
-projection: Any = _KernelModule("projection")
-quantize: Any = _KernelModule("quantize")
+_MODULES: tuple[KernelModule, ...] = (bitops, checksum, entries, header_text, hamming, projection, quantize)
+
+if TYPE_CHECKING:
+    # What makes the casts above safe: mypy checks that the compiled modules
+    # (through their stubs) and their reference twins, whichever _import
+    # returns, implement each interface.  Never run.
+    from hmem.kernels._native import (
+        _bitops,
+        _checksum,
+        _entries,
+        _hamming,
+        _header_text,
+        _projection,
+        _quantize,
+    )
+    from hmem.kernels.reference import bitops as reference_bitops
+    from hmem.kernels.reference import checksum as reference_checksum
+    from hmem.kernels.reference import entries as reference_entries
+    from hmem.kernels.reference import hamming as reference_hamming
+    from hmem.kernels.reference import header_text as reference_header_text
+    from hmem.kernels.reference import projection as reference_projection
+    from hmem.kernels.reference import quantize as reference_quantize
+
+    _native_bitops: BitopsKernels = _bitops
+    _reference_bitops: BitopsKernels = reference_bitops
+    _native_checksum: ChecksumKernels = _checksum
+    _reference_checksum: ChecksumKernels = reference_checksum
+    _native_entries: EntriesKernels = _entries
+    _reference_entries: EntriesKernels = reference_entries
+    _native_header_text: HeaderTextKernels = _header_text
+    _reference_header_text: HeaderTextKernels = reference_header_text
+    _native_hamming: HammingKernels = _hamming
+    _reference_hamming: HammingKernels = reference_hamming
+    _native_projection: ProjectionKernels = _projection
+    _reference_projection: ProjectionKernels = reference_projection
+    _native_quantize: QuantizeKernels = _quantize
+    _reference_quantize: QuantizeKernels = reference_quantize
 
 
 def select_cpu_path(name: str | None) -> str:

@@ -12,6 +12,18 @@ j*G*R + g*R + r (chunk-major).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import numpy as np
+    from numpy.typing import NDArray
+
+    # What the native kernels take (hmem/kernels/_native/_bitops.pyi):
+    # 1-d C-contiguous unsigned bytes, writable where a kernel writes.
+    _Bytes: TypeAlias = bytes | bytearray | memoryview | NDArray[np.uint8]
+    _WritableBytes: TypeAlias = bytearray | memoryview | NDArray[np.uint8]
 
 PATH_NAMES = ("reference",)
 
@@ -28,41 +40,41 @@ def active_path() -> int:
     return 0
 
 
-def _get(buf, i: int) -> int:
+def _get(buf: _Bytes, i: int) -> int:
     return (buf[i >> 3] >> (i & 7)) & 1
 
 
-def _put(buf: bytearray, i: int, value: int) -> None:
+def _put(buf: _WritableBytes, i: int, value: int) -> None:
     if value:
         buf[i >> 3] |= 1 << (i & 7)
     else:
         buf[i >> 3] &= ~(1 << (i & 7)) & 0xFF
 
 
-def popcount(buf, nbits: int) -> int:
+def popcount(buf: _Bytes, nbits: int) -> int:
     return sum(_get(buf, i) for i in range(nbits))
 
 
-def highest_set_bit(buf, nbits: int) -> int:
+def highest_set_bit(buf: _Bytes, nbits: int) -> int:
     for i in range(nbits - 1, -1, -1):
         if _get(buf, i):
             return i
     return -1
 
 
-def next_bit(buf, start: int, end: int, want: int) -> int:
+def next_bit(buf: _Bytes, start: int, end: int, want: int) -> int:
     for i in range(start, end):
         if _get(buf, i) == want:
             return i
     return end
 
 
-def set_range(buf: bytearray, start: int, end: int) -> None:
+def set_range(buf: _WritableBytes, start: int, end: int) -> None:
     for i in range(start, end):
         _put(buf, i, 1)
 
 
-def clear_range(buf: bytearray, start: int, end: int) -> None:
+def clear_range(buf: _WritableBytes, start: int, end: int) -> None:
     for i in range(start, end):
         _put(buf, i, 0)
 
@@ -71,7 +83,7 @@ def _cell_index(g: int, j: int, r: int, C: int, R: int, G: int, chunk_major: boo
     return j * G * R + g * R + r if chunk_major else g * C * R + j * R + r
 
 
-def fold_into(found, C: int, R: int, windows: Sequence[int], chunk_major: bool, out: bytearray) -> None:
+def fold_into(found: _Bytes, C: int, R: int, windows: Sequence[int], chunk_major: bool, out: _WritableBytes) -> None:
     """Bit j of `out` = every group can serve a prefix of length j + 1.
 
     A group with window w serves length L when its last min(w, L) chunks
@@ -93,7 +105,7 @@ def fold_into(found, C: int, R: int, windows: Sequence[int], chunk_major: bool, 
             _put(out, j, 1)
 
 
-def unfold_into(hit: int, C: int, R: int, windows: Sequence[int], chunk_major: bool, out: bytearray) -> None:
+def unfold_into(hit: int, C: int, R: int, windows: Sequence[int], chunk_major: bool, out: _WritableBytes) -> None:
     """Set every rank bit of chunks [lo_g, hit) of each group g."""
     G = len(windows)
     for g, w in enumerate(windows):
@@ -103,7 +115,7 @@ def unfold_into(hit: int, C: int, R: int, windows: Sequence[int], chunk_major: b
                 _put(out, _cell_index(g, j, r, C, R, G, chunk_major), 1)
 
 
-def fold_rows_into(rows, C: int, windows: Sequence[int], out: bytearray) -> None:
+def fold_rows_into(rows: Sequence[_Bytes], C: int, windows: Sequence[int], out: _WritableBytes) -> None:
     """The grouped fold: row i holds C bits (chunk j present or not) under
     windows[i].  Bit j of `out` = every row can serve a prefix of length
     j + 1: the last min(w, j + 1) chunks before it are present (all j + 1
@@ -119,7 +131,7 @@ def fold_rows_into(rows, C: int, windows: Sequence[int], out: bytearray) -> None
             _put(out, j, 1)
 
 
-def unfold_rows_into(hit: int, C: int, windows: Sequence[int], outs) -> None:
+def unfold_rows_into(hit: int, C: int, windows: Sequence[int], outs: Sequence[_WritableBytes]) -> None:
     """Set chunks [lo, hit) of every row outs[i] under windows[i]."""
     for out, w in zip(outs, windows):
         lo = 0 if w <= 0 else max(0, hit - w)

@@ -13,7 +13,19 @@ skip_end) of the row.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from numpy.typing import NDArray
+    from typing_extensions import Buffer
+
+    # Any C-contiguous buffer, as the native kernel takes it
+    # (hmem/kernels/_native/_checksum.pyi).
+    _AnyBuffer: TypeAlias = Buffer | NDArray[Any]
 
 PATH_NAMES = ("reference",)
 
@@ -61,7 +73,7 @@ def _byte_view(data) -> memoryview:
         return np.frombuffer(view, dtype=np.uint8).data
 
 
-def crc32c(data, crc: int = 0) -> int:
+def crc32c(data: _AnyBuffer, crc: int = 0) -> int:
     """CRC-32C of the bytes of `data`, continuing from the checksum `crc`
     of the bytes before it (0 to start)."""
     if not 0 <= crc <= 0xFFFFFFFF:
@@ -73,7 +85,7 @@ def crc32c(data, crc: int = 0) -> int:
     return state ^ 0xFFFFFFFF
 
 
-def crc32c_rows(rows, skip_start: int, skip_end: int) -> np.ndarray:
+def crc32c_rows(rows: NDArray[np.uint8], skip_start: int, skip_end: int) -> NDArray[np.uint32]:
     """Per row of a 2-d uint8 array: CRC-32C of bytes [0, skip_start)
     followed by bytes [skip_end, row length), as a uint32 array [n]."""
     matrix = np.asarray(rows)
@@ -90,7 +102,7 @@ def crc32c_rows(rows, skip_start: int, skip_end: int) -> np.ndarray:
     )
 
 
-def crc32c_pieces(data, bounds) -> np.ndarray:
+def crc32c_pieces(data: _AnyBuffer, bounds: NDArray[np.int64]) -> NDArray[np.uint32]:
     """CRC-32C of each piece data[bounds[i] : bounds[i + 1]] of the bytes of
     `data`, as a uint32 array [len(bounds) - 1]."""
     view = _byte_view(data)

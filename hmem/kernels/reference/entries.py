@@ -3,7 +3,12 @@ put's entries for the common form, and the join of their rows."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
 
 PATH_NAMES = ("reference",)
 
@@ -47,14 +52,14 @@ def _common(item: object, entry_type: type | None) -> bool:
 
 
 def scan_entries(
-    items: list,
+    items: list[Any],
     dim: int,
     max_tokens: int,
     max_layer: int,
     max_importance: float,
-    tokens: np.ndarray,
-    layers: np.ndarray,
-    weights: np.ndarray,
+    tokens: NDArray[np.int64],
+    layers: NDArray[np.int64],
+    weights: NDArray[np.float64],
     entry_type: type | None = None,
 ) -> int:
     """The index of the first entry not of the common form, or len(items);
@@ -83,7 +88,11 @@ def scan_entries(
 
 
 def join_rows(
-    items: list, starts: np.ndarray, k_out: np.ndarray, v_out: np.ndarray, entry_type: type | None = None
+    items: list[Any],
+    starts: NDArray[np.int64],
+    k_out: NDArray[np.float32],
+    v_out: NDArray[np.float32],
+    entry_type: type | None = None,
 ) -> None:
     """Entry e's keys into rows starts[e] .. starts[e + 1] - 1 of k_out, its values into v_out's."""
     if type(items) is not list:

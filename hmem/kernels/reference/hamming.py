@@ -11,8 +11,18 @@ full stable sort: clear, and slow for large n.
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING, SupportsIndex
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from numpy.typing import NDArray
+
+    # As the native kernels take them (hmem/kernels/_native/_hamming.pyi).
+    _Bytes: TypeAlias = bytes | bytearray | memoryview | NDArray[np.uint8]
+    _Alive: TypeAlias = NDArray[np.uint8] | NDArray[np.bool_] | None
 
 PATH_NAMES = ("reference",)
 
@@ -27,6 +37,20 @@ def select_path(limit: int) -> int:
 
 def active_path() -> int:
     return 0
+
+
+# Set bits of each byte value 0..255, by counting them in its binary digits.
+_BYTE_POPCOUNT = np.array([bin(value).count("1") for value in range(256)], dtype=np.uint8)
+
+
+def _table_popcount(data: np.ndarray) -> np.ndarray:
+    """Set bits of each byte of a uint8 array, looked up in _BYTE_POPCOUNT."""
+    return _BYTE_POPCOUNT[data]
+
+
+# np.bitwise_count came with NumPy 2.0; hmem also runs on NumPy 1.x, where
+# the table gives the same counts.  Chosen once, here.
+_byte_popcount = getattr(np, "bitwise_count", _table_popcount)
 
 
 def _check_shapes(query, sigs) -> tuple[np.ndarray, np.ndarray]:
@@ -54,10 +78,10 @@ def _check_k(k) -> int:
     return k
 
 
-def distances(query, sigs) -> np.ndarray:
+def distances(query: _Bytes, sigs: NDArray[np.uint8]) -> NDArray[np.int32]:
     """Hamming distance of each row of `sigs` to `query`: int32 array [n]."""
     q, s = _check_shapes(query, sigs)
-    return np.bitwise_count(s ^ q).sum(axis=1, dtype=np.int64).astype(np.int32)
+    return _byte_popcount(s ^ q).sum(axis=1, dtype=np.int64).astype(np.int32)
 
 
 def _check_range(lo: int, hi, n: int) -> int:
@@ -67,7 +91,9 @@ def _check_range(lo: int, hi, n: int) -> int:
     return end
 
 
-def topk(query, sigs, alive, k, lo: int = 0, hi: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def topk(
+    query: _Bytes, sigs: NDArray[np.uint8], alive: _Alive, k: SupportsIndex, lo: int = 0, hi: int | None = None
+) -> tuple[NDArray[np.int64], NDArray[np.int32]]:
     """The min(k, live rows in [lo, hi)) rows nearest to `query`, by
     (distance, row): (rows int64 [m], dists int32 [m])."""
     q, s = _check_shapes(query, sigs)
@@ -85,7 +111,14 @@ def topk(query, sigs, alive, k, lo: int = 0, hi: int | None = None) -> tuple[np.
     return rows[order], dists[order]
 
 
-def topk_many(queries, sigs, alive, k, lo: int = 0, hi: int | None = None):
+def topk_many(
+    queries: NDArray[np.uint8],
+    sigs: NDArray[np.uint8],
+    alive: _Alive,
+    k: SupportsIndex,
+    lo: int = 0,
+    hi: int | None = None,
+) -> tuple[NDArray[np.int64], NDArray[np.int32], NDArray[np.int64]]:
     """topk of every query (row of `queries`) over rows [lo, hi): (rows int64
     [nq, cap], dists int32 [nq, cap], counts int64 [nq]), cap = min(k, hi - lo),
     query j's results the first counts[j] of its row."""
@@ -107,14 +140,14 @@ def topk_many(queries, sigs, alive, k, lo: int = 0, hi: int | None = None):
     for j, q in enumerate(qs):
         if end == lo:
             continue
-        r, d = topk(q, s, live, max(cap, 1), lo, end)
+        r, d = topk(q, s, alive, max(cap, 1), lo, end)
         counts[j] = len(r)
         rows[j, : len(r)] = r
         dists[j, : len(r)] = d
     return rows, dists, counts
 
 
-def gather_rows(src, rows, out) -> None:
+def gather_rows(src: NDArray[np.uint8], rows: NDArray[np.int64], out: NDArray[np.uint8]) -> None:
     """out[i] = src[rows[i]]."""
     idx = np.asarray(rows)
     if out.shape != (len(idx), src.shape[1]):

@@ -3,7 +3,12 @@ header entries of many tensors, each followed by a comma."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
 
 PATH_NAMES = ("reference",)
 
@@ -26,7 +31,14 @@ def _checked_text(value, what: str) -> bytes:
     return value
 
 
-def tensor_entries(prefix: bytes, ids, dtype: bytes, shapes, begins, ends) -> bytes:
+def tensor_entries(
+    prefix: bytes,
+    ids: NDArray[np.int64],
+    dtype: bytes,
+    shapes: NDArray[np.int64],
+    begins: NDArray[np.int64],
+    ends: NDArray[np.int64],
+) -> bytes:
     """``"<prefix><id>":{"dtype":"<dtype>","shape":[..],"data_offsets":[b,e]},``
     for each tensor, as one bytes object."""
     _checked_text(prefix, "prefix")
@@ -42,7 +54,7 @@ def tensor_entries(prefix: bytes, ids, dtype: bytes, shapes, begins, ends) -> by
     ).encode()
 
 
-def crc_entries(prefix: bytes, ids, crcs) -> bytes:
+def crc_entries(prefix: bytes, ids: NDArray[np.int64], crcs: NDArray[np.uint32]) -> bytes:
     """``"<prefix><id>":"<crc as 8 lower-case hex digits>",`` for each tensor."""
     _checked_text(prefix, "prefix")
     if len(ids) != len(crcs):

@@ -22,8 +22,18 @@ order, so any correct implementation gives the same bits.
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING, SupportsIndex
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from numpy.typing import NDArray
+
+    # As the native kernels take them (hmem/kernels/_native/_projection.pyi).
+    _Bytes: TypeAlias = bytes | bytearray | memoryview | NDArray[np.uint8]
+    _WritableBytes: TypeAlias = bytearray | memoryview | NDArray[np.uint8]
 
 PATH_NAMES = ("reference",)
 
@@ -59,7 +69,7 @@ def _check_m(m) -> int:
     return m
 
 
-def splitmix64(seed, count) -> np.ndarray:
+def splitmix64(seed: SupportsIndex, count: SupportsIndex) -> NDArray[np.uint64]:
     """Outputs 0 .. count-1 of SplitMix64 seeded with `seed` (0 <= seed < 2**64)."""
     seed = _index("seed", seed, 0)
     if seed > _MASK64:
@@ -72,7 +82,9 @@ def splitmix64(seed, count) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def signs_table(seed, m, rounds, blocks) -> np.ndarray:
+def signs_table(
+    seed: SupportsIndex, m: SupportsIndex, rounds: SupportsIndex, blocks: SupportsIndex
+) -> NDArray[np.uint8]:
     """The blocks*rounds*m sign bits, packed LSB-first: blocks*rounds*m/8 bytes."""
     m = _check_m(m)
     rounds = _index("rounds", rounds, 1)
@@ -119,7 +131,15 @@ def _output(out, hdc_dim: int) -> np.ndarray:
     return target
 
 
-def signature(rows, signs, m, rounds, hdc_dim, out, sums=None) -> None:
+def signature(
+    rows: NDArray[np.float32],
+    signs: _Bytes,
+    m: SupportsIndex,
+    rounds: SupportsIndex,
+    hdc_dim: SupportsIndex,
+    out: _WritableBytes,
+    sums: NDArray[np.float64] | None = None,
+) -> None:
     """Write the hdc_dim-bit signature of the token sum of `rows` into `out`,
     and the float64 token sum itself into `sums` (d values) when given."""
     m, rounds, hdc_dim, sign_bytes = _checked_args(m, rounds, hdc_dim, signs)
@@ -157,7 +177,16 @@ def _signature_bits(s: np.ndarray, sign_bytes: np.ndarray, m: int, rounds: int, 
     return np.packbits(bits[:hdc_dim], bitorder="little")
 
 
-def signature_many(rows, starts, signs, m, rounds, hdc_dim, out, sums=None) -> None:
+def signature_many(
+    rows: NDArray[np.float32],
+    starts: NDArray[np.int64],
+    signs: _Bytes,
+    m: SupportsIndex,
+    rounds: SupportsIndex,
+    hdc_dim: SupportsIndex,
+    out: NDArray[np.uint8],
+    sums: NDArray[np.float64] | None = None,
+) -> None:
     """signature() of many entries in one call: entry e is rows
     starts[e] .. starts[e + 1] - 1 (at least one row; starts[0] = 0 and
     starts[-1] = the row count); its signature goes to out[e] and, when
@@ -181,7 +210,14 @@ def signature_many(rows, starts, signs, m, rounds, hdc_dim, out, sums=None) -> N
         signature(x[bounds[e] : bounds[e + 1]], signs, m, rounds, hdc_dim, out[e], None if sums is None else sums[e])
 
 
-def signature_of_sum(sums, signs, m, rounds, hdc_dim, out) -> None:
+def signature_of_sum(
+    sums: NDArray[np.float64],
+    signs: _Bytes,
+    m: SupportsIndex,
+    rounds: SupportsIndex,
+    hdc_dim: SupportsIndex,
+    out: _WritableBytes,
+) -> None:
     """Write into `out` the signature of rows whose float64 token sum is
     `sums` (d values): signature()'s bits for those rows."""
     m, rounds, hdc_dim, sign_bytes = _checked_args(m, rounds, hdc_dim, signs)
@@ -196,7 +232,7 @@ def signature_of_sum(sums, signs, m, rounds, hdc_dim, out) -> None:
     target[:] = _signature_bits(s, sign_bytes, m, rounds, hdc_dim)
 
 
-def bf16_token_sums(words, sums) -> None:
+def bf16_token_sums(words: NDArray[np.uint16], sums: NDArray[np.float64]) -> None:
     """Write into `sums` (a*b values) the float64 token sums of the
     float32 values of the bfloat16 words (n, a, b), in token order."""
     w = np.asarray(words)

@@ -8,7 +8,12 @@ Dequantization is float32(q) * scale in float32.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
 
 PATH_NAMES = ("reference",)
 
@@ -25,7 +30,7 @@ def active_path() -> int:
     return 0
 
 
-def quantize_rows(rows, q, scales) -> None:
+def quantize_rows(rows: NDArray[np.float32], q: NDArray[np.int8], scales: NDArray[np.float32]) -> None:
     rows = np.asarray(rows, dtype=np.float32)
     if q.shape != rows.shape or scales.shape != (rows.shape[0],):
         raise ValueError("q must be [n, d] and scales [n] for rows of shape [n, d]")
@@ -41,7 +46,7 @@ def quantize_rows(rows, q, scales) -> None:
     q[:] = values.astype(np.int8)
 
 
-def dequantize_rows(q, scales, out) -> None:
+def dequantize_rows(q: NDArray[np.int8], scales: NDArray[np.float32], out: NDArray[np.float32]) -> None:
     if scales.shape != (q.shape[0],) or out.shape != q.shape:
         raise ValueError("scales must be [n] and out [n, d] for q of shape [n, d]")
     out[:] = q.astype(np.float32) * scales.astype(np.float32)[:, None]
