@@ -5,8 +5,14 @@ Hypothesis profiles (pick one with HYPOTHESIS_PROFILE=<name>):
 - ``ci`` (default): no deadline (shared 2-core runners stall), no example
   database (runs do not depend on earlier runs), 100 examples a test
   (Hypothesis's own default), within the suite's 10-minute budget;
-- ``dev``: fewer examples, for a quick edit-test loop;
+- ``dev``: fewer examples, for a quick edit-test loop; the quick subset
+  (``pytest -m "not stress"``) takes it unless HYPOTHESIS_PROFILE says otherwise;
 - ``thorough``: many examples, for a soak run before a release.
+
+The ``stress`` marker (pyproject.toml) names the heavy tests: crash, kill
+and signal loops, state machines, end-to-end runs of many commands.  The
+default run takes everything; ``-m "not stress"`` is the quick subset for
+work on hmem (README.md, "Test it").
 
 Tests run with ``--import-mode=importlib``, so they cannot import each other or
 this file; shared helpers are fixtures.  They run on one worker process per
@@ -37,6 +43,12 @@ settings.register_profile("ci", max_examples=100, database=None, **_COMMON)
 settings.register_profile("dev", max_examples=20, **_COMMON)
 settings.register_profile("thorough", max_examples=2000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The quick subset is an edit-test loop: fewer Hypothesis examples too.
+    if "HYPOTHESIS_PROFILE" not in os.environ and "not stress" in (config.option.markexpr or ""):
+        settings.load_profile("dev")
 
 
 # ---- CPU paths of the native kernels ----------------------------------------

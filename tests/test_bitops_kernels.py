@@ -125,6 +125,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.stress
 def test_environment_switches():
     out = _run(
         "import hmem, hmem.kernels as k; from hmem.kernels.reference import bitops as r;"

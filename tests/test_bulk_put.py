@@ -13,7 +13,9 @@ import gc
 import json
 import os
 import struct
+import sys
 import threading
+import time
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -532,6 +534,41 @@ def test_put_many_takes_other_float_dtypes_and_layouts(store_factory):
 # ---- shards sealed in the background ----------------------------------------------------------
 
 
+HANG_GUARD = 120  # seconds: a wait that reaches this has failed (only a hang takes so long)
+
+
+def _wait_until_waiting(thread_id: int) -> None:
+    """Wait until the thread `thread_id` waits on a threading primitive (an
+    Event, a Condition, a join: its innermost Python frame is in the
+    threading module), as a writer waiting for a held seal does.  A poll for
+    an event, not for a duration: HANG_GUARD is a hang guard only."""
+    deadline = time.monotonic() + HANG_GUARD
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(thread_id)
+        if frame is None:
+            raise AssertionError("the thread ended instead of waiting")
+        if frame.f_code.co_filename == threading.__file__:
+            return
+        time.sleep(0.001)
+    raise AssertionError("the thread never waited")
+
+
+def _release_once_waiting(hook: _SealThreadHook, thread_id: int) -> threading.Thread:
+    """Let the held seal go once the thread `thread_id` waits (for it); a
+    thread that never waits leaves it held, so that the test sees it went on."""
+
+    def release() -> None:
+        try:
+            assert hook.held.wait(HANG_GUARD)
+            _wait_until_waiting(thread_id)
+        finally:
+            hook.release.set()
+
+    releaser = threading.Thread(target=release, daemon=True)
+    releaser.start()
+    return releaser
+
+
 class _SealThreadHook:
     """A fault hook (hmem/_io.py) acting only in the thread that writes and
     finishes a put's seal ("hmem-seal"): it holds the fsync there until released, or
@@ -554,7 +591,7 @@ class _SealThreadHook:
             return
         if self.hold and op == "fsync":
             self.held.set()
-            assert self.release.wait(30)
+            assert self.release.wait(HANG_GUARD)
         if self.fail and op == self.fail_op:
             self.fail -= 1
             self.failed.set()
@@ -596,7 +633,7 @@ def test_a_shard_sealed_in_the_background_is_read_from_memory_until_its_file_is_
     path = tmp_path / "s"
     with hmem.Store.create(path, embed_dim=16, hdc_dim=256, shard_max_bytes=32 << 10) as store:
         ids = store.put_many(entries)  # fills shard 0 (sealed in the background) and begins shard 1
-        assert hook.held.wait(30)  # the seal's fsync is held: the put returned before it
+        assert hook.held.wait(HANG_GUARD)  # the seal's fsync is held: the put returned before it
         assert not (path / "shard_0000.safetensors").exists()
         for entry_id, (keys, values, _, _) in zip(ids, entries):
             got = store.get(entry_id)  # shard 0's from the sealing builder's memory
@@ -635,7 +672,7 @@ def test_a_background_seal_that_fails_is_written_again_from_memory(tmp_path, sea
     try:
         hook = seal_hook(fail=1, fail_op=fail_op, fail_errno=fail_errno)
         ids = store.put_many(entries)  # the put itself succeeds: shard 0's seal fails on its thread
-        assert hook.failed.wait(30)
+        assert hook.failed.wait(HANG_GUARD)
         if failures == 2:
             real = hook
 
@@ -672,7 +709,7 @@ def _a_put_whose_seal_is_held(tmp_path, seal_hook, seed: int) -> tuple[hmem.Stor
     path = tmp_path / "s"
     store = hmem.Store.create(path, embed_dim=16, hdc_dim=256, shard_max_bytes=32 << 10)
     store.put_many(entries)
-    assert hook.held.wait(30)
+    assert hook.held.wait(HANG_GUARD)
     return store, path, hook
 
 
@@ -680,10 +717,10 @@ def test_closing_waits_for_a_background_seal(tmp_path, seal_hook):
     store, path, hook = _a_put_whose_seal_is_held(tmp_path, seal_hook, seed=13)
     closer = threading.Thread(target=store.close)
     closer.start()
-    closer.join(0.5)
-    assert closer.is_alive()  # close waits for the seal (it flushes)
+    _wait_until_waiting(closer.ident)
+    assert closer.is_alive() and not (path / "shard_0000.safetensors").exists()  # close waits for the seal
     hook.release.set()
-    closer.join(30)
+    closer.join(HANG_GUARD)
     assert not closer.is_alive()
     assert hmem.verify(path, full=True).ok
     with hmem.Store.open(path, read_only=True) as reader:
@@ -696,10 +733,11 @@ def test_a_put_that_fails_after_a_background_seal_takes_its_shard_back(tmp_path,
     hook = seal_hook(hold=True)
     path = tmp_path / "s"
     with hmem.Store.create(path, embed_dim=16, hdc_dim=256, shard_max_bytes=32 << 10) as store:
-        threading.Timer(0.3, hook.release.set).start()  # the undo waits for the held seal
+        releaser = _release_once_waiting(hook, threading.get_ident())
         with store_internals.failing_records_growth(store), pytest.raises(MemoryError):
             store.put_many(entries)
-        assert hook.held.is_set() and hook.release.is_set()
+        assert hook.held.is_set() and hook.release.is_set()  # the undo waited for the held seal
+        releaser.join(HANG_GUARD)
         assert store.stats().entries == 0 and store.stats().unflushed == 0 and not store.stats().shards
         assert not [p.name for p in path.iterdir() if p.name.startswith(("shard_", _io.TEMP_PREFIX))]
         _io.set_fault_hook(None)
@@ -712,10 +750,11 @@ def test_a_put_that_fails_after_a_background_seal_takes_its_shard_back(tmp_path,
 
 def test_a_writer_dropped_unclosed_lets_its_lock_go_only_after_a_background_seal(tmp_path, seal_hook):
     store, path, hook = _a_put_whose_seal_is_held(tmp_path, seal_hook, seed=15)
-    threading.Timer(0.3, hook.release.set).start()
+    releaser = _release_once_waiting(hook, threading.get_ident())
     del store  # never closed: its lock goes back when it is collected
     gc.collect()
     assert hook.release.is_set()  # the lock went back only once the seal had finished
+    releaser.join(HANG_GUARD)
     _io.set_fault_hook(None)
     with hmem.Store.open(path) as again:  # nothing was committed; the next writer removes the leftovers
         assert again.stats().entries == 0

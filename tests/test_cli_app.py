@@ -42,6 +42,7 @@ def test_version_names_format_versions_and_kernel_path():
     )
 
 
+@pytest.mark.stress
 def test_python_dash_m_and_exit_code_pass_through():
     proc = run_python("-m", "hmem", "prefix-hit", "-c", "2", "-w", "x")
     assert proc.returncode == ExitCode.USAGE
@@ -172,6 +173,7 @@ def test_missing_kernels_is_a_clear_error():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.stress
 def test_a_command_line_naming_a_command_runs_it_alone_and_others_see_every_command(tmp_path):
     # The console script builds only the command that the command line names
     # first (start-up: hmem/cli/app.py, _app_for); everything else goes
@@ -206,6 +208,7 @@ def test_a_command_line_naming_a_command_runs_it_alone_and_others_see_every_comm
     assert probe.stdout.split() == ["['hmem.cli.cmd_stats']"]
 
 
+@pytest.mark.stress
 def test_a_command_under_json_does_not_import_rich(tmp_path):
     # Rich is imported at the first thing printed through it (start-up:
     # hmem/cli/output.py); scripts and cron jobs run commands under --json.
@@ -241,6 +244,7 @@ def test_a_command_under_json_does_not_import_rich(tmp_path):
     assert human.returncode == 0 and "┃ id ┃" in human.stdout and "1 entries, by id" in human.stdout
 
 
+@pytest.mark.stress
 def test_reference_kernels_are_explicit():
     proc = run_python("-m", "hmem", "--version", env={**os.environ, "HMEM_KERNELS": "reference"})
     assert proc.returncode == 0
@@ -269,6 +273,7 @@ def test_every_public_name_of_hmem_resolves_also_those_imported_at_first_use():
         raise AssertionError("an unknown name must raise AttributeError")
 
 
+@pytest.mark.stress
 def test_a_command_ends_without_teardown_but_with_all_its_output(tmp_path):
     # The console script ends with os._exit once the command returns
     # (hmem/cli/app.py, _end_process): every buffered line must still reach

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file, save_file
 
 D = 32
@@ -44,6 +45,7 @@ def _runner(tmp_path) -> tuple[dict, Callable[..., subprocess.CompletedProcess]]
     return env, hmem
 
 
+@pytest.mark.stress
 def test_init_put_query_evict_compact_stats(tmp_path):
     env, hmem = _runner(tmp_path)
 
@@ -143,6 +145,7 @@ def test_init_put_query_evict_compact_stats(tmp_path):
     assert hmem().stdout.split() == ["compact"]
 
 
+@pytest.mark.stress
 def test_a_cron_import_day(tmp_path):
     """A cron job imports a dump directory twice (the second run finds
     everything stored), an operator lists, removes two entries, compacts,

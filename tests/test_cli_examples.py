@@ -529,6 +529,7 @@ def scratch(tmp_path, monkeypatch) -> Iterator[contextlib.ExitStack]:
 
 
 @pytest.mark.parametrize("session", list(_sessions()))
+@pytest.mark.stress
 def test_the_examples_print_what_the_page_shows(session, scratch):
     blocks_run = _sessions()[session]
     if session in SESSIONS:

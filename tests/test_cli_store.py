@@ -838,14 +838,39 @@ def test_locked_store_exits_6_for_writing_commands(filled, kv_files):
 
 
 def test_lock_wait_succeeds_when_the_writer_leaves(filled, kv_files):
+    """The writer leaves only once the put is trying for the lock (it has
+    opened the lock file: hmem/_io.py's fault hook sees it), so the put
+    waits for it, then takes the lock."""
+    from hmem import _io
+
+    putting, trying = threading.get_ident(), threading.Event()
+    lock_ops: list[tuple[str, str]] = []
+
+    def watch(op: str, path: str) -> None:
+        if os.path.basename(path) == "lock":
+            mine = threading.get_ident() == putting
+            lock_ops.append(("put" if mine else "writer", op))
+            if mine and op == "open":
+                trying.set()
+
     writer = hmem.Store.open(filled)
-    timer = threading.Timer(0.2, writer.close)
-    timer.start()
+
+    def leave() -> None:
+        trying.wait(120)  # a hang guard: a put that never tries is seen below
+        writer.close()
+
+    leaving = threading.Thread(target=leave)
+    _io.set_fault_hook(watch)
     try:
-        result = run("put", filled, kv_files[0], "--lock-wait", 10, "--again", "-q")  # the same files once more
+        leaving.start()
+        result = run("put", filled, kv_files[0], "--lock-wait", "inf", "--again", "-q")  # the same files once more
     finally:
-        timer.join()
+        _io.set_fault_hook(None)
+        leaving.join()
     assert result.exit_code == 0, result.stderr
+    # the put opened the lock file while the writer held the lock, and wrote
+    # its owner record (it had the lock) only after the writer had cleared its own
+    assert lock_ops[:3] == [("put", "open"), ("writer", "truncate"), ("put", "truncate")], lock_ops
     assert library_stats(filled)["entries"] == 14
 
 
@@ -962,7 +987,7 @@ def _run_on_terminal(args: list[str], env: dict) -> bytes:
             break
         chunks.append(data)
     os.close(master)
-    assert proc.wait(timeout=60) == 0, b"".join(chunks).decode(errors="replace")
+    assert proc.wait(timeout=120) == 0, b"".join(chunks).decode(errors="replace")
     return b"".join(chunks)
 
 

@@ -771,6 +771,7 @@ def test_a_results_score_does_not_depend_on_the_other_candidates(tmp_path):
     assert all(len(s) == 1 for s in scores.values()), [k for k, s in scores.items() if len(s) > 1]
 
 
+@pytest.mark.stress
 def test_identical_entries_tie_and_rank_by_id(tmp_path):
     wrong = []
     for seed in range(16):

@@ -561,6 +561,7 @@ def dense_error(x, y, theta, d, hdc_dim, seed) -> float:
 
 
 @pytest.mark.parametrize("d, hdc_dim", [(64, 4096), (300, 4096), (1024, 4096), (3584, 4096), (3584, 1024)])
+@pytest.mark.stress
 def test_structured_projection_estimates_angles_as_well_as_a_dense_gaussian(d, hdc_dim):
     x, y, theta = angle_pairs(np.random.default_rng(d + hdc_dim), d, 600)
     dense = dense_error(x, y, theta, d, hdc_dim, seed=d)

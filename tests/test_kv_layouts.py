@@ -532,6 +532,7 @@ def test_a_bf16_file_of_large_entries_stores_what_put_many_stores(tmp_path, stor
     spans=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
 )
+@pytest.mark.stress
 def test_bf16_files_large_and_small_store_what_put_many_stores(
     tmp_path_factory, storage, big, small, chunk, spans, seed
 ):

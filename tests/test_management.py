@@ -437,6 +437,7 @@ def test_evict_and_plan_on_a_read_only_store(tmp_path):
 # ---- limits --------------------------------------------------------------------------------
 
 
+@pytest.mark.stress
 def test_max_entries_evicts_the_lowest_scored_first(tmp_path, clock):
     rng = np.random.default_rng(10)
     limit = 7
@@ -594,6 +595,7 @@ def test_disk_limit_counts_evicted_bytes_until_compaction(store_factory):
     assert store.size() < size
 
 
+@pytest.mark.stress
 def test_disk_limit_holds_after_every_put_and_flush(tmp_path):
     limit = 30_000
     for seed in range(6):
@@ -794,6 +796,7 @@ def test_compaction_merges_small_shards_of_frequent_flushes(store_factory):
     orphan=st.booleans(),
     quantized=st.booleans(),
 )
+@pytest.mark.stress
 def test_compaction_keeps_every_answer_and_never_grows_the_data(seed, n, shard_max, flush_p, keep, orphan, quantized):
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as tmp:

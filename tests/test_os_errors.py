@@ -240,6 +240,7 @@ CONDITIONS = {
 
 @pytest.mark.parametrize("condition", list(CONDITIONS))
 @pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.stress
 def test_an_os_error_is_one_line_with_its_exit_code_and_the_store_stays_consistent(world, command, condition, tmp_path):
     err, code, ops = CONDITIONS[condition]
     calls = calls_of(world, command, tmp_path)
@@ -428,6 +429,7 @@ def test_an_immutable_store_directory(world, tmp_path):
     assert_consistent(store, world["before"], evicting=True)
 
 
+@pytest.mark.stress
 def test_a_store_another_user_may_not_write(world, tmp_path):
     """Permission bits stop no write of root's, so the commands run as
     `nobody` (setpriv) on a store owned by root: EACCES for real."""
@@ -478,6 +480,7 @@ def test_a_store_another_user_may_not_write(world, tmp_path):
 # ---- a real full file system ----------------------------------------------------------------------------
 
 
+@pytest.mark.stress
 def test_a_full_file_system_during_put_and_compact(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
@@ -599,7 +602,7 @@ def test_a_reader_that_stops_after_one_line(shards_store, json_flag, unbuffered)
             raise AssertionError(f"hmem printed no whole line: {first!r}, {proc.communicate()[1]!r}")
         first += chunk
     os.close(r)
-    _, stderr = proc.communicate(timeout=60)
+    _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == ExitCode.BROKEN_PIPE == 141, stderr
     assert stderr == b"", stderr  # no message, no traceback, no "Exception ignored"
     assert first.strip() == b"{" if json_flag else first.strip()
@@ -615,7 +618,7 @@ def test_a_reader_gone_before_hmem_writes(shards_store, args):
     os.close(r)
     proc = _hmem([a.format(store=shards_store) for a in args], stdout=w)
     os.close(w)
-    _, stderr = proc.communicate(timeout=60)
+    _, stderr = proc.communicate(timeout=120)
     assert (proc.returncode, stderr) == (ExitCode.BROKEN_PIPE, b"")
 
 
@@ -643,7 +646,7 @@ def test_output_that_reaches_the_pipe_only_at_the_final_flush():
     r, w = os.pipe()
     os.close(r)
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE], stdout=w, stderr=subprocess.PIPE, timeout=60, cwd=OUTSIDE_CHECKOUT
+        [sys.executable, "-c", PROBE], stdout=w, stderr=subprocess.PIPE, timeout=120, cwd=OUTSIDE_CHECKOUT
     )
     os.close(w)
     assert (proc.returncode, proc.stderr) == (ExitCode.BROKEN_PIPE, b"")

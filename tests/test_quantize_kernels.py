@@ -115,6 +115,7 @@ def test_every_cpu_path_is_selected_for_the_quantize_kernels(cpu_paths, on_cpu_p
 
 @settings(max_examples=150)
 @given(rows=matrices())
+@pytest.mark.stress
 def test_the_rule_as_documented(rows):
     """scale = max|row| / 127 in float32 (the next smaller float32 when
     127 * scale would overflow); q = round-half-even of x / scale in float32,
@@ -250,6 +251,7 @@ def _bound_holds(got, want):
 
 @settings(max_examples=30)
 @given(batch=st.lists(entries(), min_size=1, max_size=5), seed=st.integers(0, 2**32 - 1))
+@pytest.mark.stress
 def test_a_quantized_store_reads_within_half_a_scale_with_f32_signatures(batch, seed):
     with tempfile.TemporaryDirectory() as tmp:
         q = Store.create(Path(tmp) / "q", embed_dim=32, hdc_dim=512, seed=seed, quantize_stored=True)

@@ -166,6 +166,7 @@ def _has_sink(k: np.ndarray) -> bool:
     st.integers(0, 2**32),
     st.sampled_from(["overlapping", "disjoint"]),
 )
+@pytest.mark.stress
 def test_span_signatures_are_the_signature_prefixes_of_the_span_means(
     tmp_path_factory, shapes, per_entry, seed, layout
 ):

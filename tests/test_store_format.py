@@ -329,6 +329,7 @@ def test_a_crash_leaves_nothing_a_reader_trips_on(tmp_path, run_python):
     assert state_of(path) == before
 
 
+@pytest.mark.stress
 def test_truncating_an_uncommitted_tail_anywhere_recovers_the_committed_state(tmp_path, run_python):
     path = tmp_path / "s"
     _old_store(path)

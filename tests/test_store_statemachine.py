@@ -260,3 +260,5 @@ _profile_examples = settings.default.max_examples
 TestStoreMachine.settings = settings(
     max_examples=_profile_examples if _profile_examples >= 1000 else 100, stateful_step_count=40, deadline=None
 )
+
+TestStoreMachine.pytestmark = [pytest.mark.stress]  # the quick subset leaves it out (-m "not stress")

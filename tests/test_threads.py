@@ -14,11 +14,39 @@ a subprocess with the pure-Python reference kernels."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
+import time
 
 import pytest
 
 from hmem.store.rwlock import ReadWriteLock
+
+HANG_GUARD = 120  # seconds: a wait that reaches this has failed (only a hang takes so long)
+
+
+def _wait_until_blocked_in(thread: threading.Thread, method) -> None:
+    """Wait until `thread` is inside `method` (a ReadWriteLock method): its
+    innermost Python frame runs that method, whose only waits are the
+    lock's own (C calls), so the thread is at the lock, waiting for it.  A
+    poll for an event, not for a duration: HANG_GUARD is a hang guard only."""
+    code = method.__wrapped__.__code__  # the generator function under @contextmanager
+    deadline = time.monotonic() + HANG_GUARD
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(thread.ident)
+        if frame is not None and frame.f_code is code:
+            return
+        if not thread.is_alive():
+            raise AssertionError(f"{thread.name} ended instead of waiting in {method.__name__}()")
+        time.sleep(0.001)
+    raise AssertionError(f"{thread.name} never waited in {method.__name__}()")
+
+
+def _join(*threads: threading.Thread) -> None:
+    for t in threads:
+        t.join(HANG_GUARD)
+        assert not t.is_alive(), f"{t.name} still runs"
+
 
 SCENARIO = r"""
 import collections, json, sys, threading, time
@@ -26,6 +54,7 @@ import numpy as np
 import hmem
 
 path, seconds, readers, S = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+every_write = sys.argv[5] == "1"  # the load also goes on until a compaction, an eviction and a delete happened
 D = 8
 
 def kv(seed):
@@ -110,10 +139,19 @@ def writer():
         errors.append(repr(exc))
         stop.set()
 
+def enough():  # the load ran `seconds` at least and did every kind of work checked, however slow the machine
+    done = figures["queries"] > 20 and figures["puts"] > 20
+    if every_write:
+        done = done and figures["compactions"] and figures["evictions"] and figures["deletes"]
+    return done and time.monotonic() >= soak_until
+
 threads = [threading.Thread(target=reader, args=(n,)) for n in range(readers)] + [threading.Thread(target=writer)]
+soak_until = time.monotonic() + seconds
+give_up = soak_until + 300  # a hang guard: the test fails on the figures, it does not hang
 for t in threads:
     t.start()
-time.sleep(seconds)
+while not stop.is_set() and not enough() and time.monotonic() < give_up:
+    stop.wait(0.05)
 stop.set()
 for t in threads:
     t.join()
@@ -143,9 +181,9 @@ def test_readers_share_a_store_with_a_writer(kernels, seconds, signatures, run_p
         SCENARIO.replace(
             "sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])",
             f"{str(tmp_path / 's')!r}, {seconds}, 3, {signatures}",
-        ),
+        ).replace('sys.argv[5] == "1"', str(kernels == "native")),
         env={"HMEM_KERNELS": kernels},
-        timeout=120,
+        timeout=900,  # a hang guard: the scenario ends once its work is done (at most its own 300 s guard later)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -162,19 +200,26 @@ def test_readers_share_a_store_with_a_writer(kernels, seconds, signatures, run_p
 
 def test_readers_run_together_and_a_writer_waits_for_them():
     lock = ReadWriteLock()
-    inside = threading.Barrier(3, timeout=5)  # three readers inside at once: shared really is shared
+    all_inside = threading.Event()
+    # three readers inside at once: shared really is shared
+    inside = threading.Barrier(3, action=all_inside.set, timeout=HANG_GUARD)
     order: list[str] = []
     release = threading.Event()
+    errors: list[BaseException] = []
 
     def read(name):
-        with lock.shared():
-            inside.wait()
-            release.wait(5)
-            order.append(name)
+        try:
+            with lock.shared():
+                inside.wait()
+                assert release.wait(HANG_GUARD)
+                order.append(name)
+        except BaseException as exc:
+            errors.append(exc)
 
     readers = [threading.Thread(target=read, args=(f"r{i}",)) for i in range(3)]
     for t in readers:
         t.start()
+    assert all_inside.wait(HANG_GUARD)
 
     def write():
         with lock.exclusive():
@@ -182,12 +227,11 @@ def test_readers_run_together_and_a_writer_waits_for_them():
 
     w = threading.Thread(target=write)
     w.start()
-    w.join(0.2)
-    assert w.is_alive()  # the writer waits while readers are inside
+    _wait_until_blocked_in(w, ReadWriteLock.exclusive)  # the writer waits while readers are inside
+    assert order == []
     release.set()
-    for t in readers:
-        t.join()
-    w.join(5)
+    _join(*readers, w)
+    assert not errors, errors[0]
     assert order[-1] == "w" and sorted(order[:3]) == ["r0", "r1", "r2"]
 
 
@@ -199,8 +243,8 @@ def test_a_waiting_writer_goes_before_later_readers():
     def first():
         with lock.shared():
             first_in.set()
-            let_go.wait(5)
-            order.append("first reader")
+            if let_go.wait(HANG_GUARD):
+                order.append("first reader")
 
     def write():
         with lock.exclusive():
@@ -212,17 +256,16 @@ def test_a_waiting_writer_goes_before_later_readers():
 
     a = threading.Thread(target=first)
     a.start()
-    first_in.wait(5)
+    assert first_in.wait(HANG_GUARD)
     w = threading.Thread(target=write)
     w.start()
-    w.join(0.1)  # waiting now
+    _wait_until_blocked_in(w, ReadWriteLock.exclusive)  # waiting now
     b = threading.Thread(target=later)
     b.start()
-    b.join(0.1)
-    assert b.is_alive()  # held back behind the waiting writer
+    _wait_until_blocked_in(b, ReadWriteLock.shared)  # held back behind the waiting writer
+    assert order == []
     let_go.set()
-    for t in (a, w, b):
-        t.join(5)
+    _join(a, w, b)
     assert order == ["first reader", "writer", "later reader"]
 
 
@@ -245,7 +288,7 @@ def test_the_lock_is_reentrant():
 
     t = threading.Thread(target=write)
     t.start()
-    t.join(5)
+    _join(t)
     assert done.is_set()  # nothing is left held
 
 
@@ -290,13 +333,13 @@ def test_scans_of_several_threads_give_the_same_results():
     def slow(lo, hi):
         if lo == 0:
             started.set()
-            go.wait(5)
+            assert go.wait(HANG_GUARD)  # the first scan holds the pool until the second is done
         return list(range(lo, hi))
 
     first: list = []
     t = threading.Thread(target=lambda: first.append(threads.run_ranges(slow, ranges)))
     t.start()
-    started.wait(5)
+    assert started.wait(HANG_GUARD)
     ran_on: set[int] = set()
 
     def quick(lo, hi):
@@ -305,7 +348,7 @@ def test_scans_of_several_threads_give_the_same_results():
 
     second = threads.run_ranges(quick, ranges)  # while the first is under way
     go.set()
-    t.join(5)
+    _join(t)
     assert second == first[0] == [list(range(10)), list(range(10, 20)), list(range(20, 30))]
     assert ran_on == {threading.get_ident()}  # every range on the calling thread: the pool was busy
 
@@ -318,8 +361,8 @@ def test_intent_lets_readers_in_and_keeps_writers_out():
     def flush():
         with lock.intent():
             holding.set()
-            let_go.wait(5)
-            order.append("flush")
+            if let_go.wait(HANG_GUARD):
+                order.append("flush")
 
     def put():
         with lock.exclusive():
@@ -327,7 +370,7 @@ def test_intent_lets_readers_in_and_keeps_writers_out():
 
     f = threading.Thread(target=flush)
     f.start()
-    holding.wait(5)
+    assert holding.wait(HANG_GUARD)
     done = threading.Event()
 
     def reader():
@@ -336,15 +379,14 @@ def test_intent_lets_readers_in_and_keeps_writers_out():
 
     r = threading.Thread(target=reader)
     r.start()
-    r.join(5)
+    _join(r)
     assert done.is_set()  # a read runs while the flush holds intent
     p = threading.Thread(target=put)
     p.start()
-    p.join(0.2)
-    assert p.is_alive()  # a write waits for it
+    _wait_until_blocked_in(p, ReadWriteLock.exclusive)  # a write waits for it
+    assert order == []
     let_go.set()
-    f.join(5)
-    p.join(5)
+    _join(f, p)
     assert order == ["flush", "put"]
 
 
@@ -386,12 +428,12 @@ def test_first_queries_of_many_threads_on_a_fresh_open_agree(tmp_path, signature
     with hmem.Store.open(tmp_path / "s", read_only=True) as store:
         got: list[dict] = []
         errors: list[BaseException] = []
-        barrier = threading.Barrier(4)
+        barrier = threading.Barrier(4, timeout=HANG_GUARD)
 
         def run(seed: int) -> None:
             order = np.random.default_rng(seed).permutation(layers).tolist()
-            barrier.wait()
             try:
+                barrier.wait()
                 got.append(answers(store, order))
             except BaseException as exc:
                 errors.append(exc)
@@ -399,8 +441,7 @@ def test_first_queries_of_many_threads_on_a_fresh_open_agree(tmp_path, signature
         workers = [threading.Thread(target=run, args=(i,)) for i in range(4)]
         for w in workers:
             w.start()
-        for w in workers:
-            w.join(60)
+        _join(*workers)
         assert not errors, errors[0]
         assert len(got) == 4 and all(g == expected for g in got)
     with hmem.Store.open(tmp_path / "s") as writer:  # a writer changes layers no query has touched
@@ -427,17 +468,18 @@ def test_a_put_runs_beside_a_query_under_way_and_an_eviction_waits_for_it(tmp_pa
         store.put_many((r, r + 1) for r in rows[:20])
         layer = store._state.index.layers[0]  # the view a query takes first (hmem/store/search.py)
         in_query, done = threading.Event(), threading.Event()
+        seen: list[int] = []
 
         def query_under_way():
             with store._state.lock.shared():
                 view = layer.view
                 in_query.set()
-                done.wait(10)
-                assert view.n == 20  # a put publishes a new view; this one stays as taken
+                if done.wait(HANG_GUARD):
+                    seen.append(view.n)
 
         reader = threading.Thread(target=query_under_way)
         reader.start()
-        assert in_query.wait(5)
+        assert in_query.wait(HANG_GUARD)
         put_done = threading.Event()
 
         def write():
@@ -447,16 +489,15 @@ def test_a_put_runs_beside_a_query_under_way_and_an_eviction_waits_for_it(tmp_pa
 
         writer = threading.Thread(target=write)
         writer.start()
-        writer.join(10)
+        _join(writer)  # a put that waited for the query would wait for ever: the guard ends it
         assert put_done.is_set()  # did not wait for the query
         evicting = threading.Thread(target=lambda: store.evict(10))
         evicting.start()
-        evicting.join(0.3)
-        assert evicting.is_alive()  # an eviction waits for the query
+        _wait_until_blocked_in(evicting, ReadWriteLock.exclusive)  # an eviction waits for the query
         done.set()
-        reader.join(5)
-        evicting.join(10)
-        assert not evicting.is_alive() and len(store.entry_ids()) == 10
+        _join(reader, evicting)
+        assert seen == [20]  # a put publishes a new view; the query's stays as taken
+        assert len(store.entry_ids()) == 10
         for r in store.query(rows[35], 0, top_k=3):
             assert r.keys.tobytes() == rows[r.entry_id - 1].tobytes()
 

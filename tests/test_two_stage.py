@@ -220,6 +220,7 @@ def test_topk_row_range_errors():
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
+@pytest.mark.stress
 def test_best_rows_are_the_lexsort_order_whatever_the_ties(data):
     # search._best orders (distance, row) pairs with one sort of combined
     # keys: it must pick and order exactly as np.lexsort does, ties included
