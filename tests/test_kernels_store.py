@@ -472,12 +472,19 @@ def test_signature_sums_tokens_in_token_order():
         np.testing.assert_array_equal(got, want, err_msg=path)
 
 
+def bit_counts(a: np.ndarray) -> np.ndarray:
+    """Set bits of each element of an integer array (np.bitwise_count, which
+    NumPy 1.x lacks: the oldest NumPy hmem accepts runs these tests too)."""
+    a = np.ascontiguousarray(a)
+    return np.unpackbits(a.view(np.uint8).reshape(*a.shape, a.itemsize), axis=-1).sum(axis=-1)
+
+
 def test_signature_is_sign_of_the_sylvester_hadamard_transform():
     # On small integers the arithmetic is exact, so the kernel must equal the
     # dense product H_m D_r ... H_m D_1 x with H[i, j] = (-1)^popcount(i & j).
     m, rounds, d = 64, 2, 50
     idx = np.arange(m)
-    hadamard = (-1.0) ** np.bitwise_count(idx[:, None] & idx[None, :])
+    hadamard = (-1.0) ** bit_counts(idx[:, None] & idx[None, :])
     x = np.random.default_rng(13).integers(-3, 4, (2, d)).astype(np.float32)
     negate = np.unpackbits(ref_projection.signs_table(5, m, rounds, 1), bitorder="little").astype(bool)
     v = np.zeros(m)
@@ -542,7 +549,7 @@ def angle_pairs(rng, d: int, count: int):
 
 
 def mean_angle_error(sig_x, sig_y, hdc_dim, theta) -> float:
-    estimate = np.pi * np.bitwise_count(sig_x ^ sig_y).sum(axis=1) / hdc_dim
+    estimate = np.pi * bit_counts(sig_x ^ sig_y).sum(axis=1) / hdc_dim
     return float(np.abs(estimate - theta).mean())
 
 

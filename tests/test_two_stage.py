@@ -46,7 +46,8 @@ def fill(path, n, rng, layer=0):
 
 
 def popcounts(sigs, q):
-    return np.bitwise_count(sigs ^ q).sum(axis=1)
+    # unpackbits, not np.bitwise_count: NumPy 1.x (the oldest hmem accepts) lacks it
+    return np.unpackbits(np.ascontiguousarray(sigs ^ q), axis=1).sum(axis=1)
 
 
 @pytest.fixture
