@@ -49,6 +49,29 @@ def pytest_configure(config: pytest.Config) -> None:
     # The quick subset is an edit-test loop: fewer Hypothesis examples too.
     if "HYPOTHESIS_PROFILE" not in os.environ and "not stress" in (config.option.markexpr or ""):
         settings.load_profile("dev")
+    _build_each_cli_app_once()
+
+
+def _build_each_cli_app_once() -> None:
+    """Typer's CliRunner builds the click command of the application it is
+    given on every invoke: each command's options read from its signature,
+    string annotations evaluated, about 80 ms for hmem's fourteen commands,
+    more than most commands take to run.  The `hmem` process builds it once
+    (hmem/cli/app.py); the tests now do too, per application object.  A
+    click command keeps no state between invocations (each gets its own
+    context), so one built command serves every invoke."""
+    import typer.testing
+
+    build = typer.testing._get_command
+    built: dict[int, tuple[object, object]] = {}
+
+    def build_once(typer_app):
+        key = id(typer_app)
+        if key not in built or built[key][0] is not typer_app:
+            built[key] = (typer_app, build(typer_app))  # the app is kept, so its id is not reused
+        return built[key][1]
+
+    typer.testing._get_command = build_once
 
 
 # ---- CPU paths of the native kernels ----------------------------------------
