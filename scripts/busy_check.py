@@ -60,6 +60,9 @@ def main() -> int:
     parser.add_argument("pytest_args", nargs="*", help="arguments for pytest (after --)")
     args = parser.parse_args()
 
+    # A SIGTERM (kill, a CI timeout) ends the script through `finally`, as
+    # Ctrl-C does: the load runs in sessions of its own and would outlive it.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     scratch = Path(tempfile.mkdtemp(prefix="hmem-busy-"))
     load = [subprocess.Popen([sys.executable, "-c", _BUSY_LOOP], start_new_session=True) for _ in range(args.busy)]
     if not args.no_disk:
