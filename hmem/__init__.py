@@ -44,6 +44,7 @@ from hmem.kernels import describe as kernel_info
 from hmem.object_store import is_url as is_store_url
 from hmem.prefix_hit.bitmap import Bitmap
 from hmem.store.caches import cache_tensors
+from hmem.store.compaction import MIN_DEAD_SHARE
 from hmem.store.layouts import LAYOUTS
 from hmem.store.listing import ENTRY_SORTS, EntryListing
 from hmem.store.results import (
@@ -188,6 +189,7 @@ __all__ = [
     "read_tensor_file",
     "AugmentedKV",
     "CompactionPlan",
+    "MIN_DEAD_SHARE",
     "DeletePlan",
     "ImportedSource",
     "LimitActivity",

@@ -351,6 +351,15 @@ def rename_many(pairs: Sequence[tuple[Path, Path]]) -> None:
         fsync_dir(pairs[0][1].parent)
 
 
+def link(src: Path, dst: Path) -> None:
+    """Give the file `src` the new name `dst` (a hard link, in the same
+    directory; `dst` must not exist), then fsync the directory: compaction
+    moves a whole shard to another index this way, with no byte copied."""
+    with _errors("link", dst):
+        os.link(src, dst, follow_symlinks=False)
+    fsync_dir(dst.parent)
+
+
 def unlink_many(paths: Sequence[Path]) -> None:
     """Remove the files that exist (all in one directory), then fsync the
     directory once."""

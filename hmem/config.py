@@ -16,6 +16,14 @@ STORAGE_DTYPES = ("f32", "f16", "bf16", "int8")
 U64_MAX = validation.U64_MAX
 MAX_SIGNATURES_PER_ENTRY = 64
 MAX_OPEN_SHARDS = 1 << 16
+# Bounds of shard_max_bytes.  Below MIN_SHARD_MAX_BYTES a shard could not
+# hold its fixed header (the metadata, the length word and the index's
+# header row: 352 bytes, hmem/formats/shard_file.py) and one entry's index
+# row; an entry larger than the limit still gets a shard of its own.  Above
+# MAX_SHARD_MAX_BYTES the open shard, which a put holds in memory (twice
+# while the full one is made durable), would outgrow any machine's memory.
+MIN_SHARD_MAX_BYTES = 512
+MAX_SHARD_MAX_BYTES = 1 << 36
 # A span signature is the first SPAN_SIGNATURE_BITS bits of the signature
 # of its span's mean (all of it when hdc_dim is smaller): spans only pick
 # candidates, which their exact pooled keys then rank (docs/format.md).
@@ -39,7 +47,8 @@ class StoreConfig:
     max_disk_bytes   bytes on disk at most, 0 = unlimited
     shard_max_bytes  size at which a shard file is sealed and a new one begun
                      (a bulk put holds up to two in memory: the open shard
-                     and a full one whose file is being made durable)
+                     and a full one whose file is being made durable);
+                     512 bytes (MIN_SHARD_MAX_BYTES) to 64 GiB
     max_open_shards  shard files kept memory-mapped at once (a map costs
                      address space, not memory; mapping a shard again for
                      a read costs about 0.1 ms)
@@ -85,7 +94,7 @@ class StoreConfig:
         integer("seed", 0, U64_MAX)
         integer("max_entries", 0, U64_MAX)
         integer("max_disk_bytes", 0, U64_MAX)
-        integer("shard_max_bytes", 1, U64_MAX)
+        integer("shard_max_bytes", MIN_SHARD_MAX_BYTES, MAX_SHARD_MAX_BYTES)
         integer("max_open_shards", 1, MAX_OPEN_SHARDS)
         integer("signatures_per_entry", 1, MAX_SIGNATURES_PER_ENTRY)
         validation.flag(self.quantize_stored, "quantize_stored")

@@ -10,21 +10,25 @@ override them.  Requests go through obstore (a maintained client whose
 conditional writes map to If-None-Match and If-Match; docs/benchmarks.md,
 "Object storage", says why it was chosen), with a bounded timeout and few
 retries so that a server that stops answering gives a clean error rather
-than a hang.  Every request is counted (`ObjectStats`): ``hmem stats``
-shows them.
+than a hang: `timeout` (30 s by default) bounds one request, and retries
+are made only within that same time from the first attempt, so a server
+that does not answer fails a call after one timeout, not after one per
+retry (docs/cli.md, "Failures").  Every request is counted (`ObjectStats`):
+``hmem stats`` shows them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from hmem.errors import InvalidArgumentError, ObjectStoreError, PermissionDeniedError
+from hmem.errors import InvalidArgumentError, ObjectStoreError, PathError, PermissionDeniedError
 
 SCHEMES = ("s3://",)
 # storage_options hmem understands; anything else is refused by name
@@ -43,6 +47,8 @@ _DEFAULT_TIMEOUT = 30.0  # seconds per request
 _DEFAULT_CONNECT_TIMEOUT = 5.0
 _DEFAULT_RETRIES = 3
 PART_BYTES = 8 << 20  # objects larger than this are uploaded in parts of this size
+_NO_SUCH_BUCKET = "<Code>NoSuchBucket</Code>"  # in the body of S3's 404 for a bucket that does not exist
+_INVALID_RANGE = "<Code>InvalidRange</Code>"  # S3's 416: a range starting at or past an object's end
 
 
 def is_url(location: object) -> bool:
@@ -148,6 +154,8 @@ class ObjectClient:
         if not isinstance(retries, int) or isinstance(retries, bool) or not 0 <= retries <= 20:
             raise InvalidArgumentError(f"storage option max_retries must be an integer 0..20, got {retries!r}")
         self.endpoint = config.get("endpoint", "AWS")
+        self.timeout = timeout
+        self._options = options  # as given: a client for another prefix of the bucket is made with them
         try:
             self._store = S3Store(
                 self.location.bucket,
@@ -159,7 +167,11 @@ class ObjectClient:
                 },
                 retry_config={
                     "max_retries": retries,
-                    "retry_timeout": datetime.timedelta(seconds=timeout * (retries + 1)),
+                    # Retries only within the timeout of the first attempt: a
+                    # server that does not answer fails after one timeout (the
+                    # documented 30 s), not after one per retry (4 x 30 s); one
+                    # that answers with an error is retried within that time.
+                    "retry_timeout": datetime.timedelta(seconds=timeout),
                     "backoff": {
                         "init_backoff": datetime.timedelta(milliseconds=100),
                         "max_backoff": datetime.timedelta(seconds=2),
@@ -177,6 +189,14 @@ class ObjectClient:
     def url(self) -> str:
         return self.location.url
 
+    def at(self, prefix: str, *, shared_counts: bool = True) -> ObjectClient:
+        """A client for a prefix of the same bucket, with the same options,
+        counting its requests with this one's (`shared_counts`) or apart."""
+        other = ObjectClient(f"s3://{self.location.bucket}/{prefix}", self._options)
+        if shared_counts:
+            other.stats, other._stats_lock = self.stats, self._stats_lock
+        return other
+
     def _count(self, kind: str, fetched: int = 0, sent: int = 0, requests: int = 1) -> None:
         with self._stats_lock:
             setattr(self.stats, kind, getattr(self.stats, kind) + requests)
@@ -188,6 +208,18 @@ class ObjectClient:
         carry the whole HTTP exchange; keep its first line)."""
         from obstore import exceptions as obx
 
+        where = f"{self.url}/{key}"
+        if _NO_SUCH_BUCKET in str(exc):
+            # S3 answers 404 for a key of a bucket that does not exist too:
+            # not an object missing (a store not yet made) but a wrong URL
+            bucket = self.location.bucket
+            return PathError(
+                f"bucket {bucket!r} does not exist at {self.endpoint}",
+                path=f"s3://{bucket}",
+                errno=errno.ENOENT,
+                strerror="no such bucket",
+                hint="check the URL and AWS_ENDPOINT_URL, or create the bucket first",
+            )
         if isinstance(exc, obx.NotFoundError) or isinstance(exc, FileNotFoundError):
             return ObjectMissing(key)
         if isinstance(exc, (obx.AlreadyExistsError, obx.PreconditionError)):
@@ -195,7 +227,6 @@ class ObjectClient:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if len(first) > 300:
             first = first[:300] + "..."
-        where = f"{self.url}/{key}"
         if isinstance(exc, (obx.PermissionDeniedError, obx.UnauthenticatedError)):
             return PermissionDeniedError(
                 f"cannot {operation} {where}: {first}",
@@ -205,7 +236,8 @@ class ObjectClient:
         return ObjectStoreError(
             f"cannot {operation} {where}: {first}",
             path=where,
-            hint=f"check that {self.endpoint} is reachable, then try again",
+            hint=f"check that {self.endpoint} is reachable (a request gives up after {self.timeout:g} s), "
+            "then try again",
         )
 
     # ---- reads -----------------------------------------------------------------------
@@ -236,19 +268,46 @@ class ObjectClient:
             )
         return data
 
+    def get_start(self, key: str, size: int) -> bytes | None:
+        """At most the first `size` bytes of an object (all of a shorter
+        one); None when it does not exist.  One request."""
+        try:
+            data = bytes(self._obstore.get_range(self._store, key, start=0, end=size))
+        except Exception as exc:
+            self._count("gets")
+            if _INVALID_RANGE in str(exc):
+                return b""  # S3 refuses any range of an empty object (416)
+            failure = self._fail(exc, "read", key)
+            if isinstance(failure, ObjectMissing):
+                return None
+            raise failure from None
+        self._count("gets", fetched=len(data))
+        return data
+
     def list(self, prefix: str = "") -> list[tuple[str, int]]:
         """(key, size) of every object under `prefix`, keys relative to the store."""
+        return list(self.iter_list(prefix))
+
+    def iter_list(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        """(key, size) of the objects under `prefix`, a page of up to 1,000
+        keys (one request) at a time: a caller that stops early makes no
+        more requests."""
         pages = 0
-        try:
-            found: list[tuple[str, int]] = []
-            for batch in self._obstore.list(self._store, prefix=prefix or None):
-                pages += 1  # a page of up to 1,000 keys a request
-                found.extend((str(meta["path"]), int(meta["size"])) for meta in batch)
-        except Exception as exc:
-            self._count("lists", requests=pages + 1)
-            raise self._fail(exc, "list", prefix) from None
-        self._count("lists", requests=max(pages, 1))
-        return found
+        # batches of 1,000 keys, as S3 pages them: one batch, about one request
+        batches = iter(self._obstore.list(self._store, prefix=prefix or None, chunk_size=1000))
+        while True:
+            try:
+                batch = next(batches, None)
+            except Exception as exc:
+                self._count("lists")
+                raise self._fail(exc, "list", prefix) from None
+            if batch is None:
+                if not pages:
+                    self._count("lists")  # an empty listing is one request too
+                return
+            pages += 1
+            self._count("lists")
+            yield from ((str(meta["path"]), int(meta["size"])) for meta in batch)
 
     # ---- writes ----------------------------------------------------------------------
 

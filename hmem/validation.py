@@ -1,4 +1,5 @@
-"""The one place that checks caller-given integers, floats and choices.
+"""The one place that checks caller-given integers, floats, choices and
+paths (an empty path, a file where a store directory goes).
 
 Every public argument hmem checks goes through these helpers, so every
 message has one wording:
@@ -16,12 +17,14 @@ Python, never a sensible count or size.
 
 from __future__ import annotations
 
+import errno
 import math
 import operator
+import os
 from collections.abc import Iterable
 from typing import Any
 
-from hmem.errors import InvalidArgumentError
+from hmem.errors import InvalidArgumentError, PathError
 
 U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
@@ -114,3 +117,37 @@ def importance(value: Any, name: str = "importance") -> float:
 def share(value: Any, name: str) -> float:
     """A fraction between 0 and 1."""
     return number(value, name, low=0.0, high=1.0)
+
+
+def path_text(value: Any, name: str) -> str:
+    """A path given as text (or os.PathLike) that names something: ``""``
+    is refused, not taken for the current directory, as ``Path("")`` and
+    the file system calls would take it (a store or a file "" is a slip of
+    the shell, such as an unset variable, never the directory meant)."""
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else value
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"{name} must be a path, got {value!r}")
+    if not text:
+        raise InvalidArgumentError(
+            f"{name} is empty ({text!r}): an empty path names no directory or file",
+            hint="give the path explicitly, '.' for the current directory",
+        )
+    return text
+
+
+def store_directory(value: Any, name: str = "the store path") -> str:
+    """A local store's path: not empty (path_text), and not an existing
+    file or other non-directory, which is a PathError (ENOTDIR: exit code
+    10, "a file for a directory", docs/cli.md) for every command alike,
+    not "no store here" (NotAStoreError) nor "exists" (StoreExistsError)."""
+    text = path_text(value, name)
+    if os.path.exists(text) and not os.path.isdir(text):
+        strerror = os.strerror(errno.ENOTDIR)
+        raise PathError(
+            f"{text} is a file, not a store directory",
+            path=text,
+            errno=errno.ENOTDIR,
+            strerror=strerror,
+            hint="give the directory of a store, or a new or empty one to create a store in",
+        )
+    return text

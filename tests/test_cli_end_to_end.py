@@ -108,7 +108,7 @@ def test_init_put_query_evict_compact_stats(tmp_path):
     cron = hmem("compact", "store", "--threshold", 95).stdout
     assert cron.startswith("nothing to do: ") and len(cron.strip().splitlines()) == 1
     # ... and compaction frees the evicted bytes
-    compacted = hmem_json("compact", "store", "--threshold", 1)
+    compacted = hmem_json("compact", "store", "--threshold", 1, "--min-dead", 0)
     assert compacted["performed"] is True and compacted["bytes_freed"] > 0
 
     stats = hmem_json("stats", "store")
@@ -181,7 +181,7 @@ def test_a_cron_import_day(tmp_path):
 
     removed = json.loads(hmem("rm", "store", 2, 7, "--yes", "--json").stdout)
     assert removed["deleted"] == 2 and removed["store_entries"] == 10
-    compacted = json.loads(hmem("compact", "store", "--json").stdout)
+    compacted = json.loads(hmem("compact", "store", "--min-dead", "0", "--json").stdout)
     assert compacted["performed"] is True
     left = [json.loads(line)["entry_id"] for line in hmem("ls", "store", "--jsonl").stdout.splitlines()]
     assert left == [i for i in ids if i not in (2, 7)]

@@ -432,10 +432,10 @@ def setup_maintained(stack: contextlib.ExitStack) -> None:
 
 
 def setup_maintained_compacted(stack: contextlib.ExitStack) -> None:
-    """The maintained store after `hmem evict --keep 0.5` and `hmem compact`."""
+    """The maintained store after `hmem evict --keep 0.5` and `hmem compact --min-dead 0`."""
     setup_maintained(stack)
     hmem_ok("evict", "kv-store", "--keep", 0.5, "--yes", "-q")
-    hmem_ok("compact", "kv-store", "-q")
+    hmem_ok("compact", "kv-store", "--min-dead", "0", "-q")
 
 
 def setup_no_index(stack: contextlib.ExitStack) -> None:

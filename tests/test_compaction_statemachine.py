@@ -241,16 +241,20 @@ class CompactionMachine(RuleBasedStateMachine):
         assert self._model_evict(len(expected)) == expected
         self._commit_model()  # evict flushes: durable when it returns
 
-    @rule()
-    def compact(self):
-        report = self.store.compact()
-        assert report.performed == (report.reason != "already compact")
+    @rule(share=st.sampled_from([0.0, 0.5, 1.0]), repack=st.booleans())
+    def compact(self, share, repack):
+        # incremental (a shard whose dead bytes reach `share` of it goes or is
+        # rewritten; evicted records go once they are `share` of the records),
+        # or the whole-store repack
+        report = self.store.compact(min_dead_share=share, repack=repack)
+        assert report.performed == (report.reason not in ("already compact", "no shard past the dead share"))
         assert report.entries == len(self.model)
-        if report.performed:
+        assert report.records_dropped in (0, self.dead)
+        if repack or share == 0.0:
             assert report.records_dropped == self.dead
-        else:
-            assert self.dead == 0
-        self.dead = 0
+        if not report.performed:
+            assert self.dead == 0 or share > 0.0
+        self.dead -= report.records_dropped
         if report.performed:
             self._commit_model()  # compaction flushes first; a no-op compaction writes nothing
         doc = json.loads((self.path / "index.json").read_text())
@@ -258,7 +262,12 @@ class CompactionMachine(RuleBasedStateMachine):
         assert files == [f"shard_{i:04d}.safetensors" for i in range(len(doc["shards"]))]
         for s in doc["shards"]:
             assert s["bytes"] <= SHARD_MAX or s["entries"] == 1
-        assert (self.path / "entries.bin").stat().st_size == len(self.model) * RECORD == doc["record_count"] * RECORD
+            if report.performed:  # no shard left without live entries
+                assert s["dead_entries"] < s["entries"]
+        if report.performed:  # nor one the compaction should have freed
+            assert not self.store.plan_compaction(min_dead_share=share, repack=repack).needed or repack
+        records = len(self.model) + self.dead
+        assert (self.path / "entries.bin").stat().st_size == records * RECORD == doc["record_count"] * RECORD
 
     @rule()
     def flush(self):

@@ -509,6 +509,7 @@ def test_cli_stats_health_line(reliability_template, clone_store):
         "wrong_size_shards": [],
         "unreachable_entries": 0,
         "entries_file_problem": "",
+        "stale_index": "",
     }
 
     root = clone_store(tpl, "damaged")

@@ -362,8 +362,10 @@ def test_plan_eviction_changes_nothing_and_counts_the_bytes(store_factory, snaps
     plan = store.plan_eviction(7)
     reclaimable = store.stats().reclaimable_bytes
     assert store.evict(7) == 5
-    # what the plan promised is what the store now counts as reclaimable
-    assert store.stats().reclaimable_bytes == reclaimable + plan.bytes_reclaimable + 5 * (RECORD + POOLED_ROW)
+    # what the plan promised is what the store now counts as reclaimable (a shard
+    # left without live entries frees its header too: at most 1 KiB a shard)
+    promised = reclaimable + plan.bytes_reclaimable + 5 * (RECORD + POOLED_ROW)
+    assert promised <= store.stats().reclaimable_bytes <= promised + 1024 * len(store.stats().shards)
     assert live_ids(store) == set(data) - set(plan.entry_ids)
 
 
@@ -534,9 +536,10 @@ def _disk_run(tmp_path, clock, *, limit, flush_every, queries, seed, steps, prec
             model.evict(len(gone))
             model.add(eid, k, k, 0, imp, clock.now)
             if gone:
-                # the put made room and compacted: no evicted record stays behind
+                # the put made room and compacted: evicted records stay behind only
+                # while they are below the dead share (half the records)
                 st_ = store.stats()
-                assert st_.evicted == 0 and st_.entries == len(model.entries)
+                assert st_.evicted < max(1, st_.entries) and st_.entries == len(model.entries)
                 assert store.size() < limit
             if queries and rng.random() < 0.3:
                 for h in store.query(k, 0, 5):
@@ -652,7 +655,7 @@ def test_compaction_rewrites_live_entries_only(tmp_path, snapshot_dir):
         assert set(plan.orphan_files) == {".hmem-tmp.x", "shard_0099.safetensors"}
         assert plan.reclaimable_bytes >= 4000 + 7 + 10 * RECORD
         size = store.size()
-        report = store.compact()
+        report = store.compact(min_dead_share=0.0)  # every evicted byte (10 of 24 records: below the default share)
         assert report.performed and report.records_dropped == 10 and report.orphans_removed == 2
         assert report.entries == 14 and report.shards_before == len(st0.shards)
         assert report.shards_after == len(store.stats().shards) < len(st0.shards)
@@ -702,11 +705,11 @@ def test_compaction_below_the_threshold_does_nothing(tmp_path, snapshot_dir):
     path = tmp_path / "s"
     store, _ = _mixed_store(path, rng, evict_to=22)
     try:
-        plan = store.plan_compaction()
+        plan = store.plan_compaction(min_dead_share=0.0)
         assert plan.needed and 0 < plan.reclaimable_share < 0.5
         before, times = store_state(store, path, snapshot_dir), mtimes(path)
         for threshold in (plan.reclaimable_share + 1e-9, 0.5, 1.0):
-            report = store.compact(min_reclaim_share=threshold)
+            report = store.compact(min_reclaim_share=threshold, min_dead_share=0.0)
             assert not report.performed and "threshold" in report.reason
             assert report.bytes_freed == 0
             assert store_state(store, path, snapshot_dir) == before and mtimes(path) == times
@@ -714,7 +717,7 @@ def test_compaction_below_the_threshold_does_nothing(tmp_path, snapshot_dir):
             with pytest.raises(hmem.InvalidArgumentError):
                 store.compact(min_reclaim_share=bad)
         assert store_state(store, path, snapshot_dir) == before and mtimes(path) == times
-        assert store.compact(min_reclaim_share=plan.reclaimable_share).performed
+        assert store.compact(min_reclaim_share=plan.reclaimable_share, min_dead_share=0.0).performed
         assert store.stats().evicted == 0
     finally:
         store.close()
@@ -725,7 +728,7 @@ def test_compacting_a_compact_store_is_a_no_op(tmp_path, snapshot_dir):
     path = tmp_path / "s"
     store, _ = _mixed_store(path, rng, evict_to=12)
     try:
-        assert store.compact().performed
+        assert store.compact(min_dead_share=0.0).performed  # every evicted byte freed
         store.query(gauss(rng, 1), 0, 2)  # an access count is no reason to compact
         store.flush()
         before, times = store_state(store, path, snapshot_dir), mtimes(path)
@@ -777,7 +780,7 @@ def test_compaction_merges_small_shards_of_frequent_flushes(store_factory):
     assert len(store.stats().shards) == 12
     queries = [(k, 0) for k in data.values()]
     before = answers(store, queries, top_k=12)
-    report = store.compact()
+    report = store.compact(repack=True)  # merging small shards is the whole-store rewrite's job
     assert report.performed and report.records_dropped == 0 and 1 < report.shards_after < 12
     assert_compact_layout(store.path, 6000)
     assert answers(store, queries, top_k=12) == before
@@ -795,9 +798,12 @@ def test_compaction_merges_small_shards_of_frequent_flushes(store_factory):
     keep=st.floats(0, 1.2),
     orphan=st.booleans(),
     quantized=st.booleans(),
+    repack=st.booleans(),
 )
 @pytest.mark.stress
-def test_compaction_keeps_every_answer_and_never_grows_the_data(seed, n, shard_max, flush_p, keep, orphan, quantized):
+def test_compaction_keeps_every_answer_and_never_grows_the_data(
+    seed, n, shard_max, flush_p, keep, orphan, quantized, repack
+):
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "s"
@@ -820,7 +826,8 @@ def test_compaction_keeps_every_answer_and_never_grows_the_data(seed, n, shard_m
             records = live_records(store)
             data_bytes = {p.name: p.stat().st_size for p in path.iterdir() if p.name not in ("index.json", "lock")}
             size = store.size()
-            report = store.compact()
+            # the whole-store rewrite, or the incremental one freeing every evicted byte
+            report = store.compact(repack=repack, min_dead_share=0.0)
             after_bytes = {p.name: p.stat().st_size for p in path.iterdir() if p.name not in ("index.json", "lock")}
             assert sum(after_bytes.values()) <= sum(data_bytes.values())
             assert store.size() <= size
@@ -981,7 +988,7 @@ print("done", flush=True)
 _COMPACT_SCRIPT = """
 import numpy as np, hmem
 store = hmem.Store.open({path!r})
-report = store.compact()
+report = store.compact(repack=True)  # one commit: the old or the new state (test_crash_faults.py covers the steps)
 print(report.performed, flush=True)
 store.close()
 print("done", flush=True)
@@ -1063,7 +1070,7 @@ def test_a_crash_during_evict_or_compact_leaves_the_old_or_the_new_state(tmp_pat
         victims = store.plan_eviction(len(live)).entry_ids
         assert len(victims) == 1 and victims[0] != eid
         assert store.evict(len(live)) == 1
-        report = store.compact()
+        report = store.compact(min_dead_share=0.0)
         assert report.performed and store.stats().entries == len(live)
         (hit,) = [h for h in store.query(k, 1, 20, rerank=False) if h.entry_id == eid]
         assert hit.keys.tobytes() == k.tobytes()

@@ -231,7 +231,7 @@ def test_create_refuses_an_existing_store_or_a_non_empty_directory(tmp_path, sna
     assert sorted(os.listdir(tmp_path / "busy")) == ["notes.txt"]
 
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(hmem.StoreExistsError):
+    with pytest.raises(hmem.PathError, match="is a file, not a store directory"):  # a bad path, exit code 10
         Store.create(tmp_path / "afile", embed_dim=16)
     assert (tmp_path / "afile").read_text() == "x"
 
@@ -252,7 +252,7 @@ def test_open_refuses_what_is_not_a_store(tmp_path):
     with pytest.raises(hmem.NotAStoreError):
         Store.open(tmp_path / "other")
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(hmem.NotAStoreError):
+    with pytest.raises(hmem.PathError, match="is a file, not a store directory"):  # a bad path, exit code 10
         Store.open(tmp_path / "afile")
 
 

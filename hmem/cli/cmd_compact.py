@@ -1,12 +1,12 @@
-"""``hmem compact``: reclaim the space of evicted entries."""
+"""``hmem compact``: free the bytes of evicted entries, shard by shard, and report what was removed."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from hmem import InvalidArgumentError, Store
+from hmem import MIN_DEAD_SHARE, InvalidArgumentError, Store
 from hmem.cli import signals
 from hmem.cli.compact_run import stoppable_compaction
 from hmem.cli.options import DryRunOption, JsonOption, LockWaitOption, QuietOption, StoreArgument
@@ -25,71 +25,130 @@ def compact(
             help="Do nothing unless at least PCT% of the bytes on disk would be freed (for cron jobs).",
         ),
     ] = 0.0,
+    min_dead: Annotated[
+        float,
+        typer.Option(
+            "--min-dead",
+            min=0.0,
+            max=100.0,
+            metavar="PCT",
+            help="Rewrite a shard only once PCT% of its bytes are evicted entries' (rewriting at most "
+            "(100 - PCT) / PCT bytes per byte freed); evicted records go once they are PCT% of the records.",
+        ),
+    ] = MIN_DEAD_SHARE * 100,
+    repack: Annotated[
+        bool,
+        typer.Option(
+            "--repack",
+            help="Rewrite every live entry into shards packed from 0 (merges small shards; needs free space "
+            "for a copy of the live data).",
+        ),
+    ] = False,
     dry_run: DryRunOption = False,
     lock_wait: LockWaitOption = 0.0,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """Rewrite live entries into packed shards and drop evicted data and orphan files.
+    """Free the bytes of evicted entries, shard by shard, and remove orphan files.
 
-    Entry ids and query results do not change; the store never grows.
+    Only shards with at least --min-dead % evicted bytes are touched, one
+    commit each: the extra disk needed is one shard. Entry ids and query
+    results do not change; the store never grows.
     """
     out = Output(json_mode=json_output, quiet=quiet)
-    if not 0.0 <= threshold <= 100.0:  # the option's range lets NaN through
-        raise InvalidArgumentError(f"--threshold must be a percentage between 0 and 100, got {threshold}")
+    for option, value in (("--threshold", threshold), ("--min-dead", min_dead)):
+        if not 0.0 <= value <= 100.0:  # the option's range lets NaN through
+            raise InvalidArgumentError(f"{option} must be a percentage between 0 and 100, got {value}")
     opened = Store.open(store, read_only=dry_run, lock_wait=lock_wait)  # a signal stops the lock wait at once
-    with signals.stoppable():  # a signal stops the rewrite between shards, before its commit
+    with signals.stoppable():  # a signal stops the rewrite between shards, before the commit of the shard at hand
         with opened as s:
-            plan = s.plan_compaction()
+            plan = s.plan_compaction(min_dead_share=min_dead / 100, repack=repack)
             share = plan.reclaimable_share * 100
-            document = {
+            document: dict[str, Any] = {
                 "store": str(store),
                 "dry_run": dry_run,
                 "threshold_pct": threshold,
+                "min_dead_pct": min_dead,
+                "repack": repack,
+                "removed_at_open": {"files": plan.removed_at_open_files, "bytes": plan.removed_at_open_bytes},
                 "needed": plan.needed,
                 "reclaimable_bytes": plan.reclaimable_bytes,
                 "reclaimable_pct": share,
+                "rewrite_bytes": plan.rewrite_bytes,
+                "dead_bytes_left": plan.dead_bytes_left,
                 "shards_before": plan.shards_before,
                 "shards_after": plan.shards_after,
                 "bytes_before": plan.bytes_before,
                 "performed": False,
             }
+            if plan.removed_at_open_files:
+                # leftovers of an interrupted writer, removed by this command's open of the store
+                out.print(
+                    f"removed {plan.removed_at_open_files} leftover file(s) of an interrupted writer "
+                    f"({human_bytes(plan.removed_at_open_bytes)}) on opening the store"
+                )
+            nothing = "nothing more to do" if plan.removed_at_open_files else "nothing to do"
             if not plan.needed:
-                out.print("nothing to do: the store is already compact")
+                if plan.dead_bytes_left:
+                    out.print(f"{nothing}: no shard has {min_dead:g}% of its bytes evicted")
+                    out.print(
+                        f"{human_bytes(plan.dead_bytes_left)} of evicted data stay until one has "
+                        "(--min-dead 0 frees them now)"
+                    )
+                else:
+                    out.print(f"{nothing}: the store is already compact")
             elif share < threshold:
                 out.print(
-                    f"nothing to do: compaction would free {human_bytes(plan.reclaimable_bytes)} "
+                    f"{nothing}: compaction would free {human_bytes(plan.reclaimable_bytes)} "
                     f"({share:.1f}%), below the threshold of {threshold:g}%"
                 )
             elif dry_run:
                 out.print(
-                    f"would free about {human_bytes(plan.reclaimable_bytes)} ({share:.1f}%): "
-                    f"{plan.shards_before} shards -> {plan.shards_after}, {plan.evicted_records} evicted "
-                    f"records and {len(plan.orphan_files)} orphan file(s) dropped"
+                    f"would free about {human_bytes(plan.reclaimable_bytes)} ({share:.1f}%) rewriting "
+                    f"{human_bytes(plan.rewrite_bytes)}: {plan.shards_before} shards -> {plan.shards_after}, "
+                    f"{plan.evicted_records} evicted records"
+                    + (f", {len(plan.orphan_files)} orphan file(s)" if plan.orphan_files else "")
                 )
             else:
-                report = stoppable_compaction(s, threshold / 100, out)
+                size_before = s.size()
+                report = stoppable_compaction(s, threshold / 100, out, min_dead_share=min_dead / 100, repack=repack)
                 if report is None:
-                    out.print("stopped before the commit: the store is as it was")
+                    # the shards committed before the stop stay compacted; the one at hand is as it was
+                    freed = max(0, size_before - s.size())
+                    document.update(bytes_freed=freed)
+                    out.print(f"stopped before the commit of the shard at hand: freed {human_bytes(freed)} so far")
                 else:
                     document.update(
                         performed=report.performed,
                         shards_after=report.shards_after,
                         bytes_after=report.bytes_after,
                         bytes_freed=report.bytes_freed,
+                        bytes_rewritten=report.bytes_rewritten,
                         records_dropped=report.records_dropped,
                         orphans_removed=report.orphans_removed,
+                        orphan_bytes_removed=report.orphan_bytes_removed,
                         seconds=report.seconds,
                     )
-                    out.print(
-                        f"freed {human_bytes(report.bytes_freed)}: {human_bytes(report.bytes_before)} -> "
-                        f"{human_bytes(report.bytes_after)}, {report.shards_before} shards -> "
-                        f"{report.shards_after}, {report.records_dropped} evicted records dropped, "
-                        f"in {human_duration(report.seconds)}"
+                    removed = human_bytes(report.orphan_bytes_removed)
+                    orphans = (
+                        f", {report.orphans_removed} orphan file(s) ({removed}) removed"
+                        if report.orphans_removed
+                        else ""
                     )
+                    out.print(
+                        f"freed {human_bytes(report.bytes_freed)} rewriting {human_bytes(report.bytes_rewritten)}: "
+                        f"{human_bytes(report.bytes_before)} -> {human_bytes(report.bytes_after)}, "
+                        f"{report.shards_before} shards -> {report.shards_after}"
+                    )
+                    took = human_duration(report.seconds)
+                    out.print(f"{report.records_dropped} evicted records dropped{orphans}, in {took}")
         code = 0
         if signals.requested():
-            done = "compacted (committed)" if document["performed"] else "stopped before the commit: nothing changed"
+            done = (
+                "compacted (committed)"
+                if document["performed"]
+                else "stopped before the commit of the shard at hand (shards committed before it stay compacted)"
+            )
             code = signals.report_stop(document, done, performed=document["performed"])
         if json_output:
             out.emit_json(document)

@@ -19,7 +19,7 @@ def copy(
     destination: Annotated[
         str,
         typer.Argument(
-            help="Where the copy goes: a missing or empty directory, or s3://bucket/prefix holding no store.",
+            help="Where the copy goes: a missing or empty directory, or an empty s3://bucket/prefix outside any store.",
             show_default=False,
         ),
     ],

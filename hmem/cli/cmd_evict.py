@@ -8,6 +8,7 @@ import typer
 
 from hmem import InvalidArgumentError, Store
 from hmem.cli import signals
+from hmem.cli.compact_run import compact_advice
 from hmem.cli.options import DryRunOption, JsonOption, LockWaitOption, QuietOption, StoreArgument, YesOption
 from hmem.cli.output import Output, human_bytes
 from hmem.cli.prompts import confirm_change
@@ -67,7 +68,7 @@ def evict(
                 document["evicted"] = s.evict(goal)
                 out.print(
                     f"evicted {document['evicted']} entries; {live - document['evicted']} remain; "
-                    f"run 'hmem compact' to free about {human_bytes(plan.bytes_reclaimable)}"
+                    + compact_advice(s, plan.bytes_reclaimable)
                 )
             else:
                 out.print("nothing evicted")

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from hmem import EntryNotFoundError, Store, check_export_path, export_entries
+from hmem import EntryNotFoundError, Store, check_export_path, export_entries, is_store_url
 from hmem.cli.entry_args import EntryIdsArgument, store_and_ids
 from hmem.cli.entry_view import not_found
+from hmem.cli.health_view import SkipDamagedRecordsOption, refuse_damaged, report_damaged_records
 from hmem.cli.options import JsonOption, QuietOption
 from hmem.cli.output import Output, human_bytes, literal
 
@@ -19,7 +19,7 @@ DTYPE_NAMES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "int8": "I8"}
 def export(
     args: EntryIdsArgument,
     output: Annotated[
-        Path,
+        str,  # not a Path, which turns "" into "." (a directory): check_export_path refuses ""
         typer.Option(
             "--output",
             "-o",
@@ -30,6 +30,7 @@ def export(
     ],
     json_output: JsonOption = False,
     quiet: QuietOption = False,
+    skip_damaged: SkipDamagedRecordsOption = False,
 ) -> None:
     """Write the keys and values of entries, exactly as stored, to a safetensors file.
 
@@ -41,12 +42,14 @@ def export(
     """
     out = Output(json_mode=json_output, quiet=quiet)
     store, entry_ids = store_and_ids(args, one=False)
-    check_export_path(output)  # a bad path fails before the store is touched
-    with Store.open(store, read_only=True) as s:
+    check_export_path(output, None if is_store_url(store) else store)  # a bad path fails before the store is touched
+    with Store.open(store, read_only=True, on_damage="skip" if skip_damaged else "raise") as s:
+        report_damaged_records(out, s)
         storage = s.config.storage_dtype
         try:
             size = export_entries(s, entry_ids, output, {"store": str(store)})
         except EntryNotFoundError as exc:
+            refuse_damaged(s, list(entry_ids))
             raise not_found(exc, store) from None
     ids = list(dict.fromkeys(entry_ids))
     dtype = DTYPE_NAMES[storage]

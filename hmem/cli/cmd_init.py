@@ -18,7 +18,8 @@ def init(
     path: Annotated[
         str,
         typer.Argument(
-            help="Directory of the new store (missing or empty), or s3://bucket/prefix.", show_default=False
+            help="Directory of the new store (missing or empty), or s3://bucket/prefix (empty, outside any store).",
+            show_default=False,
         ),
     ],
     embed_dim: Annotated[int, typer.Option("--embed-dim", "-d", help="Width of every K/V row.", show_default=False)],

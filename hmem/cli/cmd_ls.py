@@ -13,6 +13,7 @@ import typer
 
 from hmem import ENTRY_SORTS, EntryListing, InvalidArgumentError, Store
 from hmem.cli.entry_view import JSON_FIELDS, SORT_WORDS, entry_cells, json_template
+from hmem.cli.health_view import SkipDamagedRecordsOption, report_damaged_records
 from hmem.cli.options import JsonOption, QuietOption, StoreArgument
 from hmem.cli.output import Output, literal
 
@@ -55,6 +56,7 @@ def ls(
         typer.Option("--jsonl", help="Print one JSON object per entry and line, streamed (for millions of entries)."),
     ] = False,
     quiet: QuietOption = False,
+    skip_damaged: SkipDamagedRecordsOption = False,
 ) -> None:
     """List the entries of a store, one row each.
 
@@ -69,7 +71,8 @@ def ls(
         raise InvalidArgumentError("give --json or --jsonl, not both")
     out = Output(json_mode=json_output or jsonl, quiet=quiet)
     human = not (json_output or jsonl)
-    with Store.open(store, read_only=True) as s:
+    with Store.open(store, read_only=True, on_damage="skip" if skip_damaged else "raise") as s:
+        report_damaged_records(out, s)
         listing = s.entries(layer, sort=sort, limit=limit if limit is not None or not human else SHOWN)
     if jsonl:
         _write_stdout(_rows(listing, json_template(None), "", "\n"))

@@ -14,13 +14,14 @@ from hmem.cli import signals
 from hmem.cli.options import STORE_ENV, DryRunOption, JsonOption, LockWaitOption, QuietOption
 from hmem.cli.output import Output
 from hmem.cli.put_report import report as _report
+from hmem.cli.put_report import report_not_started
 
 
 def _is_store(text: str) -> bool:
     return is_store_url(text) or is_store(text)
 
 
-def _store_and_inputs(args: list[str]) -> tuple[str, list[Path]]:
+def _store_and_inputs(args: list[str]) -> tuple[str, list[str]]:
     """STORE FILES...: the store may be left out when HMEM_STORE names it.
     A first path that is neither a store nor an existing file or directory
     is a store name (mistyped, or not made yet), never a file to import."""
@@ -32,14 +33,15 @@ def _store_and_inputs(args: list[str]) -> tuple[str, list[Path]]:
             f"{paths[0]} is not a store, nor a file or directory to import",
             hint=f"give an existing store, or only the files to import into {env} ({STORE_ENV})",
         )
+    # the inputs as typed: find_kv_files refuses "" (as a Path it would be ".")
     if env and (not paths or not stores[0]):
-        return env, paths
+        return env, list(args)
     if len(paths) < 2:
         raise InvalidArgumentError(
             "give the store and at least one file or directory to import",
             hint=f"or set {STORE_ENV} and give only the files",
         )
-    return args[0], paths[1:]
+    return args[0], list(args[1:])
 
 
 def put(
@@ -111,12 +113,19 @@ def put(
     if layout is not None and layout not in LAYOUTS:
         raise InvalidArgumentError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     store, inputs = _store_and_inputs(paths)
-    files = find_kv_files(inputs, store=None if is_store_url(store) else store)
-    if not files:
-        raise InvalidArgumentError("no .safetensors files found in " + ", ".join(map(str, inputs)))
-    total = sum(p.stat().st_size for p in files if p.is_file())
-    started = time.perf_counter()
-    opened = Store.open(store, read_only=dry_run, lock_wait=lock_wait)  # a signal stops the lock wait at once
+    files: list[Path] = []
+    try:
+        files = find_kv_files(inputs, store=None if is_store_url(store) else store)
+        if not files:
+            raise InvalidArgumentError("no .safetensors files found in " + ", ".join(inputs))
+        total = sum(p.stat().st_size for p in files if p.is_file())
+        started = time.perf_counter()
+        opened = Store.open(store, read_only=dry_run, lock_wait=lock_wait)  # a signal stops the lock wait at once
+    except KeyboardInterrupt:
+        # Stopped before the import began (searching the inputs, opening the
+        # store, waiting for its lock): say that nothing went in, as a stop
+        # between files says what did (docs/cli.md, "Interrupts").
+        raise typer.Exit(report_not_started(out, store, dry_run, files)) from None
     with signals.stoppable():  # from here a signal stops between files (hmem/cli/signals.py)
         with opened as s:
             before = s.stats()

@@ -10,8 +10,16 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
-from hmem import BadFileError, InvalidArgumentError, Store, check_export_path, export_results, read_tensor_file
-from hmem.cli.health_view import report_skipped, skipped_json
+from hmem import (
+    BadFileError,
+    InvalidArgumentError,
+    Store,
+    check_export_path,
+    export_results,
+    is_store_url,
+    read_tensor_file,
+)
+from hmem.cli.health_view import report_damaged_records, report_skipped, skipped_json
 from hmem.cli.options import JsonOption, LockWaitOption, QuietOption, StoreArgument
 from hmem.cli.output import Output, human_bytes, human_duration
 from hmem.cli.query_export import ExportLayoutOption, KvHeadsOption, check_heads, check_options, export_note
@@ -69,9 +77,10 @@ def load_query(path: Path) -> np.ndarray:
 def query(
     store: StoreArgument,
     query_file: Annotated[
-        Path,
+        str,  # not a Path, which turns "" into "." (a directory): "" is refused as it is
         typer.Option(
             "--query",
+            metavar="<path>",
             help="Query tokens: a .npy or .safetensors file "
             "holding n_tokens x embed_dim values (or one row of embed_dim).",
             show_default=False,
@@ -94,7 +103,8 @@ def query(
         ),
     ] = "auto",
     export: Annotated[
-        Path | None, typer.Option("--export", help="Write the retrieved K/V to this safetensors file.")
+        str | None,  # not a Path, which turns "" into ".": check_export_path refuses ""
+        typer.Option("--export", metavar="<path>", help="Write the retrieved K/V to this safetensors file."),
     ] = None,
     export_layout: ExportLayoutOption = "entries",
     kv_heads: KvHeadsOption = None,
@@ -109,7 +119,8 @@ def query(
         bool,
         typer.Option(
             "--skip-damaged",
-            help="Leave out entries whose shard or tensors are damaged (listed on stderr) and show the next best.",
+            help="Leave out entries whose record, shard or tensors are damaged (listed on stderr) and show the next "
+            "best.",
         ),
     ] = False,
     lock_wait: LockWaitOption = 0.0,
@@ -118,12 +129,18 @@ def query(
 ) -> None:
     """Show the entries of a layer most similar to a query, best first."""
     out = Output(json_mode=json_output, quiet=quiet)
-    tokens = load_query(query_file)
+    if not query_file:  # "" is no file (as a Path it would be ".", the current directory)
+        raise InvalidArgumentError("--query is empty (''): an empty path names no file", hint="give the query file")
+    tokens = load_query(Path(query_file))
     check_options(export, export_layout, kv_heads)
     if export is not None:
-        check_export_path(export)  # a bad --export path fails before the store is touched
+        # a bad --export path, or one inside the store, fails before the store is touched
+        check_export_path(export, None if is_store_url(store) else store)
     started = time.perf_counter()
-    with Store.open(store, read_only=not count_access, lock_wait=lock_wait) as s:
+    # --skip-damaged also reads past damaged records of entries.bin (a reader only: never with --count-access)
+    past_records = "skip" if skip_damaged and not count_access else "raise"
+    with Store.open(store, read_only=not count_access, lock_wait=lock_wait, on_damage=past_records) as s:
+        damaged_records = report_damaged_records(out, s)
         check_heads(s.config.embed_dim, kv_heads)
         results = s.query(
             tokens, layer, top_k, rerank=rerank, on_damage="skip" if skip_damaged else "raise", search=search
@@ -139,6 +156,7 @@ def query(
                 layout=export_layout,
                 kv_heads=kv_heads,
                 storage_dtype=s.config.storage_dtype,
+                store=s.path,
             )
             note = export_note(s.config.storage_dtype)
     now = time.time_ns()
@@ -168,7 +186,7 @@ def query(
                 "search": search,
                 "searched": results.search,
                 "results": rows,
-                "skipped": skipped_json(results),
+                "skipped": damaged_records + skipped_json(results),
                 "export": str(export) if export else None,
                 "seconds": seconds,
             }

@@ -8,6 +8,7 @@ import typer
 
 from hmem import Store
 from hmem.cli import signals
+from hmem.cli.compact_run import compact_advice
 from hmem.cli.entry_args import EntryIdsArgument, store_and_ids
 from hmem.cli.exit_codes import ExitCode
 from hmem.cli.ids import id_ranges
@@ -59,7 +60,7 @@ def rm(
                 document["deleted"] = s.delete(plan.entry_ids).count
                 out.print(
                     f"deleted {document['deleted']} entries ({id_ranges(plan.entry_ids)}) from {store}; "
-                    f"run 'hmem compact' to free about {human_bytes(plan.bytes_reclaimable)}"
+                    + compact_advice(s, plan.bytes_reclaimable)
                 )
             else:
                 out.print("nothing deleted")

@@ -11,6 +11,7 @@ import numpy as np
 from hmem import EntryNotFoundError, Store, StoredKV
 from hmem.cli.entry_args import EntryIdArgument, store_and_ids
 from hmem.cli.entry_view import age, entry_json, not_found, utc_time
+from hmem.cli.health_view import SkipDamagedRecordsOption, refuse_damaged, report_damaged_records
 from hmem.cli.options import JsonOption, QuietOption
 from hmem.cli.output import Output, human_bytes, literal
 
@@ -19,6 +20,7 @@ def show(
     args: EntryIdArgument,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
+    skip_damaged: SkipDamagedRecordsOption = False,
 ) -> None:
     """Show one entry: its metadata and a summary of its keys and values.
 
@@ -32,11 +34,13 @@ def show(
     """
     out = Output(json_mode=json_output, quiet=quiet)
     store, (entry_id,) = store_and_ids(args, one=True)
-    with Store.open(store, read_only=True) as s:
+    with Store.open(store, read_only=True, on_damage="skip" if skip_damaged else "raise") as s:
+        report_damaged_records(out, s)
         try:
             stored = s.stored_kv(entry_id)
             decoded = s.get(entry_id)
         except EntryNotFoundError as exc:
+            refuse_damaged(s, [entry_id])
             raise not_found(exc, store) from None
         tensors = {"keys": _summary(stored, "keys", decoded.keys), "values": _summary(stored, "values", decoded.values)}
     info = stored.info

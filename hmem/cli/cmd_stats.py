@@ -54,7 +54,10 @@ def stats(
         )
     summary.add_row("live K/V", human_bytes(st.live_bytes))
     summary.add_row(
-        "reclaimable", f"{human_bytes(st.reclaimable_bytes)} (run 'hmem compact')" if st.reclaimable_bytes else "0 B"
+        "reclaimable",
+        f"{human_bytes(st.reclaimable_bytes)} ('hmem compact --min-dead 0' frees it all)"
+        if st.reclaimable_bytes
+        else "0 B",
     )
     summary.add_row("accesses", str(st.total_accesses))
     summary.add_row(

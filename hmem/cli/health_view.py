@@ -3,9 +3,11 @@ the entries `hmem query --skip-damaged` left out (docs/cli.md)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from hmem import CorruptStoreError, Hint, QueryResults, StoreHealth
+import typer
+
+from hmem import CorruptStoreError, Hint, QueryResults, Store, StoreHealth
 from hmem.cli.exit_codes import cli_hint
 from hmem.cli.output import Output
 
@@ -32,7 +34,11 @@ def health_summary(health: StoreHealth, live: int) -> str:
         parts.append(f"{health.unreachable_entries} of {live} live entries unreachable")
     if health.entries_file_problem:
         parts.append(health.entries_file_problem)
-    return ", ".join(parts)
+    if health.stale_index:
+        parts.append(health.stale_index)
+    # a problem of no field above (a store on object storage whose objects
+    # could not be listed): its own sentence, never an empty line
+    return ", ".join(parts or health.problems)
 
 
 def health_line(health: StoreHealth, live: int) -> str:
@@ -61,3 +67,36 @@ def report_skipped(out: Output, results: QueryResults, layer: int) -> str:
         )
     skipped = _plural(len(results.skipped), "damaged entry", "damaged entries")
     return f"; {skipped} skipped ({cli_hint(Hint.VERIFY_THEN_REPAIR)})"
+
+
+SkipDamagedRecordsOption = Annotated[
+    bool,
+    typer.Option(
+        "--skip-damaged",
+        help="Read past damaged records of entries.bin (listed on stderr): their entries are left out.",
+    ),
+]
+
+
+def report_damaged_records(out: Output, store: Store) -> list[dict[str, Any]]:
+    """One warning line on stderr per damaged record of entries.bin that a
+    --skip-damaged read went past (Store.damaged_records); returns them as
+    the JSON "skipped" rows of ``hmem query`` (entry_id null when unknown)."""
+    rows = []
+    for position, entry_id in store.damaged_records:
+        shown = f"entry {entry_id}" if entry_id is not None else "entry unknown"
+        reason = f"record {position} of entries.bin fails its checksum"
+        out.warn(f"skipped damaged record {position} of entries.bin ({shown}): it fails its checksum")
+        rows.append({"entry_id": entry_id, "shard": None, "reason": reason})
+    return rows
+
+
+def refuse_damaged(store: Store, entry_ids: list[int]) -> None:
+    """An id asked for whose record --skip-damaged read past: say that its
+    record is damaged (exit 1), not that the store never held it."""
+    damaged = sorted({entry_id for _, entry_id in store.damaged_records if entry_id is not None} & set(entry_ids))
+    if damaged:
+        raise CorruptStoreError(
+            f"the record of entry {', '.join(map(str, damaged))} in entries.bin is damaged: it cannot be read",
+            hint=Hint.VERIFY_THEN_REPAIR,
+        )

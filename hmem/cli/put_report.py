@@ -37,6 +37,7 @@ def report(
         "entries_evicted": evicted,
         "compactions": after.limits.compactions - before.limits.compactions,
         "bytes_rewritten": rewritten,
+        "bytes_freed_by_compaction": after.limits.bytes_freed - before.limits.bytes_freed,
         "bytes_read": result.bytes_read,
         "bytes_written": after.bytes_on_disk - before.bytes_on_disk,
         "shards_created": len(after.shards) - len(before.shards),
@@ -92,12 +93,21 @@ def report(
             )
             if value
         )
+        freed = after.limits.bytes_freed - before.limits.bytes_freed
         compacted = (
-            f"; compacted, rewriting {human_bytes(rewritten)}"
+            f"; compacted, rewriting {human_bytes(rewritten)} to free {human_bytes(freed)}"
             if summary["compactions"]
             else "; run 'hmem compact' to free their bytes"
         )
-        out.print(literal(f"evicted {evicted} lower-scored entries to keep {limit}{compacted}"))
+        # The new entries always stay (docs/format.md, "Disk usage and limits"): the
+        # evicted ones are the lowest-scored of those stored before, whatever the
+        # new entries' scores, so the line says that and not "lower-scored".
+        out.print(
+            literal(
+                f"evicted {evicted} stored entries (lowest score first) to make room for the new "
+                f"entries under {limit}{compacted}"
+            )
+        )
     if not dry_run:
         change = summary["bytes_written"]
         out.print(
@@ -142,3 +152,30 @@ def _stopped(summary: dict[str, Any], result: ImportReport, after: StoreStats) -
         first_file_not_finished=first,
         store_entries=after.entries,
     )
+
+
+def report_not_started(out: Output, store: str, dry_run: bool, files: list[Any]) -> int:
+    """A signal stopped ``hmem put`` before it imported anything (while it
+    opened the store or waited for its lock): nothing was committed, which
+    the line on stderr and the JSON document (``entries_committed`` 0) say."""
+    summary: dict[str, Any] = {
+        "store": str(store),
+        "dry_run": dry_run,
+        "files": len(files),
+        "files_imported": 0,
+        "files_skipped": 0,
+        "files_already_imported": 0,
+        "entries_added": 0,
+        "entries_found": 0,
+    }
+    code = signals.report_stop(
+        summary,
+        f"nothing was committed: stopped before the import began ({len(files)} file(s) not imported)",
+        entries_committed=0,
+        files_finished=0,
+        files_not_started=len(files),
+        first_file_not_finished=str(files[0]) if files else None,
+    )
+    if out.json_mode:
+        out.emit_json(summary)
+    return code

@@ -32,7 +32,7 @@ KvHeadsOption = Annotated[
 ]
 
 
-def check_options(export: Path | None, layout: str, kv_heads: int | None) -> None:
+def check_options(export: str | Path | None, layout: str, kv_heads: int | None) -> None:
     """The export options agree with each other (before the store is touched)."""
     if layout not in EXPORT_LAYOUTS:
         raise InvalidArgumentError(f"--export-layout must be one of {', '.join(EXPORT_LAYOUTS)}, got {layout!r}")

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from hmem import _io
+from hmem import _io, validation
 from hmem._version import __version__
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, Hint, NotAStoreError, UnsupportedFormatError, storage_error
@@ -237,6 +237,7 @@ def write(store_dir: Path, manifest: Manifest) -> bytes:
 
 
 def read_bytes(store_dir: Path) -> bytes:
+    validation.store_directory(store_dir)  # a file: a bad path (exit code 10), as for every command
     if not store_dir.is_dir():
         raise NotAStoreError(f"{store_dir} is not a directory holding an hmem store", hint=Hint.CREATE)
     try:

@@ -113,6 +113,46 @@ def damaged(records: np.ndarray) -> np.ndarray:
     return np.flatnonzero(checksums(records) != records["checksum"])
 
 
+def set_aside(records: np.ndarray, bad: np.ndarray, next_entry_id: int) -> list[tuple[int, int | None]]:
+    """Make the damaged records at positions `bad` (ascending) read as
+    evicted ones, in place, for a reader that reads past them (``on_damage=
+    "skip"``): no shard, no tokens, no accesses, no signature, resealed in
+    memory only (a reader never writes).  Each keeps its entry id when the
+    id read lies between its sound neighbours' (the damage was elsewhere),
+    else takes the next free one, so ids stay strictly increasing.
+    Returns (position, entry id or None when unknown) per record.  A loop
+    over the damaged records only, which are few."""
+    ids = records["entry_id"]
+    bad = np.asarray(bad, dtype=np.int64)
+    sound = np.setdiff1d(np.arange(len(records)), bad)
+    out: list[tuple[int, int | None]] = []
+    previous = -1
+    for i, position in enumerate(bad.tolist()):
+        after = int(np.searchsorted(sound, position))  # the next sound record, if any
+        if after:
+            previous = max(previous, int(ids[sound[after - 1]]))
+        if after < len(sound):
+            following = int(ids[sound[after]])
+            left = int(np.searchsorted(bad, sound[after])) - i - 1  # damaged records before it, after this one
+        else:
+            following, left = next_entry_id, len(bad) - i - 1
+        read = int(ids[position])
+        known = previous < read < following - left
+        entry_id = read if known else previous + 1
+        out.append((position, entry_id if known else None))
+        previous = entry_id
+        row = records[position : position + 1]
+        row["entry_id"] = entry_id
+        for field in ("layer_idx", "n_tokens", "importance", "timestamp", "access_count"):
+            row[field] = 0
+        row["shard_idx"] = EVICTED
+        row["signature"] = 0
+        if "spans" in (records.dtype.names or ()):
+            row["spans"] = 0
+        seal(row)
+    return out
+
+
 def problem(records: np.ndarray, shard_count: int, next_entry_id: int) -> str | None:
     """What in records that pass their checksums breaks the format (ids
     strictly increasing and below next_entry_id, each live record naming a

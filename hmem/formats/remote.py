@@ -25,6 +25,7 @@ The manifest also carries the local format's index.json text unchanged
 from __future__ import annotations
 
 import json
+import re
 import struct
 import time
 from typing import Any
@@ -70,6 +71,8 @@ __all__ = [
     "apply_state",
     "encode_head",
     "encode_state",
+    "is_init_leftover",
+    "is_own_key",
     "parse_heads",
     "shard_key",
     "state_key",
@@ -82,6 +85,30 @@ def shard_key(uid: str) -> str:
 
 def state_key(generation: int, token: str) -> str:
     return f"{STATE_PREFIX}{generation:012d}-{token}.bin"
+
+
+# The names of the objects a store writes that it may also delete (an
+# orphan, an expired retired object): exactly what shard_key and state_key
+# make (the token is the first 8 hex digits of the writer's lease token),
+# directly under shards/ and state/.  Anything else under a store's prefix
+# (another store's objects, in a sub-prefix or beside it at a bucket's
+# root; a file someone put there) is never deleted.
+_OWN_KEY = re.compile(r"shards/[0-9a-f]{32}\.safetensors|state/[0-9]{12,20}-[0-9a-f]{8}\.bin")
+# what an interrupted `hmem init` of a URL leaves there (the lease, the
+# first state object), which a new init there may take over
+_INIT_LEFTOVER = re.compile(r"lease\.json|state/[0-9]{12,20}-[0-9a-f]{8}\.bin")
+
+
+def is_own_key(key: str) -> bool:
+    """Whether `key` (relative to a store's prefix) is a name the store
+    gives a shard or state object: the only objects it ever deletes."""
+    return _OWN_KEY.fullmatch(key) is not None
+
+
+def is_init_leftover(key: str) -> bool:
+    """Whether `key` is what an interrupted ``hmem init`` of the prefix
+    leaves (lease.json, a state object); no shard: init uploads none."""
+    return _INIT_LEFTOVER.fullmatch(key) is not None
 
 
 def _crc(data: bytes | memoryview) -> int:

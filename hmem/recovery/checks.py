@@ -39,16 +39,38 @@ def verify(
     return local_verify.verify(path, full=full, subset=subset, max_seconds=max_seconds)
 
 
-def repair(path: str | Path, *, lock_wait: float = 0.0, storage_options: dict[str, Any] | None = None) -> RepairReport:
+def repair(
+    path: str | Path,
+    *,
+    lock_wait: float = 0.0,
+    storage_options: dict[str, Any] | None = None,
+    dry_run: bool = False,
+    rebuild_layer: int = 0,
+    rebuild_importance: float = 1.0,
+) -> RepairReport:
     """Salvage what passes its checksums in the store at `path`, a directory
     or a URL s3://bucket/prefix, as the writer (waiting up to `lock_wait`
-    seconds for the lock or lease)."""
+    seconds for the lock or lease).  Entries whose records are lost are
+    rebuilt from their shards with `rebuild_layer` and `rebuild_importance`;
+    `dry_run` (directories only) writes nothing and reports what repair
+    would keep, rebuild, drop and move to lost+found/."""
     if is_url(path):
+        if dry_run or rebuild_layer != 0 or rebuild_importance != 1.0:
+            raise InvalidArgumentError(
+                "dry_run, rebuild_layer and rebuild_importance apply to store directories only",
+                hint="copy the store to a directory with 'hmem copy' to plan its repair",
+            )
         from hmem.recovery import remote
 
         return remote.repair_remote(str(path), lock_wait=lock_wait, storage_options=storage_options)
     _local_only(storage_options)
-    return local_repair.repair(path, lock_wait=lock_wait)
+    return local_repair.repair(
+        path,
+        lock_wait=lock_wait,
+        dry_run=dry_run,
+        rebuild_layer=rebuild_layer,
+        rebuild_importance=rebuild_importance,
+    )
 
 
 def _local_only(storage_options: Any) -> None:

@@ -27,7 +27,7 @@ from hmem.errors import HmemError, NotAStoreError
 from hmem.formats import manifest, shard_file
 from hmem.formats import remote as fmt
 from hmem.recovery.repair import RepairReport, repair
-from hmem.recovery.verify import ERROR, WARNING, Finding, VerifyReport, verify
+from hmem.recovery.verify import ERROR, INFO, WARNING, Finding, VerifyReport, verify
 from hmem.store.remote import RemoteLink
 from hmem.store.remote_fetch import RemoteShardFile
 
@@ -56,6 +56,7 @@ def verify_remote(
             local.bytes_checked if local else 0,
             local.complete if local else True,
             time.perf_counter() - started,
+            local.subset if local else None,
         )
 
     try:
@@ -68,7 +69,7 @@ def verify_remote(
                 Finding("remote.manifest", ERROR, fmt.MANIFEST_KEY, exc.message, "a manifest that passes its checksum")
             )
             return report(None)
-        listed = dict(link.client.list())
+        listed = link.listing()  # the store's shards/ and state/: nothing of another store
         for item in [*mf.state, *mf.shards.values()]:
             size = listed.get(item["key"])
             if size is None:
@@ -85,7 +86,7 @@ def verify_remote(
                 found.append(
                     Finding("remote.size", ERROR, item["key"], f"the object is {size} bytes", f"{item['bytes']} bytes")
                 )
-        for key in link.orphans():
+        for key in link.orphan_sizes(listed):
             found.append(
                 Finding(
                     "remote.orphan",
@@ -95,6 +96,18 @@ def verify_remote(
                     "no such object",
                 )
             )
+        manifest_keys = {item["key"] for item in [*mf.state, *mf.shards.values(), *mf.retired]}
+        for key in sorted(listed):
+            if key not in manifest_keys and not fmt.is_own_key(key):
+                found.append(
+                    Finding(
+                        "remote.foreign",
+                        INFO,
+                        key,
+                        "an object of a name hmem does not give its objects (left alone: never deleted)",
+                        "no such object",
+                    )
+                )
         if any(f.code == "remote.missing" and f.file.startswith(fmt.STATE_PREFIX) for f in found):
             return report(None)
         try:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hmem import _io
+from hmem import _io, validation
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError, InvalidArgumentError, NotAStoreError, UnsupportedFormatError
 from hmem.formats import layout, manifest, pooled, records, shard_file, stamp
@@ -32,8 +32,21 @@ from hmem.formats import sources as source_registry
 from hmem.formats.layout import ENTRIES_FILE
 from hmem.formats.records import EVICTED
 from hmem.kernels import checksum as checksum_kernels
+from hmem.store.projection import Projector
 
 ERROR, WARNING, INFO = "error", "warning", "info"
+# A record describes its tensors when its signature is within 1/this of the
+# bits of the signature of the entry's pooled key: both come from the rows
+# the put was given (their float64 sum, their float32 mean) and differ in a
+# few bits at most; unrelated data (another store's entries.bin) differs in
+# half of them.
+SIGNATURE_TOLERANCE = 8
+
+
+def signatures_agree(a: np.ndarray, b: np.ndarray, hdc_dim: int) -> bool:
+    """Whether two packed signatures are of the same rows (SIGNATURE_TOLERANCE)."""
+    differ = int(np.unpackbits(np.bitwise_xor(a, b)).sum())
+    return differ * SIGNATURE_TOLERANCE <= hdc_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +70,7 @@ class VerifyReport:
     bytes_checked: int
     complete: bool  # False when max_seconds stopped the full check
     seconds: float
+    subset: tuple[int, int] | None = None  # (k, n): the full check covered only the shards numbered k - 1 mod n
 
     @property
     def problems(self) -> tuple[Finding, ...]:
@@ -70,6 +84,7 @@ class VerifyReport:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
+        out["subset"] = f"{self.subset[0]}/{self.subset[1]}" if self.subset else None  # as --subset takes it
         out["ok"] = self.ok
         return out
 
@@ -100,7 +115,7 @@ def verify(
     """Check the store directory at `path`; see the module docstring
     (hmem/recovery/checks.py adds stores on object storage)."""
     started = time.perf_counter()
-    root = Path(path)
+    root = Path(validation.store_directory(path))  # "" and a file refused, as for every command
     if (
         not root.is_dir()
         or not any((root / name).exists() for name in (layout.INDEX_FILE, ENTRIES_FILE))
@@ -153,6 +168,7 @@ def verify(
         nbytes,
         complete,
         time.perf_counter() - started,
+        subset if full else None,
     )
 
 
@@ -182,6 +198,8 @@ def _check_sources(root: Path, mf: manifest.Manifest, out: _Collector) -> None:
     name = source_registry.SOURCES_FILE
     if not mf.sources.bytes or _unsafe(root / name):
         return
+    if any(dst == name for _, dst in mf.pending.renames):
+        return  # a repair committed a new registry: the next writer renames it into place
     try:
         source_registry.read(root, mf.sources)
     except CorruptStoreError as exc:
@@ -376,6 +394,8 @@ def _check_tensors(
     checked = nbytes = 0
     good = np.ones(len(loaded), dtype=bool)
     good[records.damaged(loaded)] = False
+    projector = Projector(mf.config.embed_dim, mf.config.hdc_dim, mf.config.seed)
+    pooled_rows = _pooled_rows(root, mf, len(loaded))
     for idx, scan in scans.items():
         if subset is not None and idx % subset[1] != subset[0] - 1:
             continue
@@ -417,7 +437,56 @@ def _check_tensors(
                         "CRC-32C " + (f"{crc:08x}" if crc is not None else "recorded"),
                         entry_id,
                     )
+                elif kind == "p":
+                    _check_pooled_key(mf, loaded, pos, bytes(memoryview(data)[start:end]), projector, pooled_rows, out)
     return checked, nbytes, True
+
+
+def _pooled_rows(root: Path, mf: manifest.Manifest, count: int) -> np.ndarray:
+    """The first `count` rows of pooled.bin (fewer when it is shorter or unreadable)."""
+    dtype = pooled.row_dtype(mf.config.pooled_width)
+    if _unsafe(root / pooled.POOLED_FILE):
+        return np.zeros(0, dtype=dtype)
+    try:
+        with open(_io.open_regular(root / pooled.POOLED_FILE), "rb") as f:
+            return np.fromfile(f, dtype=dtype, count=count)
+    except OSError:
+        return np.zeros(0, dtype=dtype)
+
+
+def _check_pooled_key(
+    mf: manifest.Manifest,
+    loaded: np.ndarray,
+    pos: int,
+    key: bytes,
+    projector: Projector,
+    pooled_rows: np.ndarray,
+    out: _Collector,
+) -> None:
+    """An entry's pooled key (which passed its CRC) against its record and
+    its row of pooled.bin: each must describe the same data, else one of
+    them is another store's (or was rewritten under a new checksum)."""
+    entry_id = int(loaded["entry_id"][pos])
+    mean = np.frombuffer(key, dtype="<f4", count=mf.config.embed_dim).astype(np.float64)
+    if not signatures_agree(projector.signature_of_sum(mean), loaded["signature"][pos], mf.config.hdc_dim):
+        out.add(
+            "record.mismatch",
+            ERROR,
+            ENTRIES_FILE,
+            f"the record of entry {entry_id} does not describe its tensors (another store's entries.bin?)",
+            "the signature of the entry's pooled key",
+            entry_id,
+        )
+    if pos < len(pooled_rows) and bool(pooled.usable(pooled_rows[pos : pos + 1], loaded["entry_id"][pos : pos + 1])[0]):
+        if pooled_rows["key"][pos].tobytes() != key:
+            out.add(
+                "pooled.mismatch",
+                ERROR,
+                pooled.POOLED_FILE,
+                f"the row of entry {entry_id} holds another pooled key than its shard (another store's pooled.bin?)",
+                "a copy of p_" + str(entry_id),
+                entry_id,
+            )
 
 
 def config_from_shards(root: Path) -> StoreConfig | None:

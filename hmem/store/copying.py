@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hmem import _io
+from hmem import _io, validation
 from hmem.errors import StoreExistsError
 from hmem.formats import layout, manifest
 from hmem.formats.manifest import Manifest, Pending
@@ -80,7 +80,7 @@ def copy_store(
 def _refuse_existing(destination: Any, options: dict[str, Any] | None) -> None:
     if is_url(str(destination)):
         return  # the create-only commit refuses it; checked again before any upload
-    root = Path(destination)
+    root = Path(validation.store_directory(destination, "the destination"))  # "" and a file: as for every command
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise StoreExistsError(f"{root} exists and is not an empty directory", hint="choose a new path for the copy")
 

@@ -169,10 +169,25 @@ class Eviction:
             over = len(live) + len(batch) - cfg.max_entries
             self._evict_for_room(eviction_order(state.records, live)[:over])
         if cfg.max_disk_bytes and self._usage_bytes() + total > cfg.max_disk_bytes:
-            # Evicted bytes stay on disk until compaction, so make room down
-            # to 90% of the limit and compact once, not at every put.
-            needed = FIXED_OVERHEAD_BYTES + total
-            budget = min(max(int(cfg.max_disk_bytes * DISK_LOW_WATER), needed), cfg.max_disk_bytes) - needed
+            self._make_disk_room(total)
+
+    def _make_disk_room(self, total: int) -> None:
+        """Evict and compact until `total` more bytes fit max_disk_bytes.
+
+        Evicted bytes stay on disk until compaction, so the first round
+        makes room down to 90% of the limit (the next puts need not compact
+        again).  Compaction frees only shards whose dead share reaches
+        MIN_DEAD_SHARE, so that it rewrites at most (1 - s) / s of what it
+        frees (1x at s = 0.5): when the entries evicted so far are spread so
+        thinly that it frees too little, the next round evicts the next
+        entries in score order (another tenth of the limit), until the
+        batch fits.  docs/format.md, "Disk usage and limits"."""
+        state = self.state
+        cfg = state.config
+        needed = FIXED_OVERHEAD_BYTES + total
+        budget = min(max(int(cfg.max_disk_bytes * DISK_LOW_WATER), needed), cfg.max_disk_bytes) - needed
+        step = max(1, int(cfg.max_disk_bytes * (1 - DISK_LOW_WATER)))
+        while True:
             order = eviction_order(state.records, state.live_positions())
             kept_bytes = (
                 np.asarray(state.entry_file_bytes(state.records["n_tokens"][order].astype(np.int64)), dtype=np.int64)
@@ -182,13 +197,16 @@ class Eviction:
             remaining = kept_bytes.sum() - np.concatenate([[0], np.cumsum(kept_bytes)])
             self._evict_for_room(order[: int(np.argmax(remaining <= budget))])
             report = self.compaction.run(min_reclaim_share=0.0)
-            if report.performed and report.shards_after:
-                written = sum(info.bytes for info in state.shards[: report.shards_after])
+            if report.performed:
                 state.limits = dataclasses.replace(
                     state.limits,
                     compactions=state.limits.compactions + 1,
-                    bytes_rewritten=state.limits.bytes_rewritten + written,
+                    bytes_rewritten=state.limits.bytes_rewritten + report.bytes_rewritten,
+                    bytes_freed=state.limits.bytes_freed + report.bytes_freed,
                 )
+            if self._usage_bytes() + total <= cfg.max_disk_bytes or not len(state.live_positions()):
+                return
+            budget = max(0, budget - step)
 
     def _evict_for_room(self, victims: np.ndarray) -> None:
         self.mark(victims)

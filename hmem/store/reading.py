@@ -3,7 +3,8 @@ file is being sealed) while it is in memory, else from its shard file
 through the bounded cache of memory maps, each
 tensor's CRC-32C checked the first time it is read (docs/format.md); and
 the cheap health check of stats(): which shard files are missing or of the
-wrong size (docs/reliability.md, "Degraded reads")."""
+wrong size, and whether index.json is older than the files (docs/reliability.md,
+"Degraded reads")."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from hmem.errors import CorruptStoreError, Hint, HmemError, StoreChangedError
-from hmem.formats import layout, shard_file
+from hmem.formats import layout, shard_file, stamp
 from hmem.store import storage as storage_codec
 from hmem.store.results import StoreHealth
 from hmem.store.shard_builder import ShardBuilder
@@ -235,15 +236,32 @@ class EntryReader:
             )
         if entries_problem:
             problems.append(entries_problem)
+        stale = self._stale_index() if fetcher is None else None
+        if stale:
+            problems.append(stale)
         return StoreHealth(
             ok=not problems,
             problems=tuple(problems),
-            advice=Hint.VERIFY_THEN_REPAIR if problems else "",
+            advice=Hint.ROLL_FORWARD if stale else Hint.VERIFY_THEN_REPAIR if problems else "",
             missing_shards=tuple(missing),
             wrong_size_shards=tuple(wrong_size),
             unreachable_entries=unreachable,
             entries_file_problem=entries_problem,
+            stale_index=stale or "",
         )
+
+    def _stale_index(self) -> str | None:
+        """Why the store's index.json is older than its files (a later
+        commit's stamp, records past it with ids it never reserved:
+        hmem/formats/stamp.py), as verify reports it; None when it is not.
+        Only a reader meets one (a writer refuses to open such a store),
+        and only while index.json is still the one it loaded: after a
+        writer's commit the newer files are that commit's, not evidence."""
+        state = self.state
+        evidence = stamp.stale_evidence(state.path, state.committed)
+        if evidence is None or state.store_changed():
+            return None
+        return evidence
 
     def _file_size(self, name: str) -> int | None:
         """The size of a file the commit names, where a reader finds it now

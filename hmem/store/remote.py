@@ -20,6 +20,7 @@ ties it to the objects:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -35,16 +36,18 @@ from hmem.errors import (
     Hint,
     InvalidArgumentError,
     NotAStoreError,
+    StorageError,
     StoreChangedError,
     StoreExistsError,
     StoreLockedError,
 )
 from hmem.formats import layout, pooled
 from hmem.formats import remote as fmt
-from hmem.formats.manifest import Manifest, Pending
+from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.object_store import ConditionFailed, ObjectClient, ObjectMissing
 from hmem.store.lease import LeaseHolder
 from hmem.store.remote_fetch import ShardFetcher, fetch_pool
+from hmem.store.results import StoreHealth
 from hmem.store.state_cache import StateCache
 
 CACHE_ENV = "HMEM_CACHE_DIR"
@@ -167,6 +170,7 @@ class RemoteLink:
         # state objects kept on this host between processes (use_state_cache);
         # verify and repair read the objects themselves
         self.state_cache: StateCache | None = None
+        self._health_client: ObjectClient | None = None  # checked_health's (its own request counts)
         self._dirs = 0
 
     def use_state_cache(self) -> None:
@@ -247,15 +251,68 @@ class RemoteLink:
 
     def claim_new(self) -> None:
         """Before a new store is made at this URL: refuse one that holds a
-        store (StoreExistsError), then take the lease.  The first commit is
-        create-only all the same (create)."""
+        store, or any object but what an interrupted init left, or lies
+        inside another store (StoreExistsError), then take the lease.  The
+        first commit is create-only all the same (create)."""
         try:
             self.read_manifest()
         except NotAStoreError:
             pass
         else:
             raise StoreExistsError(f"{self.url} already holds an hmem store", hint="open it, or choose a new URL")
+        self._refuse_occupied()
+        self._refuse_inside_a_store()
         self.take_lease(0.0)
+
+    def _refuse_occupied(self) -> None:
+        """Refuse a prefix that holds objects (another store in a sub-prefix,
+        other stores beside a bucket's root, anything else), as a local store
+        is made only in a missing or empty directory: what an interrupted
+        init of this URL left aside.  One listing request for an empty
+        prefix; past the first other object, it reads on only to the end of
+        a page (1,000 keys), for a store's manifest to name in the message."""
+        first: str | None = None
+        for seen, (key, _) in enumerate(self.client.iter_list()):
+            if key.endswith("/" + fmt.MANIFEST_KEY):
+                raise StoreExistsError(
+                    f"{self.url} holds another store ({self.url}/{key}): a store around another is refused",
+                    hint="choose a prefix that holds no objects",
+                )
+            if first is None and not fmt.is_init_leftover(key):
+                first = key
+            if first is not None and seen >= 999:
+                break
+        if first is not None:
+            key = first
+            if key.startswith(fmt.SHARD_PREFIX) and fmt.is_own_key(key):
+                raise StoreExistsError(
+                    f"{self.url} holds shard objects ({key}, ...) but no {fmt.MANIFEST_KEY}: what an "
+                    "interrupted copy left, or a store whose manifest was lost; nothing was created",
+                    hint="remove them if they are not needed, or choose another prefix",
+                )
+            raise StoreExistsError(
+                f"{self.url} is not empty (it holds {key}): a store is made only under a prefix that holds no objects",
+                hint="choose a prefix that holds no objects",
+            )
+
+    def _refuse_inside_a_store(self) -> None:
+        """Refuse a prefix inside another store: one request per enclosing
+        prefix (s3://b/a/c: a/manifest.json, then manifest.json at the
+        bucket's root), reading at most the first KiB of a manifest found."""
+        parts = self.client.location.prefix.split("/") if self.client.location.prefix else []
+        if not parts:
+            return
+        root = self.client.at("")
+        for depth in range(len(parts) - 1, -1, -1):
+            outer = "/".join(parts[:depth])
+            key = f"{outer}/{fmt.MANIFEST_KEY}" if outer else fmt.MANIFEST_KEY
+            start = root.get_start(key, 1024)
+            if start is not None and f'"{fmt.FORMAT_NAME}"'.encode() in start:
+                where = f"s3://{self.client.location.bucket}/{outer}".rstrip("/")
+                raise StoreExistsError(
+                    f"{self.url} lies inside the hmem store {where}: a store inside another is refused",
+                    hint=f"choose a prefix outside {where}",
+                )
 
     def take_lease(self, wait_seconds: float) -> None:
         self.lease = LeaseHolder(self.client, self.lease_seconds, wait_seconds)
@@ -445,6 +502,9 @@ class RemoteLink:
             self.state_cache.keep([item["key"] for item in state_list])
         # this writer's shards are complete local files: never fetched
         self.fetcher.remote = {uid: s for uid, s in named.items() if uid in self.fetcher.remote}
+        # only names this store gives its objects: a retired entry naming
+        # anything else (a manifest another program wrote) deletes nothing
+        expired = [key for key in expired if fmt.is_own_key(key)]
         if expired:
             try:
                 self.client.delete(expired)
@@ -481,22 +541,100 @@ class RemoteLink:
             _io.write_file(directory / info.file, [data])
         self.fetcher.remote = {}
 
-    def orphan_sizes(self) -> dict[str, int]:
+    def listing(self, client: ObjectClient | None = None) -> dict[str, int]:
+        """key -> size of every object under the store's shards/ and state/
+        (two listings, a request per 1,000 objects): where its objects are,
+        and nothing of a store in another sub-prefix or beside a bucket's root."""
+        client = client or self.client
+        return {key: size for prefix in (fmt.SHARD_PREFIX, fmt.STATE_PREFIX) for key, size in client.list(prefix)}
+
+    def orphan_sizes(self, listed: dict[str, int] | None = None) -> dict[str, int]:
         """Objects under the store that its manifest does not name, retired
-        or not, and their sizes (one listing)."""
+        or not, and their sizes: only names this store gives its shard and
+        state objects (formats/remote.py, is_own_key), never another
+        store's or an unknown object.  `listed`: the listing, if made."""
         mf = self.manifest
         assert mf is not None
         named = {
-            fmt.MANIFEST_KEY,
-            fmt.LEASE_KEY,
             *(s["key"] for s in mf.state),
             *(s["key"] for s in mf.shards.values()),
             *(r["key"] for r in mf.retired),
         }
-        return {key: size for key, size in sorted(self.client.list()) if key not in named}
+        if listed is None:
+            listed = self.listing()
+        return {key: size for key, size in sorted(listed.items()) if key not in named and fmt.is_own_key(key)}
 
     def orphans(self) -> list[str]:
         return list(self.orphan_sizes())
+
+    def checked_health(self, health: StoreHealth, shards: list[ShardInfo], shard_of: np.ndarray) -> StoreHealth:
+        """`health` (the working copy's own check, which takes a shard not
+        fetched at the size the manifest records) with what a listing of
+        the objects says: each shard or state object the manifest names
+        that is missing or of another size, which verify reports as an
+        error (remote.missing, remote.size).  Two listings (shards/ and
+        state/, a request per 1,000 objects); no object is read.  A state
+        object carries the records, so its problem is an entries-file
+        problem: this host may hold a copy, another cannot open the store.
+        `shard_of`: each record's shard index."""
+        mf = self.manifest
+        if mf is None:
+            return health
+        if self._health_client is None:
+            # its requests are counted apart: stats reports what the store
+            # did, and asking for stats twice does not change the answer
+            self._health_client = self.client.at(self.client.location.prefix, shared_counts=False)
+        try:
+            listed = self.listing(self._health_client)
+        except StorageError as exc:  # not ok: nothing says the objects are there (stats itself still answers)
+            return dataclasses.replace(
+                health,
+                ok=False,
+                problems=(*health.problems, f"the store's objects could not be listed ({exc.message})"),
+                advice=health.advice or Hint.OPEN_AGAIN,
+            )
+        problems = list(health.problems)
+        missing, wrong_size = list(health.missing_shards), list(health.wrong_size_shards)
+        for idx, info in enumerate(shards):
+            item = mf.shards.get(info.uid)
+            if item is None or info.file in missing or info.file in wrong_size:
+                continue  # not committed yet, or already found
+            size = listed.get(item["key"])
+            if size == item["bytes"]:
+                continue
+            live = int(np.count_nonzero(shard_of == idx))
+            held = f"{live} live {'entry' if live == 1 else 'entries'}"
+            if size is None:
+                missing.append(info.file)
+                problems.append(f"shard {info.file} is missing: no object {item['key']} ({held})")
+            else:
+                wrong_size.append(info.file)
+                problems.append(
+                    f"shard {info.file} is {size} bytes in object {item['key']}, the store expects "
+                    f"{item['bytes']} ({held})"
+                )
+        state_problems = [
+            f"state object {item['key']} is missing"
+            if listed.get(item["key"]) is None
+            else f"state object {item['key']} is {listed[item['key']]} bytes, the manifest says {item['bytes']}"
+            for item in mf.state
+            if listed.get(item["key"]) != item["bytes"]
+        ]
+        if len(problems) == len(health.problems) and not state_problems:
+            return health
+        bad = [idx for idx, info in enumerate(shards) if info.file in missing or info.file in wrong_size]
+        entries_problem = "; ".join(filter(None, [health.entries_file_problem, *state_problems]))
+        problems += state_problems
+        return dataclasses.replace(
+            health,
+            ok=False,
+            problems=tuple(problems),
+            advice=health.advice or Hint.VERIFY_THEN_REPAIR,
+            missing_shards=tuple(missing),
+            wrong_size_shards=tuple(wrong_size),
+            unreachable_entries=int(np.count_nonzero(np.isin(shard_of, bad))) if bad else 0,
+            entries_file_problem=entries_problem,
+        )
 
     def remove_orphans(self) -> dict[str, int]:
         """Delete the objects no commit names (left by a writer that

@@ -161,6 +161,7 @@ class StoreHealth:
     wrong_size_shards: tuple[str, ...]  # shard files whose size is not the recorded one
     unreachable_entries: int  # live entries in those shards
     entries_file_problem: str  # entries.bin missing or short of the committed records; "" when sound
+    stale_index: str = ""  # why index.json is older than the store's files (verify's error too); "" when not
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +172,8 @@ class LimitActivity:
 
     evicted: int = 0  # entries evicted to make room
     compactions: int = 0  # compactions run to free their bytes
-    bytes_rewritten: int = 0  # shard bytes those compactions wrote
+    bytes_rewritten: int = 0  # live bytes those compactions copied into new files
+    bytes_freed: int = 0  # bytes those compactions freed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +209,7 @@ class StoreStats:
     shards: list[ShardStats]
     bytes_on_disk: int  # every file in the store directory
     live_bytes: int  # tensor bytes of the live entries
-    reclaimable_bytes: int  # what compact would free now
+    reclaimable_bytes: int  # every evicted byte and orphan file: what compact(min_dead_share=0) would free now
     orphan_files: list[str]  # leftovers hmem made and no commit names (compact removes them)
     foreign_files: list[str]  # files hmem did not make (never touched)
     total_accesses: int  # sum of access counts
@@ -270,9 +272,13 @@ class CompactionPlan:
     bytes_after_estimate: int
     reclaimable_bytes: int
     reclaimable_share: float  # of bytes_before
-    evicted_records: int  # records compact drops
+    evicted_records: int  # records of evicted entries in entries.bin
     orphan_files: tuple[str, ...]
-    needed: bool  # False: the store is already compact
+    needed: bool  # False: nothing to free (or nothing past the dead share)
+    rewrite_bytes: int = 0  # live bytes compaction would copy to free reclaimable_bytes
+    dead_bytes_left: int = 0  # evicted bytes it leaves where they are (their shard below the dead share)
+    removed_at_open_files: int = 0  # leftovers this Store's open removed (an interrupted writer's files)
+    removed_at_open_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,3 +296,7 @@ class CompactionReport:
     records_dropped: int
     orphans_removed: int
     seconds: float
+    bytes_rewritten: int = 0  # live bytes copied into new files (shards, records) to free bytes_freed
+    orphan_bytes_removed: int = 0  # of bytes_freed, the orphan files'
+    removed_at_open_files: int = 0  # leftovers this Store's open removed, before the compaction
+    removed_at_open_bytes: int = 0

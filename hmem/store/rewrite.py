@@ -62,11 +62,14 @@ def rewrite(
     config_json: str,
     crash_prefix: str,
     progress: Callable[[int, int], None] | None = None,
+    more_renames: Sequence[tuple[str, str]] = (),
 ) -> tuple[Manifest, np.ndarray]:
     """Write the store anew with the records `kept` (in order; sources[i]()
     gives where record i's tensors are and its metadata, sizes[i] its bytes
     in a shard) and
     commit it over `base`; old files in `deletes` go after the commit.
+    `more_renames`: (temporary, final) names of other files the caller wrote,
+    renamed with the rest once committed (repair's new sources.jsonl).
     Returns the committed manifest and the new records."""
     groups = pack(sizes, base.config.shard_max_bytes)
     new_records = kept.copy()
@@ -99,9 +102,10 @@ def rewrite(
     renames.append((entries_temp, ENTRIES_FILE))
     pooled_temp = TEMP_PREFIX + POOLED_FILE
     _io.write_file(
-        root / pooled_temp, [_pooled_rows(new_records["entry_id"], pooled_keys, base.config.pooled_width).tobytes()]
+        root / pooled_temp, [pooled_rows(new_records["entry_id"], pooled_keys, base.config.pooled_width).tobytes()]
     )
     renames.append((pooled_temp, POOLED_FILE))
+    renames.extend(more_renames)
     _io.crash_point(f"{crash_prefix}.records_written")
     keep = {info.file for info in new_shards}
     mf = dataclasses.replace(
@@ -123,7 +127,7 @@ def rewrite(
     return clean, new_records
 
 
-def _pooled_rows(entry_ids: np.ndarray, keys: Sequence[tuple[_io.FileRange, int]], width: int) -> np.ndarray:
+def pooled_rows(entry_ids: np.ndarray, keys: Sequence[tuple[_io.FileRange, int]], width: int) -> np.ndarray:
     """pooled.bin's rows for the kept entries, their keys read from the
     shards and checked against their CRC-32C."""
     raw = np.frombuffer(_io.read_ranges([where for where, _ in keys]), dtype=np.uint8)

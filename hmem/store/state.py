@@ -101,6 +101,8 @@ class StoreState:
         self.sealing: SealInFlight | None = None
         self.builder_dead = DeadBytes()
         self.limits = LimitActivity()  # what the limits made puts do (StoreStats.limits)
+        # (files, bytes) of leftovers the writer's open removed: compaction reports them (Store.open)
+        self.removed_at_open = (0, 0)
         self.imports = ImportRegistry(path)  # sources.jsonl (hmem/store/imported.py)
         self.adopt(committed, manifest_bytes, loaded)
 
@@ -210,9 +212,14 @@ class StoreState:
             self.writer.release()
 
 
-def load_records(root: Path, committed: Manifest, *, follow_renames: bool) -> np.ndarray:
-    """The committed records, pending updates applied; refuses damaged ones.
-    A reader follows a pending rename of entries.bin (`follow_renames`)."""
+def load_records(
+    root: Path, committed: Manifest, *, follow_renames: bool, skipped: list[tuple[int, int | None]] | None = None
+) -> np.ndarray:
+    """The committed records, pending updates applied; refuses damaged ones,
+    unless `skipped` (a reader's list) is given: then each damaged record
+    reads as an evicted one (records.set_aside) and (position, entry id or
+    None) goes into `skipped`.  A reader follows a pending rename of
+    entries.bin (`follow_renames`)."""
     name = layout.ENTRIES_FILE
     path = layout.resolve(root, name, committed.pending) if follow_renames else root / name
     try:
@@ -229,7 +236,9 @@ def load_records(root: Path, committed: Manifest, *, follow_renames: bool) -> np
         updated = updated[updated < len(loaded)]
         again = updated[records.damaged(loaded[updated])]
         bad = np.union1d(np.setdiff1d(bad, updated), again)
-    if len(bad):
+    if len(bad) and skipped is not None:
+        skipped.extend(records.set_aside(loaded, bad, committed.next_entry_id))
+    elif len(bad):
         first = int(bad[0])
         raise CorruptStoreError(
             f"{len(bad)} record(s) of {name} fail their checksum (first: record {first}, "

@@ -44,7 +44,7 @@ from hmem.formats.sources import ImportedSource
 from hmem.object_store import is_url
 from hmem.store import caches, listing, lock, prepare, rewrite
 from hmem.store.bridge import AugmentedKV, augmented_kv
-from hmem.store.compaction import Compaction
+from hmem.store.compaction import MIN_DEAD_SHARE, Compaction
 from hmem.store.eviction import Eviction
 from hmem.store.listing import ENTRY_SORTS, EntryListing
 from hmem.store.prepare import Entry
@@ -114,6 +114,9 @@ class Store:
         self._refresh_seconds: float | None = None
         self._refreshed = time.monotonic()
         self._refresh_lock = threading.Lock()  # one refresh at a time
+        # (position, entry id or None when unknown) of each damaged record of
+        # entries.bin a reader opened with on_damage="skip" reads past
+        self.damaged_records: tuple[tuple[int, int | None], ...] = ()
 
     def _attach(self, link: RemoteLink) -> None:
         """Tie this store (a working copy) to the objects of `link`."""
@@ -165,7 +168,7 @@ class Store:
         if is_url(path):
             return cls._create_remote(str(path), config, storage_options)
         _local_only(storage_options)
-        root = Path(path)
+        root = Path(validation.store_directory(path))  # "" and a file refused, as for every command
         if (root / layout.INDEX_FILE).exists():
             raise StoreExistsError(f"{root} already holds an hmem store", hint="open it instead")
         if root.exists() and (not root.is_dir() or any(root.iterdir())):
@@ -197,6 +200,7 @@ class Store:
         storage_options: dict[str, Any] | None = None,
         refresh_seconds: float | None = None,
         max_open_shards: int | None = None,
+        on_damage: str = "raise",
     ) -> Store:
         """Open an existing store: a directory, or a URL s3://bucket/prefix.
 
@@ -216,8 +220,20 @@ class Store:
         `max_open_shards` bounds the shard files this Store keeps
         memory-mapped, in place of the store's setting (which stays as it
         is): a store made when the default was 4 reads faster with more.
+
+        `on_damage`: "raise" (a damaged record of entries.bin fails the
+        open, CorruptStoreError) or "skip", for a reader (`read_only`) of a
+        local store: each damaged record reads as an evicted entry, listed
+        in ``damaged_records``, and every sound entry stays readable
+        (docs/reliability.md, "Degraded reads").
         """
         lock_wait = validation.wait_seconds(lock_wait, "lock_wait")
+        validation.choice(on_damage, "on_damage", ("raise", "skip"))
+        if on_damage == "skip" and not read_only:
+            raise InvalidArgumentError(
+                "on_damage='skip' opens a store for reading only: give read_only=True",
+                hint="a writer never works past damage; salvage it with hmem.repair(path)",
+            )
         if max_open_shards is not None:
             max_open_shards = validation.integer(max_open_shards, "max_open_shards", low=1, high=MAX_OPEN_SHARDS)
             store = cls.open(
@@ -227,6 +243,7 @@ class Store:
                 lock_wait=lock_wait,
                 storage_options=storage_options,
                 refresh_seconds=refresh_seconds,
+                on_damage=on_damage,
             )
             store._state.cache.capacity = max_open_shards
             return store
@@ -242,9 +259,9 @@ class Store:
         _local_only(storage_options)
         if refresh_seconds is not None:
             raise InvalidArgumentError("refresh_seconds applies to stores on object storage only")
-        root = Path(path)
+        root = Path(validation.store_directory(path))  # "" and a file refused, as for every command
         if read_only:
-            return cls._open_reader(root, verify_reads)
+            return cls._open_reader(root, verify_reads, skip_damaged=on_damage == "skip")
         manifest.read_bytes(root)  # "not a store" before any lock file is made
         writer = lock.WriterLock(root, wait_seconds=lock_wait)
         try:
@@ -253,28 +270,34 @@ class Store:
             evidence = stamp.stale_evidence(root, mf)
             if evidence is not None:  # leftovers are newer data here: never remove them
                 raise CorruptStoreError(f"{root}: {evidence}", hint=Hint.ROLL_FORWARD)
+            before = _directory_files(root)
             rewrite.finish_pending(root, mf)
             rewrite.remove_leftovers(root, mf)
+            after = _directory_files(root)
             loaded = load_records(root, mf, follow_renames=False)
-            return cls(
-                StoreState(root, mf, writer=writer, verify_reads=verify_reads, manifest_bytes=data, loaded=loaded)
-            )
+            state = StoreState(root, mf, writer=writer, verify_reads=verify_reads, manifest_bytes=data, loaded=loaded)
+            # what an interrupted writer left and this open removed: `hmem compact` reports it
+            state.removed_at_open = (max(0, before[0] - after[0]), max(0, before[1] - after[1]))
+            return cls(state)
         except BaseException:
             writer.release()
             raise
 
     @classmethod
-    def _open_reader(cls, root: Path, verify_reads: bool) -> Store:
+    def _open_reader(cls, root: Path, verify_reads: bool, *, skip_damaged: bool = False) -> Store:
         # Load, then check index.json did not change meanwhile; a writer that
         # committed in between may have rewritten what was read.
         for _ in range(_READ_RETRIES):
             data = manifest.read_bytes(root)
             mf = manifest.parse(root, data)
-            loaded = load_records(root, mf, follow_renames=True)
+            damaged: list[tuple[int, int | None]] | None = [] if skip_damaged else None
+            loaded = load_records(root, mf, follow_renames=True, skipped=damaged)
             if manifest.read_bytes(root) == data:
-                return cls(
+                store = cls(
                     StoreState(root, mf, writer=None, verify_reads=verify_reads, manifest_bytes=data, loaded=loaded)
                 )
+                store.damaged_records = tuple(damaged or ())
+                return store
             time.sleep(0.01)
         raise StoreChangedError(f"{root} kept changing while it was being opened", hint="try again")
 
@@ -725,11 +748,13 @@ class Store:
             self._publish()
             return plan
 
-    def plan_compaction(self) -> CompactionPlan:
-        """What compact() would do and gain, without changing anything."""
+    def plan_compaction(self, *, min_dead_share: float = MIN_DEAD_SHARE, repack: bool = False) -> CompactionPlan:
+        """What compact() (with the same options) would do and gain, without changing anything."""
         with self._state.lock.intent():  # many parts of the state, read with no write under way
             self._state.check_open()
-            plan = self._compaction.plan()
+            plan = self._compaction.plan(
+                validation.share(min_dead_share, "min_dead_share"), repack=validation.flag(repack, "repack")
+            )
         if self._remote is None:
             return plan
         # on object storage, also the objects no commit names (a writer that stopped before its commit)
@@ -749,19 +774,37 @@ class Store:
         )
 
     def compact(
-        self, min_reclaim_share: float = 0.0, *, progress: Callable[[int, int], None] | None = None
+        self,
+        min_reclaim_share: float = 0.0,
+        *,
+        progress: Callable[[int, int], None] | None = None,
+        min_dead_share: float = MIN_DEAD_SHARE,
+        repack: bool = False,
     ) -> CompactionReport:
-        """Rewrite the live entries into fresh shards packed up to
-        shard_max_bytes, numbered from 0; drop evicted records and orphan
-        files.  Ids, scores and query results do not change.
+        """Free the bytes of evicted entries, shard by shard: a shard whose
+        evicted bytes are at least `min_dead_share` of its file is dropped
+        (no live entry left) or rewritten with its live entries only, each
+        shard one commit, so the extra disk needed is one shard's live
+        bytes; the records of evicted entries go once they are that share
+        of the records; orphan files go.  Ids, scores and query results do
+        not change (docs/format.md, "Compaction").
 
-        Does nothing when the store is already compact, or when the share of
-        bytes it would free is below `min_reclaim_share` (for cron jobs).
-        `progress(done_bytes, total_bytes)` is called as live data is copied."""
+        `repack` rewrites every live entry into shards packed up to
+        shard_max_bytes, numbered from 0 (merging small shards; it needs
+        room for a copy of the live data).  Does nothing when there is
+        nothing to free, or when the share of bytes it would free is below
+        `min_reclaim_share` (for cron jobs).  `progress(done_bytes,
+        total_bytes)` is called as live data is copied; an exception it
+        raises stops the compaction before the commit of the shard at hand."""
         with self._state.lock.exclusive():
             self._state.check_writable()
             share = validation.share(min_reclaim_share, "min_reclaim_share")
-            report = self._compaction.run(share, progress)
+            report = self._compaction.run(
+                share,
+                progress,
+                min_dead_share=validation.share(min_dead_share, "min_dead_share"),
+                repack=validation.flag(repack, "repack"),
+            )
             if self._remote is None:
                 return report
             self._publish(snapshot=report.performed)  # the small files whole: the state list starts again
@@ -838,13 +881,18 @@ class Store:
                         )
                     )
                 ),
-                reclaimable_bytes=self._compaction.plan().reclaimable_bytes,
+                # every evicted byte, as `compact(min_dead_share=0)` frees it (a shard left
+                # without live entries frees its whole file, header too)
+                reclaimable_bytes=self._compaction.plan(0.0).reclaimable_bytes,
                 orphan_files=files.orphans,
                 foreign_files=files.foreign,
                 total_accesses=int(rows["access_count"].astype(np.int64).sum()),
                 next_entry_id=state.next_id,
                 kernels=kernels.describe(),
-                health=self._reader.health(),
+                # on object storage, also whether the objects are there (a listing; verify's remote errors)
+                health=self._reader.health()
+                if self._remote is None
+                else self._remote.checked_health(self._reader.health(), state.shards, rows["shard_idx"]),
                 limits=state.limits,
                 remote=self._remote_stats(),
             )
@@ -878,6 +926,14 @@ class Store:
         the bytes of the objects themselves)."""
         with self._state.lock.shared():
             return self._state.stored_bytes()
+
+
+def _directory_files(root: Path) -> tuple[int, int]:
+    """How many files a store directory holds and their bytes (the lock aside)."""
+    files = sum(
+        1 for entry in os.scandir(root) if entry.name != layout.LOCK_FILE and entry.is_file(follow_symlinks=False)
+    )
+    return files, layout.directory_bytes(root)
 
 
 def _local_only(storage_options: Any) -> None:

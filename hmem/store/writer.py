@@ -121,7 +121,11 @@ class Writer:
         """How entries of these file sizes fill shards: (lo, hi, sealed
         before) per shard, the first one the open shard.  A shard takes
         entries while its bound stays within shard_max_bytes (an entry
-        larger than the limit gets a shard of its own)."""
+        larger than the limit gets a shard of its own).  Every turn of the
+        loop either seals the open shard or places at least one entry, so
+        it ends whatever the limit: a limit below a shard's bound must not
+        send the search back before `lo` (it once looped until the memory
+        ran out)."""
         limit = self.state.config.shard_max_bytes
         b = self.state.builder
         bound = b.file_bytes_bound() if b is not None else shard_file.HEADER_FIXED_BYTES
@@ -130,7 +134,7 @@ class Writer:
         plan, lo, sealed = [], 0, False
         while lo < len(sizes):
             before = int(ends[lo - 1]) if lo else 0
-            hi = int(np.searchsorted(ends, before + limit - bound, side="right"))
+            hi = max(lo, int(np.searchsorted(ends, before + limit - bound, side="right")))
             if hi == lo:
                 if held:  # the open shard is full: seal it, start a fresh one
                     bound, held, sealed = shard_file.HEADER_FIXED_BYTES, 0, True

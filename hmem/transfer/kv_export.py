@@ -70,11 +70,26 @@ def write_kv_file(
     return _write(Path(path), arrays, metadata)
 
 
-def check_export_path(path: str | Path) -> None:
+def check_export_path(path: str | Path, store: str | os.PathLike[str] | None = None) -> None:
     """Raise PathError when `path` cannot take an export: its directory is
-    missing (or is a file), or `path` is a directory.  Checked before
-    anything is written (docs/reliability.md, "OS errors")."""
+    missing (or is a file), or `path` is a directory; and
+    InvalidArgumentError when it is empty or lies inside the store
+    directory `store` (a local store's path; a URL names no directory),
+    whose files only the store writes: an export there would replace a
+    shard, index.json or entries.bin.  Paths are compared resolved, so a
+    link to the store's directory is inside it too.  Every export (``hmem
+    export``, ``hmem query --export``) checks here, before anything is
+    written (docs/reliability.md, "OS errors")."""
+    validation.path_text(path, "the export path")
     path = Path(path)
+    if store is not None and not _is_url(store):
+        root = Path(store).resolve()
+        target = path.resolve()
+        if target == root or root in target.parents:
+            raise InvalidArgumentError(
+                f"{path} is inside the store at {store}: an export never writes there",
+                hint="write it outside the store directory",
+            )
     if path.is_dir():
         code = errno.EISDIR
     elif not path.parent.is_dir():
@@ -84,17 +99,22 @@ def check_export_path(path: str | Path) -> None:
     raise storage_error(OSError(code, os.strerror(code)), "write", path)
 
 
+def _is_url(store: str | os.PathLike[str]) -> bool:
+    return "://" in os.fspath(store)
+
+
 EXPORT_LAYOUTS = ("entries", "hf")
 
 
 def export_results(
     results: Iterable[Any],
-    path: Path,
+    path: str | Path,
     metadata: dict[str, str] | None = None,
     *,
     layout: str = "entries",
     kv_heads: int | None = None,
     storage_dtype: str | None = None,
+    store: str | os.PathLike[str] | None = None,
 ) -> int:
     """Write query results to a safetensors file, in `layout`:
 
@@ -116,8 +136,10 @@ def export_results(
     lists), the layout (and kv_heads and each entry's token count with
     "hf"), plus `metadata`.  Written atomically; returns the file size.  A
     missing directory or a directory as `path` is a PathError, a bad layout
-    or kv_heads an InvalidArgumentError, before anything is written."""
-    check_export_path(path)
+    or kv_heads an InvalidArgumentError, before anything is written; so is
+    a path inside `store`, the directory of the store the results came
+    from (check_export_path)."""
+    check_export_path(path, store)
     validation.choice(layout, "layout", EXPORT_LAYOUTS)
     if layout == "hf" and kv_heads is None:
         raise InvalidArgumentError("the hf export layout needs kv_heads, the number of K/V heads")
@@ -144,7 +166,7 @@ def export_results(
         for r in results:
             for kind, array in (("k", r.keys), ("v", r.values)):
                 tensors[f"{kind}_{r.entry_id}"] = np.ascontiguousarray(np.asarray(array), dtype=np.float32)
-        return _write(path, tensors, meta)
+        return _write(Path(path), tensors, meta)
     heads = validation.integer(kv_heads, "kv_heads", low=1)
     by_layer: dict[int, list[Any]] = {}
     for r in results:
@@ -158,7 +180,7 @@ def export_results(
                 )
             tensors[f"past_key_values.{layer}.{kind}"] = np.ascontiguousarray(layouts.to_heads(rows, heads)[None])
     meta.update(kv_heads=str(heads), entry_tokens=json.dumps([int(np.shape(r.keys)[0]) for r in results]))
-    return _write(path, tensors, meta)
+    return _write(Path(path), tensors, meta)
 
 
 def export_entries(
@@ -186,12 +208,7 @@ def export_entries(
     whose files only the store writes), the ids (InvalidArgumentError), and that every id
     names a live entry (EntryNotFoundError naming each one that does not).
     Written atomically; returns the file size."""
-    check_export_path(path)
-    if Path(store.path).resolve() in Path(path).resolve().parents:
-        raise InvalidArgumentError(
-            f"{path} is inside the store at {store.path}: an export never writes there",
-            hint="write it outside the store directory",
-        )
+    check_export_path(path, store.path)
     if isinstance(entry_ids, (str, bytes)):
         raise InvalidArgumentError(f"entry_ids must be an iterable of integers, got {type(entry_ids).__name__}")
     ids = list(dict.fromkeys(validation.integer(i, "entry id", low=0) for i in entry_ids))

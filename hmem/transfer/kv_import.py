@@ -33,8 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from hmem import validation
 from hmem.errors import BadFileError, InvalidArgumentError, InvalidTensorError
-from hmem.formats import safetensors
+from hmem.formats import safetensors, shard_file
+from hmem.formats.layout import is_store
 from hmem.store import layouts
 from hmem.store.storage import Bf16Rows
 from hmem.store.store import Entry
@@ -43,6 +45,8 @@ from hmem.transfer import kv_names
 __all__ = ["BadFileError", "KvFile", "entries_of", "find_files", "read_entries", "read_tensor"]
 
 SUFFIX = ".safetensors"
+# What to do instead of importing a store's files (hmem's shards are refused)
+STORE_HINT = "copy a whole store with 'hmem copy', or export entries with 'hmem export' and import that file"
 
 _READ_WHOLE_BYTES = 64 << 10  # files up to this size are read, larger ones mapped
 
@@ -59,14 +63,15 @@ def find_files(paths: Iterable[str | Path], *, store: str | os.PathLike | None =
     InvalidArgumentError naming it, and the files of a directory that
     contains the store leave out the store's subtree.  Paths are compared
     resolved (symlinks followed)."""
-    root = Path(store).resolve() if store is not None else None
+    # "" would resolve to the current directory: refused, like a file as the store
+    root = Path(validation.store_directory(store)).resolve() if store is not None else None
     out: list[Path] = []
     for raw in paths:
-        path = Path(raw)
+        path = Path(validation.path_text(raw, "a path to import"))  # "" is refused, never taken for "."
         if root is not None:
             _refuse_inside(path, root)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob(f"*{SUFFIX}") if p.is_file())
+        if path.is_dir() and not is_store(path):
+            found = sorted(_files_below(path))
             if root is not None:
                 # The search enters no linked directory, so a file leads into the
                 # store only when the store lies below this directory or the file
@@ -78,6 +83,19 @@ def find_files(paths: Iterable[str | Path], *, store: str | os.PathLike | None =
         else:
             out.append(path)
     return out
+
+
+def _files_below(top: Path) -> Iterator[Path]:
+    """The *.safetensors files below `top`, and in place of the files of
+    each store directory below it the directory itself (KvFile refuses it
+    with its reason): a store's shards are not K/V files to import.  Linked
+    directories are not entered (as Path.rglob does not)."""
+    for folder, dirs, files in os.walk(top):
+        here = Path(folder)
+        stores = [name for name in dirs if is_store(here / name) and not (here / name).is_symlink()]
+        yield from (here / name for name in stores)
+        dirs[:] = [name for name in dirs if name not in stores]
+        yield from (p for p in (here / name for name in files if name.endswith(SUFFIX)) if p.is_file())
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -110,6 +128,11 @@ class KvFile:
 
     def __init__(self, path: Path) -> None:
         try:
+            if is_store(path):
+                raise BadFileError(
+                    "an hmem store directory: its shard files are not K/V files to import",
+                    hint=STORE_HINT,
+                )
             if not stat.S_ISREG(os.stat(path).st_mode):
                 raise BadFileError("not a regular file")
             with open(path, "rb") as f:
@@ -133,6 +156,14 @@ class KvFile:
         self.metadata = header.metadata if isinstance(header.metadata, dict) else {}
         self._start = header.data_start
         self.tensors: dict[str, safetensors.TensorSpec] = header.tensors
+        if self.metadata.get("format") == shard_file.SHARD_FORMAT or shard_file.INDEX_TENSOR in self.tensors:
+            # Read as K/V pairs its entries would all land in one layer with
+            # importance 1 (shard tensors carry neither): refused, never guessed.
+            raise BadFileError(
+                "an hmem shard file (of a store, or a copy of one), not a K/V file: imported as K/V, its "
+                "entries would lose their layers and importance",
+                hint=STORE_HINT,
+            )
 
     def array(self, name: str) -> np.ndarray:
         """The tensor as a float array (a view for F32/F16/F64, a float32 copy for BF16)."""
