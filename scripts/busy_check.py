@@ -41,6 +41,17 @@ def _disk_writer(directory: Path) -> subprocess.Popen:
     return subprocess.Popen(["sh", "-c", script], start_new_session=True)
 
 
+def _pytest_command() -> list[str]:
+    """pytest as the README runs it.  Not `python -m pytest`: that puts the
+    current directory first on sys.path, so in a checkout where hmem is
+    installed (not editable) the tests would import the source tree, whose
+    kernels are not compiled, instead of the installed package."""
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", "pytest"]  # -P: no current directory on sys.path
+    script = Path(sys.executable).with_name("pytest")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "pytest"]
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     """Kill each load process with its session (the disk writer's dd too)."""
     for proc in procs:
@@ -72,7 +83,7 @@ def main() -> int:
     try:
         for round_number in range(1, args.rounds + 1):
             started = time.monotonic()
-            code = subprocess.call([sys.executable, "-m", "pytest", "-q", *args.pytest_args])
+            code = subprocess.call([*_pytest_command(), "-q", *args.pytest_args])
             seconds = time.monotonic() - started
             results.append(code)
             print(f"round {round_number}: pytest exit {code} in {seconds / 60:.1f} min", flush=True)
