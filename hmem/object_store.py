@@ -28,7 +28,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from hmem.errors import InvalidArgumentError, ObjectStoreError, PathError, PermissionDeniedError
+from hmem.errors import (
+    CorruptStoreError,
+    Hint,
+    InvalidArgumentError,
+    ObjectStoreError,
+    PathError,
+    PermissionDeniedError,
+)
 
 SCHEMES = ("s3://",)
 # storage_options hmem understands; anything else is refused by name
@@ -242,11 +249,22 @@ class ObjectClient:
 
     # ---- reads -----------------------------------------------------------------------
 
-    def get(self, key: str) -> tuple[bytes, str]:
-        """An object's bytes and its ETag."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, str]:
+        """An object's bytes and its ETag.  `max_bytes`: an object larger
+        than that is a damaged store (CorruptStoreError), refused from the
+        size the answer announces, before its body is read."""
         try:
             result = self._obstore.get(self._store, key)
+            size = int(result.meta["size"])
+            if max_bytes is not None and size > max_bytes:
+                self._count("gets")
+                raise CorruptStoreError(
+                    f"{self.url}/{key} is {size} bytes, more than the {max_bytes} the store says it holds",
+                    hint=Hint.VERIFY,
+                )
             data = bytes(result.bytes())
+        except CorruptStoreError:
+            raise
         except Exception as exc:
             self._count("gets")
             raise self._fail(exc, "read", key) from None
@@ -254,18 +272,26 @@ class ObjectClient:
         return data, str(result.meta["e_tag"])
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of an object."""
+        """Bytes [start, end) of an object.  An object shorter than that (a
+        size a manifest claimed) is a damaged store, not a failed request:
+        CorruptStoreError, as the same short local file is."""
+
+        def short(got: int) -> CorruptStoreError:
+            return CorruptStoreError(
+                f"{self.url}/{key} is shorter than the store says: asked {end - start} bytes from {start}, got {got}",
+                hint=Hint.VERIFY,
+            )
+
         try:
             data = bytes(self._obstore.get_range(self._store, key, start=start, end=end))
         except Exception as exc:
             self._count("gets")
+            if _INVALID_RANGE in str(exc):
+                raise short(0) from None  # S3's 416: the range starts at or past the object's end
             raise self._fail(exc, "read", key) from None
         self._count("gets", fetched=len(data))
         if len(data) != end - start:
-            raise ObjectStoreError(
-                f"{self.url}/{key} is shorter than expected: asked {end - start} bytes from {start}, got {len(data)}",
-                hint="check the store with hmem verify",
-            )
+            raise short(len(data))
         return data
 
     def get_start(self, key: str, size: int) -> bytes | None:

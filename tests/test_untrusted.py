@@ -16,9 +16,11 @@ every command.
   of) a copy outside, or by a named pipe;
 - index.json claiming a billion (or 2**40) records: refused at once, in a
   subprocess under a 1 GiB address-space limit;
-- a seeded, structured fuzzer over index.json and entries.bin that
-  recomputes every checksum, so its mutations reach past them, and runs
-  every command on each mutated store.
+- a seeded, structured fuzzer over index.json, entries.bin and
+  commit.stamp that recomputes every checksum, so its mutations reach past
+  them (pending record updates far past the end, sparse files claiming
+  terabytes, stamp ids of any size among them), and runs every command on
+  each mutated store, each case within a time and a memory budget.
 
 docs/reliability.md ("Untrusted stores") gives the figures
 (``HMEM_RELIABILITY_LOG=file`` appends them as JSON lines;
@@ -28,6 +30,7 @@ docs/reliability.md ("Untrusted stores") gives the figures
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import dataclasses
 import json
@@ -55,7 +58,7 @@ from typer.testing import CliRunner
 
 import hmem
 from hmem.cli.app import app
-from hmem.formats import records
+from hmem.formats import records, stamp
 from hmem.formats.layout import REWRITE_PREFIX
 
 # A format test: index.json's checksum is recomputed exactly as hmem does
@@ -78,6 +81,8 @@ BASE_ENV = {
 DOCUMENTED_EXIT_CODES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}  # docs/cli.md, "Exit codes"
 FUZZ_CASES = int(os.environ.get("HMEM_FUZZ_CASES", "150"))
 MEMORY_LIMIT = 1536 << 20  # address space of the fuzzer's subprocess
+CASE_SECONDS = 300  # a fuzz case's time budget (a hang guard, _case_budget)
+CASE_MEMORY_KIB = 256 << 10  # how far one fuzz case may raise the peak memory
 
 # Subprocesses run outside the checkout so that they import the installed hmem
 # (with its compiled kernels), not the source tree.
@@ -713,10 +718,20 @@ def m_pending_delete(rng, t: Target) -> str:
 
 def m_pending_updates(rng, t: Target) -> str:
     n = t.original["record_count"]
-    how = _pick(rng, ["past-end", "huge", "many", "odd-bytes", "not-base64", "bad-shard", "not-a-string"])
+    how = _pick(
+        rng, ["past-end", "far-past-end", "huge", "many", "odd-bytes", "not-base64", "bad-shard", "not-a-string"]
+    )
     updates = np.zeros(3, dtype=UPDATE_DTYPE)
     if how == "past-end":
         updates["position"] = [0, n, n + 5]
+    elif how == "far-past-end":
+        # one sound update (its checksum matches the record it makes) far
+        # past the records: a writer that applied it before checking would
+        # grow entries.bin to a sparse file of terabytes
+        row = t.recs[:1].copy()
+        records.seal(row)
+        updates = records.updates_for(row, np.array([0]))
+        updates["position"] = _pick(rng, [2**20, 2**26, 2**36])
     elif how == "huge":
         updates["position"] = [2**63, 2**64 - 1, 2**40]
     elif how == "many":
@@ -828,6 +843,35 @@ def m_record_file(rng, t: Target) -> str:
     return f"entries.bin: {how}"
 
 
+def m_sparse_file(rng, t: Target) -> str:
+    """A file whose size claims data that is not there: holes (a sparse
+    file) a few kilobytes of store turn into terabytes of apparent size."""
+    store = t.sandbox / "store"
+    how = _pick(rng, ["entries-tail", "entries-claim", "shard"])
+    if how == "entries-tail":  # 4 GiB of holes past the committed records
+        entries = store / "entries.bin"
+        os.truncate(entries, entries.stat().st_size + (4 << 30))
+    elif how == "entries-claim":  # a record count entries.bin covers only with holes
+        t.doc["record_count"] = 2**26
+        os.truncate(store / "entries.bin", 2**26 * t.recs.itemsize)
+    else:  # a shard of 1 TiB, index.json agreeing on its size
+        i = int(rng.integers(len(shards(t))))
+        os.truncate(store / t.doc["shards"][i]["file"], 1 << 40)
+        t.doc["shards"][i]["bytes"] = 1 << 40
+    return f"sparse: {how}"
+
+
+def m_stamp(rng, t: Target) -> str:
+    """commit.stamp with its checksum recomputed and ids of any size."""
+    real = stamp.read(t.sandbox / "store")
+    assert real is not None
+    key = _pick(rng, ["generation", "next_entry_id", "record_count"])
+    value = _pick(rng, [0, getattr(real, key) + 1, 2**40, 2**63 - 1, 2**63, 2**64 - 1])
+    crafted = dataclasses.replace(real, **{key: value})
+    (t.sandbox / "store" / "commit.stamp").write_bytes(stamp.encode(crafted))
+    return f"commit.stamp {key} = {value}"
+
+
 INDEX_MUTATIONS: list[Callable[[np.random.Generator, Target], str]] = [
     m_shard_name,
     m_shard_number,
@@ -841,9 +885,20 @@ INDEX_MUTATIONS: list[Callable[[np.random.Generator, Target], str]] = [
     m_index_text,
 ]
 RECORD_MUTATIONS: list[Callable[[np.random.Generator, Target], str]] = [m_record_field, m_record_order]
-MUTATIONS = INDEX_MUTATIONS + RECORD_MUTATIONS + [m_record_file]
+# Mutations of the files themselves, applied after the records are written back.
+FILE_MUTATIONS: list[Callable[[np.random.Generator, Target], str]] = [m_record_file, m_sparse_file, m_stamp]
+MUTATIONS = INDEX_MUTATIONS + RECORD_MUTATIONS + FILE_MUTATIONS
 # The mutations whose numbers could size an allocation or a loop.
-COUNT_MUTATIONS = [m_counter, m_shard_number, m_shard_list, m_pending_updates, m_record_field, m_record_file]
+COUNT_MUTATIONS = [
+    m_counter,
+    m_shard_number,
+    m_shard_list,
+    m_pending_updates,
+    m_record_field,
+    m_record_file,
+    m_sparse_file,
+    m_stamp,
+]
 
 
 def make_case(
@@ -862,34 +917,69 @@ def make_case(
         chosen = [pool[seed]]
     else:
         chosen = [_pick(rng, pool) for _ in range(int(rng.integers(1, 4)))]
-    done = []
-    file_mutation = None
-    for mutate in chosen:
-        if mutate is m_record_file:
-            file_mutation = mutate  # after the records are written back
-        else:
-            done.append(mutate(rng, t))
+    done = [mutate(rng, t) for mutate in chosen if mutate not in FILE_MUTATIONS]
     if t.records_changed:
         write_records(store, t.recs)
-    if file_mutation is not None:
-        done.append(file_mutation(rng, t))
+    done += [mutate(rng, t) for mutate in dict.fromkeys(chosen) if mutate in FILE_MUTATIONS]
     write_doc(store, t.doc)
     if t.raw_index is not None:
         (store / "index.json").write_bytes(t.raw_index)
     return sandbox, done
 
 
+class _OverBudget(BaseException):
+    """Not an Exception: the command line must not catch it."""
+
+
+@contextlib.contextmanager
+def _case_budget(what: str):
+    """The time budget of one fuzz case, a hang guard: its nine commands on
+    a store of a few kilobytes take about a second, even on a busy machine
+    well under a minute; work that followed a crafted size (a terabyte of
+    holes scanned, 2**36 records) would take hours."""
+
+    def over(signum, frame):
+        raise _OverBudget(f"{what} ran past its budget of {CASE_SECONDS} s")
+
+    previous = signal.signal(signal.SIGALRM, over)
+    signal.alarm(CASE_SECONDS)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def fuzz(
     template: Path, work: Path, seeds: range, kinds: list[Callable[[np.random.Generator, Target], str]] | None = None
 ) -> dict[str, Any]:
     """Run every command on each case; returns the figures."""
-    figures = {"cases": 0, "commands": 0, "outside_changed": 0, "internal_errors": 0, "codes": {}, "mutations": 0}
+    figures = {
+        "cases": 0,
+        "commands": 0,
+        "outside_changed": 0,
+        "internal_errors": 0,
+        "codes": {},
+        "mutations": 0,
+        "slowest_case_s": 0.0,
+        "largest_case_growth_kib": 0,
+    }
     for seed in seeds:
         sandbox, done = make_case(template, work / f"case{seed}", seed, kinds)
+        what = f"fuzz case {seed} ({'; '.join(done)})"
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        started = time.perf_counter()
         try:
-            out = run_all(sandbox)
+            with _case_budget(what):
+                out = run_all(sandbox)
         except AssertionError as exc:
-            raise AssertionError(f"fuzz case {seed} ({'; '.join(done)}): {exc}") from None
+            raise AssertionError(f"{what}: {exc}") from None
+        # the memory budget: a case's work sized by a claim (terabytes of
+        # holes, 2**36 records) would raise the peak far past it
+        growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
+        assert growth < CASE_MEMORY_KIB, f"{what} raised peak memory by {growth} KiB"
+        figures["slowest_case_s"] = max(figures["slowest_case_s"], round(time.perf_counter() - started, 2))
+        figures["largest_case_growth_kib"] = max(figures["largest_case_growth_kib"], growth)
         figures["cases"] += 1
         figures["mutations"] += len(done)
         figures["commands"] += len(out)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import sys
 
+from hmem.cli.output import visible
+
 
 def problem(message: str) -> None:
-    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.write(visible(f"error: {message}") + "\n")  # a file name's control characters shown
     sys.stderr.flush()

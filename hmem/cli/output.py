@@ -11,6 +11,13 @@
   user text (a file ``run[bold]1.safetensors``, a message quoting
   ``[n_tokens, embed_dim]``) shows literally.  Style is asked for
   explicitly, with ``styled()`` or a ``rich.text.Text``.
+- Control characters are shown, never sent: text that came from a store
+  (entry metadata, a lock's owner, a source name, an error quoting them)
+  could carry terminal escape sequences, so every str the consoles print,
+  every styled() text and every error line has its C0 and C1 control
+  characters (ESC, CR, BEL, DEL...; newline and tab aside) replaced by
+  visible ``\\x1b`` forms (``visible()``, docs/security.md).  JSON output
+  is escaped by ``json.dumps`` already.
 - Sizes and rates are binary (KiB, MiB, GiB; MiB/s), in summaries and in
   progress bars alike (docs/cli.md, "Conventions").
 - An error under ``--json`` (or ``--jsonl``) is also one JSON document on
@@ -29,6 +36,7 @@ import errno
 import io
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -98,12 +106,24 @@ def flush_stdout() -> bool:
     return True
 
 
+# C0 controls but newline and tab, DEL and C1 controls: what a terminal may
+# act on (ESC starts a sequence; C1 CSI 0x9b is one on its own)
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """`text` with its control characters replaced by ``\\xNN`` (ESC shows as
+    ``\\x1b``): store text (docs/security.md) never drives the terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def styled(text: str, style: str) -> Text:
     """`text` shown literally in `style` ("bold", "yellow"): the way to
-    colour a line or a table cell (a plain ``str`` is never markup)."""
+    colour a line or a table cell (a plain ``str`` is never markup, and
+    its control characters are shown: visible())."""
     from rich.text import Text
 
-    return Text(text, style=style)
+    return Text(visible(text), style=style)
 
 
 def literal(text: str) -> Text:
@@ -118,6 +138,10 @@ def _console(**kwargs: Any) -> Console:
     from rich.console import Console
 
     class _Console(Console):
+        def render_str(self, text: str, **kwargs: Any) -> Text:
+            # every str printed or put in a table passes here (Text: styled())
+            return super().render_str(visible(text), **kwargs)
+
         def on_broken_pipe(self) -> None:
             # Rich would exit with code 1; hmem ends with 141 (hmem/cli/app.py)
             self.quiet = True
@@ -212,7 +236,7 @@ class Output:
         if not self.quiet:
             from rich.text import Text
 
-            self.err.print(Text.assemble(("warning:", "yellow"), " ", message), soft_wrap=True)
+            self.err.print(Text.assemble(("warning:", "yellow"), " ", visible(message)), soft_wrap=True)
 
     @contextlib.contextmanager
     def progress(self, description: str, total: float | None, *, bytes_mode: bool = False) -> Iterator[Any]:
@@ -280,8 +304,9 @@ def json_emitted() -> bool:
 
 def error_line(message: str, hint: str | None) -> str:
     """The one line an error prints: what happened, then what to do.  Plain
-    text, written to stderr as it is (no Rich), so user text stays literal."""
-    return f"error: {message}" + (f" ({hint})" if hint else "")
+    text, written to stderr as it is (no Rich), so user text stays literal;
+    its control characters shown (visible())."""
+    return visible(f"error: {message}" + (f" ({hint})" if hint else ""))
 
 
 def error_document(code: str, exit_code: int, message: str, hint: str | None) -> dict[str, Any]:

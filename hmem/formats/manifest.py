@@ -229,11 +229,33 @@ def _checksum(body: dict[str, Any]) -> int:
 
 def write(store_dir: Path, manifest: Manifest) -> bytes:
     """Commit `manifest` (atomically and durably); returns the bytes written."""
+    spent = counters_problem(manifest)
+    if spent is not None:  # never commit an index.json that parse() refuses: docs/security.md
+        raise CorruptStoreError(
+            f"{store_dir}: {spent}; the change is not committed",
+            hint="copy the store's entries into a new store",
+        )
     manifest.committed = _now()
     manifest.written_by = f"hmem {__version__}"
     data = manifest.to_bytes()
     _io.write_file(store_dir / INDEX_FILE, [data])
     return data
+
+
+def counters_problem(mf: Manifest) -> str | None:
+    """Which counter of `mf` lies past the bound parse() holds it to, or
+    None.  Only a crafted store gets there (a counter set near its bound):
+    writers check before they write anything, write() before it commits."""
+    for name, value, high in (
+        ("generation", mf.generation, MAX_COUNT),
+        ("next_entry_id", mf.next_entry_id, MAX_COUNT),
+        ("record_count", mf.record_count, MAX_RECORDS),
+    ):
+        if value > high:
+            return f"its {name} would pass {high}, the most a store may hold"
+    # (a shard's counts are held to their bounds where they change, never
+    # looked at here: a commit must not cost a look at each of its shards)
+    return None
 
 
 def read_bytes(store_dir: Path) -> bytes:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hmem import _io, threads
+from hmem import _io, file_reads, threads
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, Hint, storage_error
 from hmem.kernels import checksum as checksum_kernels
@@ -171,6 +171,60 @@ def problem(records: np.ndarray, shard_count: int, next_entry_id: int) -> str | 
     return None
 
 
+def _check_present(path: Path, fd: int, count: int, record_size: int) -> None:
+    """Refuse (CorruptStoreError) an entries.bin that does not hold `count`
+    records in data really present: a sparse file's size costs nothing, so
+    the records must lie in data before a byte is allocated or read for
+    them (hmem writes entries.bin without holes: docs/security.md)."""
+    size = os.fstat(fd).st_size
+    need = count * record_size
+    if size < need:
+        raise CorruptStoreError(
+            f"{path} holds {size // record_size} whole records but the store commits {count}", hint=Hint.VERIFY
+        )
+    present = file_reads.data_bytes(fd, need)
+    if present < need:
+        raise CorruptStoreError(
+            f"{path} has holes where the store's {count} committed records must be: only {present} of "
+            f"their {need} bytes are data",
+            hint=Hint.VERIFY,
+        )
+
+
+def require_present(path: Path, count: int, config: StoreConfig | int) -> None:
+    """Refuse an entries.bin at `path` that does not hold `count` records in
+    data (missing, short, or sparse): what a writer checks before it writes
+    a pending record update in place, so that no claimed count grows the
+    file (docs/security.md)."""
+    try:
+        fd = _io.open_regular(path)
+    except FileNotFoundError:
+        if count == 0:
+            return
+        raise CorruptStoreError(f"{path} is missing but the store commits {count} records", hint=Hint.VERIFY) from None
+    except OSError as exc:
+        raise storage_error(exc, "read", path, writing=False) from exc
+    try:
+        _check_present(path, fd, count, record_dtype(config).itemsize)
+    finally:
+        os.close(fd)
+
+
+def present_count(path: Path, count: int, config: StoreConfig | int) -> int:
+    """How many of the first `count` records of the entries.bin at `path`
+    lie in bytes present (data, not holes), at most; 0 when it is missing.
+    What bounds verify's and repair's reads of a damaged file."""
+    size = record_dtype(config).itemsize
+    try:
+        fd = _io.open_regular(path)
+    except FileNotFoundError:
+        return 0
+    try:
+        return file_reads.data_bytes(fd, count * size) // size
+    finally:
+        os.close(fd)
+
+
 def read(path: Path, count: int, config: StoreConfig | int) -> np.ndarray:
     """The first `count` records of entries.bin (bytes past them are ignored)."""
     dtype = record_dtype(config)
@@ -183,12 +237,7 @@ def read(path: Path, count: int, config: StoreConfig | int) -> np.ndarray:
     except OSError as exc:  # permissions, a disk error: docs/reliability.md, "OS errors"
         raise storage_error(exc, "read", path, writing=False) from exc
     with open(fd, "rb") as f:
-        size = os.fstat(fd).st_size
-        if size < count * dtype.itemsize:  # checked before anything is allocated for them
-            raise CorruptStoreError(
-                f"{path} holds {size // dtype.itemsize} whole records but the store commits {count}",
-                hint=Hint.VERIFY,
-            )
+        _check_present(path, fd, count, dtype.itemsize)  # before anything is allocated for them
         try:
             return np.fromfile(f, dtype=dtype, count=count)
         except OSError as exc:
@@ -213,13 +262,8 @@ def read_checked(path: Path, count: int, config: StoreConfig | int) -> tuple[np.
         raise CorruptStoreError(f"{path} is missing but the store commits {count} records", hint=Hint.VERIFY) from None
     except OSError as exc:  # permissions, a disk error: docs/reliability.md, "OS errors"
         raise storage_error(exc, "read", path, writing=False) from exc
-    size = os.fstat(fd).st_size
-    if size < count * dtype.itemsize:  # checked before anything is allocated for them
-        os.close(fd)
-        raise CorruptStoreError(
-            f"{path} holds {size // dtype.itemsize} whole records but the store commits {count}", hint=Hint.VERIFY
-        )
     try:
+        _check_present(path, fd, count, dtype.itemsize)  # before anything is allocated for them
         out = np.empty(count, dtype=dtype)
     except BaseException:
         os.close(fd)

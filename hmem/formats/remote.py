@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from hmem.errors import CorruptStoreError, Hint, NotAStoreError, UnsupportedFormatError
+from hmem.formats.manifest import MAX_SHARDS
 from hmem.formats.pooled import POOLED_FILE
 from hmem.formats.records import ENTRIES_FILE
 from hmem.formats.shard_file import INDEX_ROW_BYTES
@@ -52,6 +53,11 @@ HEADS_FILE = "shard-heads"
 HEADS = len(STATE_FILES)
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_STATE_OBJECTS = 10_000
+MAX_FILE_BYTES = MAX_MANIFEST_BYTES * 1024  # a small file's committed size (entries.bin, ...), 1 TiB
+MAX_OBJECT_BYTES = 1 << 50  # a shard or state object's size (index.json's MAX_FILE_BYTES)
+MAX_RETIRED = 1 << 22  # retired objects a manifest lists (as many as index.json's shards)
+MAX_SECONDS = float(1 << 36)  # `committed` and `since`, Unix seconds (past the year 4000)
+_MAX_PIECE = 1 << 62  # a state piece's offset and length
 
 _STATE_MAGIC = b"HMEMSTAT"
 _STATE_HEAD = struct.Struct("<8sII")  # magic, version, number of pieces
@@ -68,12 +74,14 @@ __all__ = [
     "STATE_FILES",
     "Lease",
     "RemoteManifest",
+    "StatePieces",
     "apply_state",
     "encode_head",
     "encode_state",
     "is_init_leftover",
     "is_own_key",
     "parse_heads",
+    "read_state",
     "shard_key",
     "state_key",
 ]
@@ -94,6 +102,11 @@ def state_key(generation: int, token: str) -> str:
 # (another store's objects, in a sub-prefix or beside it at a bucket's
 # root; a file someone put there) is never deleted.
 _OWN_KEY = re.compile(r"shards/[0-9a-f]{32}\.safetensors|state/[0-9]{12,20}-[0-9a-f]{8}\.bin")
+# the state keys a manifest may name (read, never deleted unless also
+# own): one name directly under state/ of characters every object store
+# takes as they are (an empty segment, "." or a control character would
+# be a request the client refuses, not a missing object)
+_STATE_NAME = re.compile(r"state/[0-9A-Za-z_-][0-9A-Za-z._-]{0,254}")
 # what an interrupted `hmem init` of a URL leaves there (the lease, the
 # first state object), which a new init there may take over
 _INIT_LEFTOVER = re.compile(r"lease\.json|state/[0-9]{12,20}-[0-9a-f]{8}\.bin")
@@ -138,10 +151,72 @@ def encode_state(pieces: list[tuple[int, int, bytes | memoryview]]) -> bytes:
     return body + struct.pack("<I", _crc(body))
 
 
-def apply_state(data: bytes, files: list[bytearray], key: str) -> None:
-    """Write a state object's pieces into `files` (one bytearray per
-    STATE_FILES entry, then one for the shard heads, sized as the manifest
-    says); refuses a damaged object or a piece outside its file."""
+class StatePieces:
+    """A state object checked whole (read_state): its pieces' file numbers,
+    offsets and lengths, and where each piece's bytes start in it."""
+
+    def __init__(self, key: str, data: bytes, table: np.ndarray, start: int) -> None:
+        self.key = key
+        self.data = data
+        self.files = table["file"].astype(np.int64)
+        self.offsets = table["offset"].astype(np.int64)
+        self.lengths = table["length"].astype(np.int64)
+        self.start = start
+
+    def file_bytes(self, count: int) -> np.ndarray:
+        """The bytes its pieces hold for each of `count` files: what a
+        manifest may claim of them is bounded by this (RemoteLink.materialize)."""
+        held = np.zeros(count, dtype=np.int64)
+        np.add.at(held, self.files, self.lengths)
+        return held
+
+    def check_within(self, sizes: list[int]) -> None:
+        """Refuse a piece that names a file not among `sizes` (bytes of each
+        file) or lies outside its file."""
+
+        def bad(why: str) -> CorruptStoreError:
+            return CorruptStoreError(f"state object {self.key} is damaged: {why}", hint=Hint.VERIFY)
+
+        if not len(self.files):
+            return
+        if int(self.files.max()) >= len(sizes):
+            raise bad("its pieces name a file that does not exist")
+        ends = np.array(sizes, dtype=np.int64)[self.files]
+        if np.any(self.offsets + self.lengths > ends):  # each below 2^62: no overflow
+            raise bad("a piece lies outside its file")
+
+    def apply(self, files: list[bytearray]) -> None:
+        """Write the pieces into `files`; refuses (before writing a byte) a
+        piece that names a file not given or lies outside its file."""
+        self.check_within([len(f) for f in files])
+        if not len(self.files):
+            return
+        offsets, lengths = self.offsets, self.lengths
+        body = np.frombuffer(self.data, dtype=np.uint8, count=len(self.data) - 4 - self.start, offset=self.start)
+        sources = np.cumsum(lengths) - lengths
+        for number, target in enumerate(files):
+            mine = np.flatnonzero(self.files == number)
+            if not len(mine):
+                continue
+            out = np.frombuffer(target, dtype=np.uint8)
+            if len(mine) <= 64:  # a snapshot, or a few runs: copied piece by piece
+                for i in mine.tolist():
+                    out[offsets[i] : offsets[i] + lengths[i]] = body[sources[i] : sources[i] + lengths[i]]
+                continue
+            # many small pieces (records updated here and there): one gather and one scatter
+            within = np.arange(int(lengths[mine].sum()), dtype=np.int64) - np.repeat(
+                np.cumsum(lengths[mine]) - lengths[mine], lengths[mine]
+            )
+            out[np.repeat(offsets[mine], lengths[mine]) + within] = body[
+                np.repeat(sources[mine], lengths[mine]) + within
+            ]
+
+
+def read_state(data: bytes, key: str) -> StatePieces:
+    """A state object checked whole, before anything is sized by it: its
+    checksum, and a table whose pieces name files 0..3, have offsets and
+    lengths below 2^62 and fill the object exactly (so a piece's bytes are
+    bytes the object really holds)."""
 
     def bad(why: str) -> CorruptStoreError:
         return CorruptStoreError(f"state object {key} is damaged: {why}", hint=Hint.VERIFY)
@@ -157,34 +232,26 @@ def apply_state(data: bytes, files: list[bytearray], key: str) -> None:
     if start > len(data) - 4:
         raise bad("its table runs past its end")
     table = np.frombuffer(data, dtype=_PIECE, count=count, offset=_STATE_HEAD.size)
-    lengths = table["length"].astype(np.int64)
-    ends = np.cumsum(lengths)
-    if len(table) and (int(table["file"].max()) >= len(files) or int(ends[-1]) != len(data) - 4 - start):
-        raise bad("its pieces do not fill it, or name a file that does not exist")
-    if not len(table):
-        if start != len(data) - 4:
-            raise bad("its pieces do not fill it")
-        return
-    sizes = np.array([len(f) for f in files], dtype=np.int64)[table["file"]]
-    offsets = table["offset"].astype(np.int64)
-    if np.any(table["offset"] > np.uint64(1 << 62)) or np.any(offsets + lengths > sizes):
-        raise bad("a piece lies outside its file")
-    body = np.frombuffer(data, dtype=np.uint8, count=len(data) - 4 - start, offset=start)
-    sources = ends - lengths
-    for number, target in enumerate(files):
-        mine = np.flatnonzero(table["file"] == number)
-        if not len(mine):
-            continue
-        out = np.frombuffer(target, dtype=np.uint8)
-        if len(mine) <= 64:  # a snapshot, or a few runs: copied piece by piece
-            for i in mine.tolist():
-                out[offsets[i] : offsets[i] + lengths[i]] = body[sources[i] : sources[i] + lengths[i]]
-            continue
-        # many small pieces (records updated here and there): one gather and one scatter
-        within = np.arange(int(lengths[mine].sum()), dtype=np.int64) - np.repeat(
-            np.cumsum(lengths[mine]) - lengths[mine], lengths[mine]
-        )
-        out[np.repeat(offsets[mine], lengths[mine]) + within] = body[np.repeat(sources[mine], lengths[mine]) + within]
+    body_bytes = len(data) - 4 - start
+    if len(table) and (
+        int(table["file"].max()) > HEADS
+        or np.any(table["zero"] != 0)
+        or np.any(table["offset"] >= np.uint64(_MAX_PIECE))
+        or np.any(table["length"] > np.uint64(body_bytes))
+    ):
+        raise bad("a piece names a file that does not exist, or its offset or length is out of range")
+    # each length at most the body: a running sum passes the body before it could wrap
+    ends = np.cumsum(table["length"].astype(np.int64))
+    if (int(ends[-1]) if len(ends) else 0) != body_bytes or (len(ends) and int(ends.max()) > body_bytes):
+        raise bad("its pieces do not fill it")
+    return StatePieces(key, data, table, start)
+
+
+def apply_state(data: bytes, files: list[bytearray], key: str) -> None:
+    """Write a state object's pieces into `files` (one bytearray per
+    STATE_FILES entry, then one for the shard heads, sized as the manifest
+    says); refuses a damaged object or a piece outside its file."""
+    read_state(data, key).apply(files)
 
 
 # ---- shard heads -----------------------------------------------------------------------
@@ -281,18 +348,32 @@ class RemoteManifest:
             raise CorruptStoreError(f"{where} fails its checksum", hint=Hint.VERIFY)
         try:
             mf = cls(
-                generation=int(doc["generation"]),
-                index=str(doc["index"]).encode(),
+                generation=_whole(doc["generation"], "generation", (1 << 63) - 1),
+                index=_text(doc["index"], "index").encode(),
                 sizes={
-                    **{name: int(doc["files"][name]) for name in STATE_FILES},
-                    HEADS_FILE: int(doc["files"].get(HEADS_FILE, 0)),
+                    **{name: _whole(doc["files"][name], f"files.{name}", MAX_FILE_BYTES) for name in STATE_FILES},
+                    HEADS_FILE: _whole(doc["files"].get(HEADS_FILE, 0), f"files.{HEADS_FILE}", MAX_FILE_BYTES),
                 },
-                state=[{"key": str(s["key"]), "bytes": int(s["bytes"])} for s in doc["state"]],
-                shards={str(uid): {"key": str(s["key"]), "bytes": int(s["bytes"])} for uid, s in doc["shards"].items()},
-                retired=[{"key": str(r["key"]), "since": float(r["since"])} for r in doc["retired"]],
-                writer=str(doc["writer"]),
-                committed=float(doc["committed"]),
+                state=[
+                    {"key": _text(s["key"], "state.key"), "bytes": _whole(s["bytes"], "state.bytes", MAX_OBJECT_BYTES)}
+                    for s in _items(doc["state"], "state", MAX_STATE_OBJECTS)
+                ],
+                shards={
+                    _text(uid, "shards"): {
+                        "key": _text(s["key"], "shards.key"),
+                        "bytes": _whole(s["bytes"], "shards.bytes", MAX_OBJECT_BYTES),
+                    }
+                    for uid, s in _shard_items(doc["shards"])
+                },
+                retired=[
+                    {"key": _text(r["key"], "retired.key"), "since": _seconds(r["since"], "retired.since")}
+                    for r in _items(doc["retired"], "retired", MAX_RETIRED)
+                ],
+                writer=_text(doc["writer"], "writer"),
+                committed=_seconds(doc["committed"], "committed"),
             )
+        except _Malformed as exc:
+            raise CorruptStoreError(f"{where}: {exc}", hint=Hint.VERIFY) from None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptStoreError(f"{where} is missing or has a malformed field ({exc})", hint=Hint.VERIFY) from None
         problem = mf._problem()
@@ -302,20 +383,72 @@ class RemoteManifest:
 
     def _problem(self) -> str | None:
         """What an untrusted manifest may not say (docs/security.md): keys
-        outside the store's own names, sizes past the bounds."""
-        if not 0 <= self.generation < 1 << 63:
-            return "generation out of range"
-        if any(not 0 <= size <= MAX_MANIFEST_BYTES * 1024 for size in self.sizes.values()):
-            return "a file size is out of range"
-        if not self.state or len(self.state) > MAX_STATE_OBJECTS:
-            return "it lists no state objects, or too many"
+        outside the store's own names, retired keys that are not names the
+        store deletes or that a commit still names, files its state objects
+        cannot hold.  (Types and bounds of each number: parse.)"""
+        if not self.state:
+            return "it lists no state objects"
+        named: set[str] = set()
         for item in self.state:
-            if not item["key"].startswith(STATE_PREFIX) or ".." in item["key"]:
-                return f"{item['key']!r} is not a state object's name"
+            if _STATE_NAME.fullmatch(item["key"]) is None or ".." in item["key"]:
+                return f"state key {item['key']!r} is not a state object's name"
+            if item["key"] in named:
+                return f"state key {item['key']!r} is listed twice"
+            named.add(item["key"])
         for uid, item in self.shards.items():
             if item["key"] != shard_key(uid) or len(uid) != 32 or any(c not in "0123456789abcdef" for c in uid):
-                return f"{item['key']!r} is not the name of shard {uid!r}"
+                return f"shards key {item['key']!r} is not the name of shard {uid!r}"
+            named.add(item["key"])
+        for item in self.retired:
+            # a retired object is deleted once its grace time is over: only a
+            # name the store gives its own objects, and none a commit names
+            if not is_own_key(item["key"]):
+                return f"retired key {item['key']!r} is not the name of one of the store's shard or state objects"
+            if item["key"] in named:
+                return f"retired key {item['key']!r} is an object the manifest still names"
+        # every byte of the small files comes from a piece of a state object:
+        # files the listed objects cannot hold are a claim, refused before
+        # anything is sized by it
+        claimed, held = sum(self.sizes.values()), sum(item["bytes"] for item in self.state)
+        if claimed > held:
+            return f"files claims {claimed} bytes, more than its state objects hold ({held} bytes)"
         return None
+
+
+class _Malformed(ValueError):
+    """A manifest field of the wrong type or out of its bound."""
+
+
+def _whole(value: Any, field: str, bound: int) -> int:
+    """A whole number in 0..bound (not a boolean, a float or a string)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= bound:
+        raise _Malformed(f"{field} is not a whole number from 0 to {bound}: {str(value)[:40]}")
+    return value
+
+
+def _seconds(value: Any, field: str) -> float:
+    """A time in Unix seconds: a finite number from 0 to MAX_SECONDS."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SECONDS:
+        raise _Malformed(f"{field} is not a time in seconds from 0 to {MAX_SECONDS:.0f}: {str(value)[:40]}")
+    return float(value)
+
+
+def _text(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise _Malformed(f"{field} is not a string")
+    return value
+
+
+def _shard_items(value: Any) -> Any:
+    if not isinstance(value, dict) or len(value) > MAX_SHARDS:
+        raise _Malformed(f"shards is not a mapping of at most {MAX_SHARDS} shards")
+    return value.items()
+
+
+def _items(value: Any, field: str, bound: int) -> list[Any]:
+    if not isinstance(value, list) or len(value) > bound:
+        raise _Malformed(f"{field} is not a list of at most {bound} items")
+    return value
 
 
 # ---- the lease -------------------------------------------------------------------------

@@ -27,6 +27,7 @@ every name.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import mmap
 import re
@@ -35,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from hmem import _io
+from hmem import _io, file_reads
 from hmem.errors import CorruptStoreError, Hint
 from hmem.formats import safetensors
 from hmem.formats.layout import SHARD_NAME as SHARD_NAME  # named in layout
@@ -130,7 +131,7 @@ class ShardScan:
     header independently, for verify and repair (which must cope with
     damage to either)."""
 
-    size: int
+    size: int  # bytes read: the file's size (a shard with too many holes: up to its first hole)
     metadata: dict[str, str]
     # (entry_id, kind) -> (dtype, shape, absolute start, absolute end, recorded CRC or None);
     # from hmem_index when it is sound, else from the JSON header
@@ -152,6 +153,45 @@ def tensor_layout(
 
 
 _MAGIC_BYTES = INDEX_MAGIC.to_bytes(8, "little")
+
+
+def uid_halves(uid: str) -> tuple[int, int]:
+    """A 32-hex-digit uid as hmem_index's header row holds it: two signed
+    64-bit halves, the high one first."""
+    value = int(uid, 16)
+    high, low = value >> 64, value & ((1 << 64) - 1)
+    return high - (1 << 64) if high >= 1 << 63 else high, low - (1 << 64) if low >= 1 << 63 else low
+
+
+def index_problem(index: np.ndarray, entries: int, uid: str) -> str | None:
+    """What a reader refuses in an hmem_index that passes its checksum (one
+    check for hmem/store/shard_reader.py and verify, so that `verify` finds
+    whatever a read refuses): a header row other than the one index.json
+    describes (magic, version, entry count, the shard's uid), or entry ids
+    not strictly increasing (a reader finds rows by binary search).  A
+    crafted shard can carry any index whose CRC index.json records."""
+    head = index[0]
+    if int(head[0]) != INDEX_MAGIC or int(head[1]) != INDEX_VERSION or int(head[2]) != entries:
+        return "its entry index has a wrong header row"
+    if (int(head[3]), int(head[4])) != uid_halves(uid):
+        return "its entry index names another uid than the one index.json records"
+    ids = index[1:, 0]
+    if len(ids) > 1 and not bool(np.all(ids[1:] > ids[:-1])):
+        return "its entry index lists entry ids out of order"
+    return None
+
+
+def parse_meta(text: Any) -> dict[str, Any] | None:
+    """An entry's metadata as the header's ``meta:<id>`` holds it, or None
+    when it is not a JSON object (damaged or crafted: metadata carries no
+    checksum).  Reads refuse such an entry; verify reports it."""
+    if not isinstance(text, str):
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):  # not JSON, or crafted to nest without end: docs/security.md
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def shard_metadata(path: Path) -> dict[str, str]:
@@ -193,13 +233,27 @@ def _find_index(buf: Any, data_start: int | None) -> tuple[np.ndarray | None, in
 
 
 def scan_shard(
-    path: Path, *, embed_dim: int, storage: str, index_crc: int | None = None, pooled_keys: int = 1
+    path: Path,
+    *,
+    embed_dim: int,
+    storage: str,
+    index_crc: int | None = None,
+    pooled_keys: int = 1,
+    holes_allowed: bool = False,
 ) -> ShardScan:
     """Read a shard without trusting its header or its index.  `index_crc`
-    is what index.json records for the index (None when it is lost)."""
+    is what index.json records for the index (None when it is lost);
+    `holes_allowed`: a copy of a shard on object storage holding only what
+    was fetched (never judged by its holes)."""
     problems: list[tuple[str, str]] = []
     with open(_io.open_regular(path), "rb") as f:  # no link, a regular file: docs/security.md
         size = f.seek(0, 2)
+        sparse = None if holes_allowed else file_reads.too_sparse(f.fileno())
+        if sparse is not None:
+            # read as far as its first hole only (a shard extended with holes keeps what it held
+            # there): the holes would cost what the data does not (docs/security.md)
+            problems.append(("shard.sparse", f"the shard {sparse}"))
+            size = file_reads.leading_data(f.fileno())
         buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
     metadata: dict[str, str] = {}
     from_header: dict = {}

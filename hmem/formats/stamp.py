@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from hmem import _io
+from hmem import _io, file_reads
 from hmem.errors import HmemError
 from hmem.formats import records
 from hmem.formats.layout import ENTRIES_FILE, STAMP_FILE, record_bytes
-from hmem.formats.manifest import Manifest
+from hmem.formats.manifest import MAX_COUNT, MAX_RECORDS, Manifest
 from hmem.kernels import checksum as checksum_kernels
 
 MAGIC = b"HMEMSTMP"
@@ -72,6 +72,10 @@ def read(root: Path) -> Stamp | None:
     magic, generation, next_id, count, crc, _ = _LAYOUT.unpack(data)
     if magic != MAGIC or checksum_kernels.crc32c(data[:32]) != crc:
         return None
+    # A crafted stamp passes its CRC (docs/security.md): numbers past the
+    # bounds index.json is held to are no evidence, and never reach a commit.
+    if generation > MAX_COUNT or next_id > MAX_COUNT or count > MAX_RECORDS:
+        return None
     return Stamp(generation, next_id, count)
 
 
@@ -95,8 +99,12 @@ def stale_evidence(root: Path, mf: Manifest) -> str | None:
         whole = os.fstat(fd).st_size // size
         if whole <= mf.record_count:
             return None
-        f.seek(mf.record_count * size)
-        tail = np.frombuffer(f.read((whole - mf.record_count) * size), dtype=records.record_dtype(mf.config))
+        # the tail's records in data really present only: a sparse tail claims any size for free
+        # (docs/security.md); an interrupted flush leaves its records as data
+        start = mf.record_count * size
+        present = file_reads.data_bytes(fd, whole * size, start=start) // size
+        f.seek(start)
+        tail = np.frombuffer(f.read(present * size), dtype=records.record_dtype(mf.config))
     sound = np.setdiff1d(np.arange(len(tail)), records.damaged(tail))
     ids = tail["entry_id"][sound]
     unreserved = ids[ids >= mf.next_entry_id]

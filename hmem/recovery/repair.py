@@ -161,10 +161,12 @@ def repair(
         registry_kept, registry_dropped = _registry_kept(registry_data, plan)
         _io.crash_point("repair.planned")
         # past every id ever seen or reserved: an id is never given twice
-        found = stamp.read(root)
-        base.next_entry_id = max(base.next_entry_id, plan.highest + 1, found.next_entry_id if found else 0)
+        found = stamp.read(root)  # None when its numbers are past their bounds (crafted)
+        next_id = max(base.next_entry_id, plan.highest + 1, found.next_entry_id if found else 0)
         if rebuilt:
-            base.next_entry_id += ID_MARGIN
+            next_id += ID_MARGIN
+        # held to the bound parse() holds index.json to: the kept ids lie below it (_salvage)
+        base.next_entry_id = min(next_id, manifest.MAX_COUNT)
         common = dict(
             dry_run=dry_run,
             rebuilt_entries=tuple(plan.rebuilt_ids),
@@ -255,11 +257,8 @@ def _base_manifest(root: Path, stale: bool, dry_run: bool) -> tuple[Manifest, bo
             hint="nothing can be rebuilt; restore index.json from a backup",
         )
     projection = Projector(config.embed_dim, config.hdc_dim, config.seed).describe()
-    count = max(((layout.shard_index(name) or 0) + 1 for name in layout.shard_names(root)), default=0)
-    infos = [
-        manifest.ShardInfo(file=layout.shard_file(i), bytes=0, uid="", entries=0, index_crc=0) for i in range(count)
-    ]
-    return Manifest(config=config, projection=projection, shards=infos, next_entry_id=max(floor, 1)), True, notes
+    # no shard list: _salvage takes the shard files found (never a list sized by a name's number)
+    return Manifest(config=config, projection=projection, next_entry_id=max(floor, 1)), True, notes
 
 
 def _names_its_shards(root: Path, mf: Manifest) -> bool:
@@ -367,7 +366,8 @@ class _Salvage:
         dtype = pooled.row_dtype(self.config.pooled_width)
         try:
             with open(_io.open_regular(self.root / pooled.POOLED_FILE), "rb") as f:
-                rows = np.fromfile(f, dtype=dtype)
+                # as many rows as its data holds: a sparse pooled.bin claims any size for free
+                rows = np.fromfile(f, dtype=dtype, count=file_reads.data_bytes(f.fileno()) // dtype.itemsize)
         except (OSError, ValueError):
             return {}
         good = np.flatnonzero(pooled.usable(rows, rows["entry_id"]))
@@ -535,6 +535,8 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool, layer: int, importance: 
     size = layout.record_bytes(config)
     path = root / ENTRIES_FILE
     available = path.stat().st_size // size if path.exists() else 0
+    # records in holes are not there: a sparse entries.bin claims any count for free (docs/security.md)
+    available = records.present_count(path, available, config) if available else 0
     count = available if rebuilt else min(available, base.record_count)
     loaded = _read_records(path, config, count) if count else records.empty(0, config)
     dropped: list[tuple[int | None, str]] = []
@@ -560,8 +562,14 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool, layer: int, importance: 
     salvage = _Salvage(root, base, rebuilt)
     kinds = salvage.kinds
     # every shard of the commit (without a trusted index.json: every shard file)
-    shard_count = len(base.shards)
-    scans = {idx: salvage.scan(idx) for idx in range(shard_count)}
+    # without a trusted index.json: the shard files found, by the numbers their names carry; sized by
+    # the files really there, never by the highest number a name claims (docs/security.md)
+    shard_ids = (
+        sorted({i for name in layout.shard_names(root) if (i := layout.shard_index(name)) is not None})
+        if rebuilt
+        else range(len(base.shards))
+    )
+    scans = {idx: salvage.scan(idx) for idx in shard_ids}
     by_shard: dict[int, list[int]] = {}
     for entry_id, pos in recorded.items():
         by_shard.setdefault(int(loaded["shard_idx"][pos]), []).append(entry_id)
@@ -580,7 +588,7 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool, layer: int, importance: 
     # records describe any shard at all tells another store's entries.bin
     # from another store's shard
     checks: dict[int, tuple[dict, set[int], set[int]]] = {}
-    for idx in range(shard_count):
+    for idx in shard_ids:
         scan = scans[idx]
         if scan is None:
             continue
@@ -595,7 +603,7 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool, layer: int, importance: 
         }
         checks[idx] = (checked, agree, {e for e, found in checked.items() if not isinstance(found, str)} - agree)
     records_describe_a_shard = any(agree for _, agree, _ in checks.values())
-    for idx in range(shard_count):
+    for idx in shard_ids:
         scan = scans[idx]
         mine = sorted(by_shard.get(idx, []))
         name = layout.shard_file(idx)
@@ -606,8 +614,8 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool, layer: int, importance: 
             continue
         in_shard = sorted({entry_id for entry_id, _ in scan.tensors})
         checked, agree, disagree = checks[idx]
-        info = base.shards[idx]
-        if rebuilt:  # no uid to go by: the records that describe other shards disagree with all of this one
+        info = base.shards[idx] if not rebuilt else None
+        if info is None:  # no uid to go by: the records that describe other shards disagree with all of this one
             ours = not (disagree and not agree and records_describe_a_shard)
             why_foreign = f"the store's records disagree with every entry of {name}"
         else:
@@ -647,7 +655,7 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool, layer: int, importance: 
         # evicted entries whose records are lost: the commit counts the shard's
         # dead entries, the sound records name some of them; the rest are
         # among the candidates
-        unaccounted = 0 if rebuilt else max(0, info.dead_entries - sum(e in evicted for e in in_shard))
+        unaccounted = 0 if info is None else max(0, info.dead_entries - sum(e in evicted for e in in_shard))
         if candidates and unaccounted >= len(candidates):
             notes.append(
                 f"{name}: {len(candidates)} entries whose records are lost are left out: the store counts "
@@ -689,9 +697,13 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool, layer: int, importance: 
             "(their records are lost) is back; check with 'hmem ls' and remove them again"
         )
     for entry_id, pos in recorded.items():
-        if int(loaded["shard_idx"][pos]) >= shard_count:
+        if int(loaded["shard_idx"][pos]) not in scans:
             dropped.append((entry_id, f"its shard {layout.shard_file(int(loaded['shard_idx'][pos]))} is missing"))
             dropped_bytes += entry_bytes(int(loaded["n_tokens"][pos]))
+    for entry_id in [e for e in keep if not 0 <= e < manifest.MAX_COUNT]:
+        # an id no next_entry_id can lie above (crafted): the store would be refused
+        del keep[entry_id]
+        dropped.append((entry_id, f"its entry id is not below {manifest.MAX_COUNT}"))
     order = sorted(keep)
     kept = records.empty(len(order), config)
     sources, sizes = [], []

@@ -110,9 +110,17 @@ def _kinds(config: StoreConfig) -> tuple[str, ...]:
 
 
 def verify(
-    path: str | Path, *, full: bool = False, subset: tuple[int, int] | None = None, max_seconds: float | None = None
+    path: str | Path,
+    *,
+    full: bool = False,
+    subset: tuple[int, int] | None = None,
+    max_seconds: float | None = None,
+    fetched_heads: bool = False,
 ) -> VerifyReport:
-    """Check the store directory at `path`; see the module docstring
+    """Check the store directory at `path`; see the module docstring.
+    `fetched_heads`: the working copy of a store on object storage whose
+    shards hold only their fetched heads (holes elsewhere, by design: not
+    reported as sparse shards)
     (hmem/recovery/checks.py adds stores on object storage)."""
     started = time.perf_counter()
     root = Path(validation.store_directory(path))  # "" and a file refused, as for every command
@@ -152,7 +160,7 @@ def verify(
         loaded = _check_records(root, mf, out, stale=evidence is not None)
         _check_sources(root, mf, out)
         _check_pooled(root, mf, loaded, out)
-        scans = _check_shards(root, mf, loaded, out)
+        scans = _check_shards(root, mf, loaded, out, fetched_heads=fetched_heads)
         _check_directory(root, mf, out, stale=evidence is not None)
         if full:
             tensors, nbytes, complete = _check_tensors(root, mf, loaded, scans, out, subset, max_seconds, started)
@@ -269,6 +277,17 @@ def _check_records(root: Path, mf: manifest.Manifest, out: _Collector, *, stale:
         )
         out.add("entries.tail", WARNING, ENTRIES_FILE, f"{actual - committed} bytes past the committed records ({why})")
     count = min(actual // size, mf.record_count)
+    # only records in data really present are read: a sparse file's holes cost nothing to claim
+    present = records.present_count(path, count, mf.config)
+    if present < count:
+        out.add(
+            "entries.sparse",
+            ERROR,
+            ENTRIES_FILE,
+            f"has holes where committed records must be: {present} of {count} records' bytes are data",
+            f"{count * size} bytes of data",
+        )
+        count = present
     with open(_io.open_regular(path), "rb") as f:
         loaded = np.fromfile(f, dtype=records.record_dtype(mf.config), count=count)
     records.apply_updates(loaded, mf.pending.record_updates)
@@ -301,7 +320,7 @@ def _check_records(root: Path, mf: manifest.Manifest, out: _Collector, *, stale:
 
 
 def _check_shards(
-    root: Path, mf: manifest.Manifest, loaded: np.ndarray, out: _Collector
+    root: Path, mf: manifest.Manifest, loaded: np.ndarray, out: _Collector, *, fetched_heads: bool = False
 ) -> dict[int, shard_file.ShardScan]:
     scans = {}
     live = loaded["shard_idx"] != EVICTED
@@ -328,6 +347,7 @@ def _check_shards(
             storage=mf.config.storage_dtype,
             index_crc=info.index_crc,
             pooled_keys=mf.config.signatures_per_entry,
+            holes_allowed=fetched_heads,
         )
         scans[idx] = scan
         for code, message in scan.problems:
@@ -342,8 +362,23 @@ def _check_shards(
             index_bytes = scan.index_entries.view(np.uint8).reshape(-1).data
             if checksum_kernels.crc32c(index_bytes) != info.index_crc:
                 out.add("shard.index", ERROR, info.file, "hmem_index differs from the one index.json records")
+            elif len(scan.index_entries) - 1 == info.entries:
+                # what a read refuses in an index that passes its checksum (the same check)
+                problem = shard_file.index_problem(scan.index_entries, info.entries, info.uid)
+                if problem is not None:
+                    code = "shard.uid" if "uid" in problem else "shard.index"
+                    out.add(code, ERROR, info.file, problem)
         mine = loaded[live & (loaded["shard_idx"] == idx)]
         for entry_id in mine["entry_id"].tolist():
+            meta = scan.metadata.get(shard_file.META_PREFIX + str(entry_id))
+            if meta is not None and shard_file.parse_meta(meta) is None:  # a read refuses it (the same check)
+                out.add(
+                    "shard.header",
+                    ERROR,
+                    info.file,
+                    f"entry {entry_id}: its metadata is not a JSON object",
+                    entry_id=entry_id,
+                )
             missing = [k for k in _kinds(mf.config) if (entry_id, k) not in scan.tensors]
             if missing and scan.tensors:
                 out.add(
@@ -402,7 +437,8 @@ def _check_tensors(
         info = mf.shards[idx]
         rows = np.flatnonzero(good & (loaded["shard_idx"] == idx))
         with open(_io.open_regular(layout.resolve(root, info.file, mf.pending)), "rb") as f:
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if scan.size else b""
+            # scan.size: what the quick check read (a sparse shard: up to its first hole)
+            data = mmap.mmap(f.fileno(), scan.size, access=mmap.ACCESS_READ) if scan.size else b""
         for pos in rows.tolist():
             if max_seconds is not None and time.perf_counter() - started > max_seconds:
                 return checked, nbytes, False

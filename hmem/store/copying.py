@@ -18,8 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hmem import _io, validation
-from hmem.errors import StoreExistsError
+from hmem import _io, file_reads, validation
+from hmem.errors import CorruptStoreError, Hint, StoreExistsError
 from hmem.formats import layout, manifest
 from hmem.formats.manifest import Manifest, Pending
 from hmem.object_store import is_url
@@ -85,7 +85,31 @@ def _refuse_existing(destination: Any, options: dict[str, Any] | None) -> None:
         raise StoreExistsError(f"{root} exists and is not an empty directory", hint="choose a new path for the copy")
 
 
+def _refuse_sparse(directory: Path, committed: Manifest) -> None:
+    """Refuse (CorruptStoreError) to copy a store whose shard is mostly
+    holes, before anything is written: a copy writes every byte of a shard
+    as data, so a size claimed for free would cost the destination for real
+    (docs/security.md, "Bounded memory and time").  A shard whose holes
+    stand for runs of zeros (``cp --sparse=always``) is copied, its holes
+    written as the zeros they read as."""
+    for info in committed.shards:
+        try:
+            fd = _io.open_regular(directory / info.file)
+        except FileNotFoundError:
+            continue  # the copy itself reports it, as before
+        try:
+            sparse = file_reads.too_sparse(fd)
+        finally:
+            os.close(fd)
+        if sparse is not None:
+            raise CorruptStoreError(
+                f"shard {info.file} of {directory} is damaged: it {sparse}; nothing was copied",
+                hint=Hint.VERIFY_THEN_REPAIR,
+            )
+
+
 def _write(directory: Path, committed: Manifest, destination: Any, options: dict[str, Any] | None) -> CopyReport:
+    _refuse_sparse(directory, committed)
     shard_bytes = sum(info.bytes for info in committed.shards)
     sizes = committed_sizes(directory, committed)
     total = shard_bytes + sum(sizes.values())

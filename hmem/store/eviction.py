@@ -11,6 +11,7 @@ import numpy as np
 
 from hmem import _io
 from hmem.errors import EntryNotFoundError, EntryTooLargeError
+from hmem.formats.manifest import MAX_FILE_BYTES
 from hmem.formats.records import EVICTED
 from hmem.store.compaction import Compaction
 from hmem.store.policy import eviction_order, scores
@@ -112,8 +113,13 @@ class Eviction:
             else:
                 # a new ShardInfo, not the listed one changed: commits share the listed ones (writer.py)
                 info = shards[shard_idx]
+                # held to their bounds: a crafted index.json may set them at
+                # the bound with live entries left (docs/security.md), and
+                # index.json must never say more than parse() accepts
                 shards[shard_idx] = dataclasses.replace(
-                    info, dead_entries=info.dead_entries + entries, dead_bytes=info.dead_bytes + nbytes
+                    info,
+                    dead_entries=min(info.dead_entries + entries, info.entries),
+                    dead_bytes=min(info.dead_bytes + nbytes, MAX_FILE_BYTES),
                 )
         state.shards = shards
         state.records["shard_idx"][victims] = EVICTED

@@ -8,8 +8,8 @@ wrong size, and whether index.json is older than the files (docs/reliability.md,
 
 from __future__ import annotations
 
-import json
 import os
+import stat
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,8 @@ from hmem.store.results import StoreHealth
 from hmem.store.shard_builder import ShardBuilder
 from hmem.store.shard_reader import ShardReader
 from hmem.store.state import StoreState
+
+_NOT_REGULAR = -1  # what _file_size gives for a link or anything but a regular file
 
 
 class EntryReader:
@@ -73,11 +75,8 @@ class EntryReader:
             text = self.shard(shard_idx).meta(entry_id)
         if text is None:
             return None
-        try:
-            value = json.loads(text)
-        except (ValueError, RecursionError):  # not JSON, or crafted to nest without end
-            value = None
-        if not isinstance(value, dict):
+        value = shard_file.parse_meta(text)  # as verify checks it
+        if value is None:
             raise CorruptStoreError(f"entry {entry_id}: its metadata in shard {shard_idx} is damaged", hint=Hint.VERIFY)
         return value
 
@@ -219,6 +218,12 @@ class EntryReader:
             if size is None:
                 missing.append(info.file)
                 problems.append(f"shard {info.file} is missing ({held})")
+            elif size == _NOT_REGULAR:  # its size is another file's: never shown (docs/security.md)
+                wrong_size.append(info.file)
+                problems.append(
+                    f"shard {info.file} is not a regular file (a symbolic link or the like): hmem reads "
+                    f"nothing through it ({held})"
+                )
             else:
                 wrong_size.append(info.file)
                 problems.append(f"shard {info.file} is {size} bytes, the store expects {info.bytes} ({held})")
@@ -229,6 +234,8 @@ class EntryReader:
         entries_problem = ""
         if size is None:
             entries_problem = f"{layout.ENTRIES_FILE} is missing"
+        elif size == _NOT_REGULAR:
+            entries_problem = f"{layout.ENTRIES_FILE} is not a regular file (a symbolic link or the like)"
         elif size < need:
             entries_problem = (
                 f"{layout.ENTRIES_FILE} is {size} bytes, shorter than its {state.committed_n} "
@@ -265,11 +272,14 @@ class EntryReader:
 
     def _file_size(self, name: str) -> int | None:
         """The size of a file the commit names, where a reader finds it now
-        (before or after a pending rename); None when it is not there."""
+        (before or after a pending rename); None when it is not there,
+        _NOT_REGULAR for a link or anything but a regular file: never
+        followed, so no size of a file outside the store is ever shown."""
         state = self.state
         for path in dict.fromkeys((layout.resolve(state.path, name, state.committed.pending), state.path / name)):
             try:
-                return os.stat(path).st_size
+                st = os.lstat(path)
             except OSError:  # missing, or the path is no longer usable
                 continue
+            return st.st_size if stat.S_ISREG(st.st_mode) else _NOT_REGULAR
         return None

@@ -171,6 +171,8 @@ class RemoteLink:
         # verify and repair read the objects themselves
         self.state_cache: StateCache | None = None
         self._health_client: ObjectClient | None = None  # checked_health's (its own request counts)
+        # the state objects checked by the last fence, for the materialize after it (_checked_state)
+        self._checked: tuple[tuple[list[str], list[int]], list[fmt.StatePieces]] | None = None
         self._dirs = 0
 
     def use_state_cache(self) -> None:
@@ -183,12 +185,75 @@ class RemoteLink:
 
     def read_manifest(self) -> fmt.RemoteManifest:
         try:
-            data, etag = self.client.get(fmt.MANIFEST_KEY)
+            data, etag = self.client.get(fmt.MANIFEST_KEY, max_bytes=fmt.MAX_MANIFEST_BYTES)
         except ObjectMissing:
             raise NotAStoreError(f"{self.url} holds no hmem store (no {fmt.MANIFEST_KEY})", hint=Hint.CREATE) from None
         mf = fmt.RemoteManifest.parse(data, f"{self.url}/{fmt.MANIFEST_KEY}")
         self.manifest, self.etag = mf, etag
         return mf
+
+    def _checked_state(self, mf: fmt.RemoteManifest) -> list[fmt.StatePieces]:
+        """The state objects `mf` lists, fetched (or taken from this host's
+        copies) and checked whole before anything is sized by them: each of
+        the size the manifest says, passing its checksum, its pieces within
+        the files' committed sizes, and the pieces holding at least those
+        sizes: files a manifest claims cost no memory (docs/security.md).
+        Kept for the materialize that follows a fence (same state list)."""
+        keys = [item["key"] for item in mf.state]
+        names = (*fmt.STATE_FILES, fmt.HEADS_FILE)
+        sizes = [mf.sizes[name] for name in names]
+        if self._checked is not None and self._checked[0] == (keys, sizes):
+            return self._checked[1]
+        claimed = {item["key"]: item["bytes"] for item in mf.state}
+
+        def fetch(key: str) -> bytes:
+            try:  # never more than the manifest says it is
+                return self.client.get(key, max_bytes=claimed[key])[0]
+            except ObjectMissing:
+                raise StoreChangedError(
+                    f"{self.url} changed while it was being read (state object {key} is gone)", hint=Hint.REFRESH
+                ) from None
+
+        def check(key: str, data: bytes) -> fmt.StatePieces:
+            if len(data) != claimed[key]:
+                raise CorruptStoreError(
+                    f"state object {key} is {len(data)} bytes, the manifest says {claimed[key]}", hint=Hint.VERIFY
+                )
+            pieces = fmt.read_state(data, key)
+            pieces.check_within(sizes)
+            return pieces
+
+        cache = self.state_cache
+        found = {key: cache.get(key) if cache is not None else None for key in keys}
+        missing = [key for key in keys if found[key] is None]
+        # fetched concurrently, checked in order
+        found.update(zip(missing, fetch_pool().map(fetch, missing) if len(missing) > 1 else map(fetch, missing)))
+        checked: list[fmt.StatePieces] = []
+        for key in keys:
+            data = found[key]
+            assert data is not None
+            try:
+                checked.append(check(key, data))
+            except CorruptStoreError:
+                if key in missing:
+                    raise
+                data = fetch(key)  # this host's copy is damaged: the object's own bytes
+                checked.append(check(key, data))
+                missing.append(key)
+            if cache is not None and key in missing:
+                cache.put(key, data)
+        held = np.zeros(len(names), dtype=np.int64)
+        for pieces in checked:
+            held += pieces.file_bytes(len(names))
+        for number, name in enumerate(names):
+            if sizes[number] > int(held[number]):
+                raise CorruptStoreError(
+                    f"{self.url}/{fmt.MANIFEST_KEY}: files.{name} claims {sizes[number]} bytes, "
+                    f"its state objects hold {int(held[number])}",
+                    hint=Hint.VERIFY,
+                )
+        self._checked = ((keys, sizes), checked)
+        return checked
 
     def materialize(self, *, keep_known: bool = False) -> Path:
         """Make the committed state's small files in a new directory of the
@@ -197,35 +262,13 @@ class RemoteLink:
         commit read before too (a refresh, until it swaps the new one in)."""
         mf = self.manifest
         assert mf is not None
+        checked = self._checked_state(mf)
+        self._checked = None  # used once: a refresh reads the new commit's
         files = [bytearray(mf.sizes[name]) for name in (*fmt.STATE_FILES, fmt.HEADS_FILE)]
-
-        def fetch(key: str) -> bytes:
-            try:
-                return self.client.get(key)[0]
-            except ObjectMissing:
-                raise StoreChangedError(
-                    f"{self.url} changed while it was being read (state object {key} is gone)", hint=Hint.REFRESH
-                ) from None
-
+        for pieces in checked:  # applied in order
+            pieces.apply(files)
         keys = [item["key"] for item in mf.state]
         cache = self.state_cache
-        found = {key: cache.get(key) if cache is not None else None for key in keys}
-        missing = [key for key in keys if found[key] is None]
-        # fetched concurrently, applied in order
-        found.update(zip(missing, fetch_pool().map(fetch, missing) if len(missing) > 1 else map(fetch, missing)))
-        for key in keys:
-            data = found[key]
-            assert data is not None
-            try:
-                fmt.apply_state(data, files, key)  # checks it whole before it writes a byte
-            except CorruptStoreError:
-                if key in missing:
-                    raise
-                data = fetch(key)  # this host's copy is damaged: the object's own bytes
-                fmt.apply_state(data, files, key)
-                missing.append(key)
-            if cache is not None and key in missing:
-                cache.put(key, data)
         if cache is not None:
             cache.keep(keys)
         heads = fmt.parse_heads(files[fmt.HEADS], keys[-1])
@@ -325,6 +368,7 @@ class RemoteLink:
             mf = self.read_manifest()
             assert self.lease is not None
             self.lease.check()
+            self._checked_state(mf)  # a state that cannot be read is refused before anything is written
             fenced = fmt.RemoteManifest(
                 generation=mf.generation + 1,
                 index=mf.index,
@@ -456,7 +500,12 @@ class RemoteLink:
         next_generation = 0 if old is None else old.generation + 1
         state_list = [] if whole or old is None else list(old.state)
         if whole and old is not None:
-            retired += [{"key": item["key"], "since": now} for item in old.state]
+            # only names the store deletes (a state object of another name,
+            # one a crafted manifest listed, is dropped: never deleted)
+            retired += [{"key": item["key"], "since": now} for item in old.state if fmt.is_own_key(item["key"])]
+        # a manifest lists at most MAX_RETIRED: the oldest past it become
+        # orphans, which compaction removes
+        retired = retired[-fmt.MAX_RETIRED :]
         body = None
         if whole or pieces:  # a commit that changed none of these bytes (a close) needs no state object
             key = fmt.state_key(next_generation, lease.token[:8])
@@ -502,12 +551,9 @@ class RemoteLink:
             self.state_cache.keep([item["key"] for item in state_list])
         # this writer's shards are complete local files: never fetched
         self.fetcher.remote = {uid: s for uid, s in named.items() if uid in self.fetcher.remote}
-        # only names this store gives its objects: a retired entry naming
-        # anything else (a manifest another program wrote) deletes nothing
-        expired = [key for key in expired if fmt.is_own_key(key)]
         if expired:
             try:
-                self.client.delete(expired)
+                self.delete_objects(expired)
             except Exception:
                 pass  # left for compaction to remove (an orphan object)
 
@@ -643,8 +689,23 @@ class RemoteLink:
         assert self.lease is not None
         self.lease.check()
         orphans = self.orphan_sizes()
-        self.client.delete(list(orphans))
-        return orphans
+        deleted = set(self.delete_objects(list(orphans)))
+        return {key: size for key, size in orphans.items() if key in deleted}
+
+    def delete_objects(self, keys: list[str]) -> list[str]:
+        """Delete objects of the store: the one place hmem deletes an object
+        (an expired retired object, an orphan).  Only names the store gives
+        its own shard and state objects, directly under its prefix
+        (formats/remote.py, is_own_key), and none the committed manifest
+        names, whatever a manifest or a listing says: another store's
+        objects, an unknown object and a live one are never deleted.
+        Returns the keys it deleted."""
+        mf = self.manifest
+        live = set() if mf is None else {*(s["key"] for s in mf.state), *(s["key"] for s in mf.shards.values())}
+        own = [key for key in keys if fmt.is_own_key(key) and key not in live]
+        if own:
+            self.client.delete(own)
+        return own
 
     def total_bytes(self) -> int:
         """Bytes of the objects the manifest names (retired ones aside)."""

@@ -42,6 +42,7 @@ class RemoteShardFile:
     def __init__(
         self, fetcher: ShardFetcher, key: str, path: Path, size: int, head: tuple[int, Any] | None = None
     ) -> None:
+        self.fd = -1  # set before anything that may fail: close (and __del__) need it
         self.fetcher = fetcher
         self.key = key
         self.path = path
@@ -151,7 +152,7 @@ class ShardFetcher:
         """The error for a shard object that is gone: the store changed
         (a newer commit retired and removed it) or it is damaged."""
         try:
-            _, etag = self.client.get(fmt.MANIFEST_KEY)
+            _, etag = self.client.get(fmt.MANIFEST_KEY, max_bytes=fmt.MAX_MANIFEST_BYTES)
         except ObjectMissing:
             etag = None
         if etag != self.manifest_etag:

@@ -147,6 +147,10 @@ def finish_pending(root: Path, mf: Manifest) -> None:
     _io.rename_many([(root / src, root / dst) for src, dst in mf.pending.renames if (root / src).exists()])
     updates = mf.pending.record_updates
     if len(updates):
+        # The updates name committed records (manifest.parse): entries.bin
+        # must hold them all as data before any is written in place, or a
+        # claimed record_count would grow it (docs/security.md)
+        records.require_present(root / ENTRIES_FILE, mf.record_count, mf.config)
         size = layout.record_bytes(mf.config)
         _io.write_pieces(
             root / ENTRIES_FILE, records.update_pieces(updates[updates["position"] < mf.record_count], size)
@@ -156,16 +160,17 @@ def finish_pending(root: Path, mf: Manifest) -> None:
 
 def refuse_unsafe(root: Path, files: layout.DirectoryFiles) -> None:
     """Refuse (UnsafeFileError) a store where a file the commit names is a
-    link or not a regular file, or where entries.bin, commit.stamp or
-    pooled.bin, which are written in place, has other names (a hard link): nothing is read or
-    written through them, so a writer would fail part way (docs/security.md)."""
+    link or not a regular file, or where entries.bin, commit.stamp,
+    pooled.bin or sources.jsonl, which are written in place, has other
+    names (a hard link): nothing is read or written through them, so a
+    writer would fail part way (docs/security.md)."""
     if files.unsafe:
         raise UnsafeFileError(
             f"{', '.join(files.unsafe)} in {root}: not a regular file (a symbolic link or the "
             "like); hmem writes no store whose own files are links",
             hint=Hint.VERIFY,
         )
-    for name in (ENTRIES_FILE, layout.STAMP_FILE, POOLED_FILE):
+    for name in (ENTRIES_FILE, layout.STAMP_FILE, POOLED_FILE, layout.SOURCES_FILE):
         if name in files.committed and os.lstat(root / name).st_nlink > 1:
             raise UnsafeFileError(
                 f"{name} in {root} has other names (hard links); hmem writes no file in place that another name shares",

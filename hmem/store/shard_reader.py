@@ -15,23 +15,19 @@ from typing import Any
 
 import numpy as np
 
-from hmem import _io
+from hmem import _io, file_reads
 from hmem.errors import CorruptStoreError, Hint, StoreChangedError, storage_error
 from hmem.formats.shard_file import (
     INDEX_COLUMNS,
-    INDEX_MAGIC,
     INDEX_ROW_BYTES,
-    INDEX_VERSION,
     KINDS,
     META_PREFIX,
     bytes_view,
+    index_problem,
     parse_header,
+    uid_halves,
 )
 from hmem.kernels import checksum as checksum_kernels
-
-
-def _signed64(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 class ShardState:
@@ -41,9 +37,8 @@ class ShardState:
     __slots__ = ("uid", "uid_halves", "ids", "verified", "metadata")
 
     def __init__(self, uid: str) -> None:
-        value = int(uid, 16)
         self.uid = uid
-        self.uid_halves = (_signed64(value >> 64), _signed64(value & ((1 << 64) - 1)))
+        self.uid_halves = uid_halves(uid)
         self.ids: np.ndarray | None = None  # entry ids of the index, once it passed its checksum
         self.verified: set[tuple[int, str]] = set()  # (entry_id, kind) whose CRC matched
         self.metadata: dict[str, str] | None = None  # the JSON header's __metadata__, once read
@@ -76,6 +71,10 @@ class ShardReader:
                 )
             if actual < 8:
                 raise CorruptStoreError(f"shard {path.name} is damaged: too short to be safetensors", hint=Hint.VERIFY)
+            # mostly holes: its size was claimed for free, and reading it would cost what is not there
+            sparse = file_reads.too_sparse(fd) if source is None else None
+            if sparse is not None:
+                raise CorruptStoreError(f"shard {path.name} is damaged: it {sparse}", hint=Hint.VERIFY_THEN_REPAIR)
             try:
                 self._map = mmap.mmap(fd, actual, access=mmap.ACCESS_READ)
             except OSError as exc:
@@ -126,8 +125,9 @@ class ShardReader:
         if self.state.ids is None:
             if checksum_kernels.crc32c(bytes_view(index)) != index_crc:
                 raise self._bad("its entry index fails its checksum")
-            if index[0, 0] != INDEX_MAGIC or index[0, 1] != INDEX_VERSION or index[0, 2] != entries:
-                raise self._bad("its entry index has a wrong header row")
+            problem = index_problem(index, entries, self.uid)  # as verify checks it
+            if problem is not None:
+                raise self._bad(problem)
             self.state.ids = np.ascontiguousarray(index[1:, 0])
         return data_start, index
 
@@ -137,12 +137,7 @@ class ShardReader:
         if len(raw) != (entries + 1) * INDEX_ROW_BYTES or data_start + len(raw) > self.size:
             return None
         index = np.frombuffer(raw, dtype="<i8").reshape(entries + 1, INDEX_COLUMNS)
-        if (
-            (int(index[0, 3]), int(index[0, 4])) != self.state.uid_halves
-            or index[0, 0] != INDEX_MAGIC
-            or index[0, 1] != INDEX_VERSION
-            or index[0, 2] != entries
-        ):
+        if index_problem(index, entries, self.uid) is not None:
             return None
         if checksum_kernels.crc32c(raw) != index_crc:  # checked each time: heads come with every commit read
             return None

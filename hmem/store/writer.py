@@ -34,6 +34,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from hmem import _io, memory
+from hmem.errors import CorruptStoreError
 from hmem.formats import layout, manifest, pooled, records, shard_file, stamp
 from hmem.formats import sources as source_registry
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
@@ -64,6 +65,7 @@ class Writer:
         count = len(batch)
         if not count:
             return []
+        self._refuse_spent_counters(count)
         self._reserve_ids(count)
         first_id, start = state.next_id, state.n
         ids = np.arange(first_id, first_id + count, dtype=np.int64)
@@ -166,6 +168,24 @@ class Writer:
         except OSError:
             pass  # nothing names them: the next writer removes them
 
+    def _refuse_spent_counters(self, count: int) -> None:
+        """Refuse, before anything is written, a batch whose commit would
+        take a counter past the bound index.json is held to (only a crafted
+        store has one so near: docs/security.md); a reservation and the
+        flush commit once each."""
+        state = self.state
+        headroom = dataclasses.replace(
+            state.committed,
+            generation=state.committed.generation + 2,
+            next_entry_id=state.next_id + count,
+            record_count=state.n + count,
+        )
+        spent = manifest.counters_problem(headroom)
+        if spent is not None:
+            raise CorruptStoreError(
+                f"{state.path}: {spent}; nothing was stored", hint="copy the store's entries into a new store"
+            )
+
     def _reserve_ids(self, count: int) -> None:
         state = self.state
         if state.next_id + count <= state.id_limit:
@@ -179,7 +199,9 @@ class Writer:
         # before.  A crash skips at most the reserved ids, never reuses one.
         room = max(ID_LEASE, count, min(state.next_id, ID_LEASE_MAX))
         mf = dataclasses.replace(
-            state.committed, generation=state.committed.generation + 1, next_entry_id=state.next_id + count + room
+            state.committed,
+            generation=state.committed.generation + 1,
+            next_entry_id=min(state.next_id + count + room, manifest.MAX_COUNT),
         )
         self.commit(mf)
         state.id_limit = mf.next_entry_id
