@@ -26,6 +26,7 @@ import re
 import struct
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -346,6 +347,9 @@ def _run_bounded(argv: list[list[str]], limit: int) -> dict:
         text=True,
         timeout=HANG_GUARD,
         env=env,
+        # outside the checkout: the subprocess imports the installed hmem
+        # (its compiled kernels), never the source tree
+        cwd=tempfile.gettempdir(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
