@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 
 from hmem.errors import CorruptStoreError, Hint, NotAStoreError, UnsupportedFormatError
+from hmem.formats import shard_file
 from hmem.formats.manifest import MAX_SHARDS
 from hmem.formats.pooled import POOLED_FILE
 from hmem.formats.records import ENTRIES_FILE
-from hmem.formats.shard_file import INDEX_ROW_BYTES
 from hmem.formats.sources import SOURCES_FILE
 from hmem.kernels import checksum as checksum_kernels
 
@@ -257,13 +257,13 @@ def apply_state(data: bytes, files: list[bytearray], key: str) -> None:
 # ---- shard heads -----------------------------------------------------------------------
 
 
-def encode_head(uid: str, header_length: int, index: bytes | memoryview) -> bytes:
+def encode_head(uid: str, data_start: int, index: bytes | memoryview) -> bytes:
     """A shard's head, as the heads pieces of state objects carry it: its
     uid (16 bytes, the hex digits' value big-endian), the length of its JSON
     header (u64; its data starts at 8 + that), its entries (u64), then its
     hmem_index tensor byte for byte ((entries + 1) × 96 bytes)."""
-    entries = len(index) // INDEX_ROW_BYTES - 1
-    return _HEAD.pack(bytes.fromhex(uid), header_length, entries) + bytes(index)
+    entries = len(index) // shard_file.INDEX_ROW_BYTES - 1
+    return _HEAD.pack(bytes.fromhex(uid), shard_file.header_length(data_start), entries) + bytes(index)
 
 
 def parse_heads(data: bytes | bytearray, key: str) -> dict[str, tuple[int, memoryview]]:
@@ -277,11 +277,11 @@ def parse_heads(data: bytes | bytearray, key: str) -> dict[str, tuple[int, memor
         if at + _HEAD.size > len(view):
             raise CorruptStoreError(f"{key}: the shard heads end in the middle of one", hint=Hint.VERIFY)
         uid, header_length, entries = _HEAD.unpack_from(view, at)
-        length = (entries + 1) * INDEX_ROW_BYTES
+        length = shard_file.index_bytes(entries)
         if entries > MAX_MANIFEST_BYTES or at + _HEAD.size + length > len(view) or header_length > 1 << 40:
             raise CorruptStoreError(f"{key}: a shard head runs past the end of the heads", hint=Hint.VERIFY)
         start = at + _HEAD.size
-        heads[uid.hex()] = (8 + header_length, view[start : start + length])
+        heads[uid.hex()] = (shard_file.data_start_after(header_length), view[start : start + length])
         at = start + length
     return heads
 

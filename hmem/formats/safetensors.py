@@ -106,6 +106,13 @@ def _size(value: Any) -> int:
     return value
 
 
+def header_length(buf: Any) -> int:
+    """The length word: the JSON header's length in bytes, from the first
+    LENGTH_BYTES of `buf` (the data starts LENGTH_BYTES past it)."""
+    (length,) = struct.unpack_from("<Q", buf, 0)
+    return int(length)
+
+
 def parse(
     buf: Any,
     *,
@@ -125,7 +132,7 @@ def parse(
     size = len(buf)
     if size < LENGTH_BYTES:
         raise SafetensorsError(f"too short to be safetensors ({size} bytes)", reason="short")
-    (length,) = struct.unpack_from("<Q", buf, 0)
+    length = header_length(buf)
     if length > size - LENGTH_BYTES:
         raise SafetensorsError(f"header length {length} runs past the end of the file", reason="length")
     try:

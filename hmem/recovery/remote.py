@@ -17,7 +17,6 @@ Both work on a working copy of the committed state (hmem/store/remote.py):
 from __future__ import annotations
 
 import dataclasses
-import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -143,11 +142,11 @@ def _fetch_head(link: RemoteLink, key: str, path: Path, size: int, entries: int)
     quick check reads of it."""
     mirror = RemoteShardFile(link.fetcher, key, path, size)
     try:
-        if size < 8:
+        if size < shard_file.LENGTH_BYTES:
             return  # no header length to read: the local check finds it too short
-        mirror.ensure(0, 8)
-        (length,) = struct.unpack("<Q", _io.read_ranges([_io.FileRange(path, 0, 8)]))
-        mirror.ensure(0, 8 + length + (entries + 1) * shard_file.INDEX_ROW_BYTES)
+        mirror.ensure(0, shard_file.LENGTH_BYTES)
+        start = shard_file.data_start(_io.read_ranges([_io.FileRange(path, 0, shard_file.LENGTH_BYTES)]))
+        mirror.ensure(0, shard_file.head_bytes(start, entries))
     finally:
         mirror.close()
 

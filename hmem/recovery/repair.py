@@ -270,7 +270,7 @@ def _names_its_shards(root: Path, mf: Manifest) -> bool:
     for info in mf.shards:
         path = layout.resolve(root, info.file, mf.pending)
         try:
-            uid = shard_file.shard_metadata(path).get("shard_uid")
+            uid = shard_file.uid_of(shard_file.shard_metadata(path))
         except (OSError, HmemError, ValueError):
             continue
         seen = True
@@ -619,11 +619,11 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool, layer: int, importance: 
             ours = not (disagree and not agree and records_describe_a_shard)
             why_foreign = f"the store's records disagree with every entry of {name}"
         else:
-            ours = scan.index_entries is not None or scan.metadata.get("shard_uid") == info.uid
-            why_foreign = f"{name} is not the shard index.json names (uid {scan.metadata.get('shard_uid')!s})"
+            ours = scan.index is not None or scan.uid == info.uid
+            why_foreign = f"{name} is not the shard index.json names (uid {scan.uid!s})"
         if not ours:
             if in_shard or scan.metadata:
-                uid = str(scan.metadata.get("shard_uid") or uuid.uuid4().hex)
+                uid = str(scan.uid or uuid.uuid4().hex)
                 quarantine.append(
                     _Quarantined(
                         name, f"{name}.{uid[:32]}", why_foreign + ": another store's shard?", len(in_shard), scan.size
@@ -711,12 +711,7 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool, layer: int, importance: 
         record, found, meta = keep[entry_id]
         kept[i] = record
         sources.append(lambda found=found, meta=meta: (found, meta))
-        sizes.append(
-            sum(part.length for _, _, part, _ in found.values())
-            + (2 * len(meta) + 40 if meta else 0)
-            + len(kinds) * shard_file.HEADER_BYTES_PER_TENSOR
-            + shard_file.INDEX_ROW_BYTES
-        )
+        sizes.append(shard_file.file_bytes_of(sum(part.length for _, _, part, _ in found.values()), len(kinds), meta))
     sound = np.setdiff1d(np.arange(len(ids)), records.damaged(loaded))
     top_id = max(int(ids[sound].max()) if len(sound) else 0, order[-1] if order else 0)
     return _Plan(
@@ -767,7 +762,7 @@ def _quarantine(root: Path, moves: list[_Quarantined]) -> None:
 def _sound_meta(scan: shard_file.ShardScan | None, entry_id: int) -> str | None:
     """An entry's metadata as its shard holds it, when it is a JSON object
     of a sane size (metadata carries no checksum: anything else is left out)."""
-    text = scan.metadata.get(shard_file.META_PREFIX + str(entry_id)) if scan is not None else None
+    text = scan.meta(entry_id) if scan is not None else None
     if not isinstance(text, str) or len(text) > shard_file.META_MAX_BYTES:
         return None
     try:

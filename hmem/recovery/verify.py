@@ -352,25 +352,22 @@ def _check_shards(
         scans[idx] = scan
         for code, message in scan.problems:
             out.add(code, ERROR, info.file, message)
-        if scan.metadata and scan.metadata.get("shard_uid") != info.uid:
+        if scan.metadata and scan.uid != info.uid:
             out.add("shard.uid", ERROR, info.file, "the shard's uid differs from the one index.json records", info.uid)
-        if scan.index_entries is not None:
-            if len(scan.index_entries) - 1 != info.entries:
-                out.add(
-                    "shard.count", ERROR, info.file, f"holds {len(scan.index_entries) - 1} entries", f"{info.entries}"
-                )
-            index_bytes = scan.index_entries.view(np.uint8).reshape(-1).data
-            if checksum_kernels.crc32c(index_bytes) != info.index_crc:
+        if scan.index is not None:
+            if scan.index.entries != info.entries:
+                out.add("shard.count", ERROR, info.file, f"holds {scan.index.entries} entries", f"{info.entries}")
+            if scan.index.crc() != info.index_crc:
                 out.add("shard.index", ERROR, info.file, "hmem_index differs from the one index.json records")
-            elif len(scan.index_entries) - 1 == info.entries:
+            elif scan.index.entries == info.entries:
                 # what a read refuses in an index that passes its checksum (the same check)
-                problem = shard_file.index_problem(scan.index_entries, info.entries, info.uid)
+                problem = scan.index.problem(info.entries, info.uid)
                 if problem is not None:
                     code = "shard.uid" if "uid" in problem else "shard.index"
                     out.add(code, ERROR, info.file, problem)
         mine = loaded[live & (loaded["shard_idx"] == idx)]
         for entry_id in mine["entry_id"].tolist():
-            meta = scan.metadata.get(shard_file.META_PREFIX + str(entry_id))
+            meta = scan.meta(entry_id)
             if meta is not None and shard_file.parse_meta(meta) is None:  # a read refuses it (the same check)
                 out.add(
                     "shard.header",
@@ -530,7 +527,7 @@ def config_from_shards(root: Path) -> StoreConfig | None:
     index.json), or None."""
     for path in (root / name for name in layout.shard_names(root)):
         try:
-            return StoreConfig.from_dict(json.loads(shard_file.shard_metadata(path)["store_config"]))
+            return StoreConfig.from_dict(json.loads(shard_file.store_config_text(path)))
         except (KeyError, TypeError, ValueError, RecursionError, HmemError, OSError):  # any text: docs/security.md
             continue
     return None

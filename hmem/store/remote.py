@@ -23,14 +23,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import struct
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hmem import _io
+from hmem import _io, validation
 from hmem.errors import (
     CorruptStoreError,
     Hint,
@@ -41,7 +40,7 @@ from hmem.errors import (
     StoreExistsError,
     StoreLockedError,
 )
-from hmem.formats import layout, pooled
+from hmem.formats import layout, pooled, shard_file
 from hmem.formats import remote as fmt
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.object_store import ConditionFailed, ObjectClient, ObjectMissing
@@ -72,9 +71,7 @@ def cache_root(cache_dir: Any = None) -> Path:
 
 
 def _positive(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidArgumentError(f"storage option {name} must be a positive number, got {value!r}")
-    return float(value)
+    return validation.positive(value, f"storage option {name}")
 
 
 def _alive(pid: int) -> bool:
@@ -154,9 +151,7 @@ class RemoteLink:
         self.retire_seconds = float(own.get("retire_seconds", DEFAULT_RETIRE_SECONDS))
         if self.retire_seconds < 0:
             raise InvalidArgumentError("storage option retire_seconds must be >= 0")
-        coalesce = own.get("coalesce_bytes", 0)
-        if isinstance(coalesce, bool) or not isinstance(coalesce, int) or coalesce < 0:
-            raise InvalidArgumentError(f"storage option coalesce_bytes must be an integer >= 0, got {coalesce!r}")
+        coalesce = validation.count(own.get("coalesce_bytes", 0), "storage option coalesce_bytes")
         self.cache_root = cache_root(own.get("cache_dir"))
         self.workdir = make_workdir(self.cache_root)
         self.fetcher = ShardFetcher(self.client, self.workdir / "shards", bound)
@@ -351,7 +346,7 @@ class RemoteLink:
             key = f"{outer}/{fmt.MANIFEST_KEY}" if outer else fmt.MANIFEST_KEY
             start = root.get_start(key, 1024)
             if start is not None and f'"{fmt.FORMAT_NAME}"'.encode() in start:
-                where = f"s3://{self.client.location.bucket}/{outer}".rstrip("/")
+                where = self.client.location.at(outer)
                 raise StoreExistsError(
                     f"{self.url} lies inside the hmem store {where}: a store inside another is refused",
                     hint=f"choose a prefix outside {where}",
@@ -472,7 +467,7 @@ class RemoteLink:
             or len(old.state) >= SNAPSHOT_AFTER
             or any(sizes[name] < old.sizes[name] for name in fmt.STATE_FILES)
         )
-        appended_heads = b"".join(fmt.encode_head(uid, start - 8, index) for uid, (start, index) in new_heads.items())
+        appended_heads = b"".join(fmt.encode_head(uid, start, index) for uid, (start, index) in new_heads.items())
         pieces: list[tuple[int, int, Any]] = []
         if not whole:
             assert old is not None and changed is not None
@@ -490,7 +485,7 @@ class RemoteLink:
             # the heads of every shard named whose head this link knows (a
             # store written before heads existed has none for its older shards)
             known = {**self.fetcher.heads, **new_heads}
-            heads = b"".join(fmt.encode_head(uid, known[uid][0] - 8, known[uid][1]) for uid in named if uid in known)
+            heads = b"".join(fmt.encode_head(uid, known[uid][0], known[uid][1]) for uid in named if uid in known)
             pieces = [
                 (number, 0, _read_range(directory / name, 0, sizes[name]))
                 for number, name in enumerate(fmt.STATE_FILES)
@@ -740,8 +735,8 @@ def committed_sizes(directory: Path, committed: Manifest) -> dict[str, int]:
 def _local_head(path: Path, info: Any) -> tuple[int, bytes]:
     """The head of a complete local shard file (ShardInfo `info`): where
     its data starts and its hmem_index bytes, for the state objects."""
-    (length,) = struct.unpack("<Q", _read_range(path, 0, 8).tobytes())
-    return 8 + length, _read_range(path, 8 + length, (info.entries + 1) * fmt.INDEX_ROW_BYTES).tobytes()
+    start = shard_file.data_start(_read_range(path, 0, shard_file.LENGTH_BYTES))
+    return start, _read_range(path, start, shard_file.index_bytes(info.entries)).tobytes()
 
 
 def _read_range(path: Path, offset: int, size: int) -> np.ndarray:

@@ -4,8 +4,8 @@ hmem/formats/shard_file.py and docs/format.md).
 A shard's entries arrive in parts: the entries of one put_many that go to
 this shard (one array per tensor kind, the entries' tensors back to back),
 or, for compaction and repair, entries whose tensors stay in another file
-until the shard is written.  Everything per entry (index rows, tensor
-offsets, checksums, the JSON header) is computed part by part with array
+until the shard is written.  A part is the format's EntryRun, whose
+tensors shard_file.encode lays out and indexes block by block with array
 operations and the kernels, never in a Python loop per tensor: a bulk put
 of 100,000 small entries writes 300,000 tensors.  Put tensors are copied
 into an arena whose memory is reused shard after shard, once nothing reads
@@ -25,30 +25,8 @@ from typing import Any, cast
 import numpy as np
 
 from hmem import _io, memory
-from hmem.formats import safetensors
-from hmem.formats.shard_file import (
-    CRC_PREFIX,
-    DTYPE_NAMES,
-    DTYPES,
-    HEADER_BYTES_PER_TENSOR,
-    HEADER_FIXED_BYTES,
-    INDEX_COLUMNS,
-    INDEX_MAGIC,
-    INDEX_ROW_BYTES,
-    INDEX_TENSOR,
-    INDEX_VERSION,
-    KINDS,
-    META_PREFIX,
-    SHARD_FORMAT,
-    SHARD_FORMAT_VERSION,
-    bytes_view,
-)
-from hmem.kernels import checksum as checksum_kernels
-from hmem.kernels import header_text
-
-PER_ENTRY_KINDS = ("p",)  # one tensor row per entry; the other kinds hold one row per token
-PAIR = "kv"  # the block of an entry's keys and values, adjacent: k_0, v_0, k_1, v_1, ...
-BLOCK_ORDER = (PAIR, "p", "ks", "vs")  # the blocks of each region (F32, then narrower), in file order
+from hmem.formats import shard_file
+from hmem.formats.shard_file import DTYPE_NAMES, KINDS, PAIR, PER_ENTRY_KINDS, EntryRun, TensorBlock, bytes_view
 
 
 class SpareSegments:
@@ -200,59 +178,11 @@ class Arena:
 
 
 @dataclasses.dataclass
-class _Block:
-    """The tensors of one kind of a part's m entries, in entry order; for
-    the PAIR block, each entry's keys then its values (2m tensors)."""
-
-    dtype: np.dtype
-    # the shapes of each entry's tensors: int64 [m, rank], or made when
-    # needed from the row shape (one row per entry, or n_tokens rows) for put parts
-    shapes: np.ndarray | tuple[tuple[int, ...], bool]
-    bounds: np.ndarray  # int64 [tensors + 1]: tensor i is bytes bounds[i] .. bounds[i + 1] of the block
-    data: list[Any]  # one buffer holding every tensor (puts), or one FileRange per tensor (lent)
-    crcs: np.ndarray | None  # uint32 [tensors], None until the shard is sealed (puts)
-
-    @property
-    def region(self) -> int:
-        """F32 data first, then the narrower dtypes (docs/format.md, "Shards")."""
-        return 0 if self.dtype == DTYPES["F32"] else 1
-
-    def shape_rows(self, n_tokens: np.ndarray) -> np.ndarray:
-        """The tensors' shapes, int64 [m, rank], for entries of `n_tokens`."""
-        if isinstance(self.shapes, np.ndarray):
-            return self.shapes
-        row_shape, per_entry = self.shapes
-        shapes = np.empty((len(n_tokens), len(row_shape) + (0 if per_entry else 1)), dtype=np.int64)
-        shapes[:, shapes.shape[1] - len(row_shape) :] = row_shape
-        if not per_entry:
-            shapes[:, 0] = n_tokens
-        return shapes
-
-    def shape_of(self, n_tokens: np.ndarray, row: int) -> tuple[int, ...]:
-        """The shape of tensor `row`."""
-        if isinstance(self.shapes, np.ndarray):
-            return tuple(int(x) for x in self.shapes[row])
-        row_shape, per_entry = self.shapes
-        return row_shape if per_entry else (int(n_tokens[row]), *row_shape)
-
-
-@dataclasses.dataclass
-class _Part:
-    ids: np.ndarray  # int64 [m], increasing
-    n_tokens: np.ndarray  # int64 [m]
-    blocks: dict[str, _Block]
-    meta: dict[int, str]  # entry_id -> its metadata as JSON (docs/format.md, "Shards")
+class _Part(EntryRun):
     # entries, tensors and data bytes of the builder up to this part
     # included: adding a part is one list append, which an interrupt
     # cannot cut in two
-    totals: tuple[int, int, int]
-
-
-def _meta_bytes(meta: str) -> int:
-    """An entry's metadata's share of the JSON header, counted with the data
-    so that the size bound and a rollback cover it: the key, and the value
-    with every character escaped at worst."""
-    return 2 * len(meta) + 40
+    totals: tuple[int, int, int] = (0, 0, 0)
 
 
 class ShardBuilder:
@@ -334,14 +264,14 @@ class ShardBuilder:
                 bounds = np.zeros(2 * count + 1, dtype=np.int64)
                 np.cumsum(np.repeat(n_tokens * row_bytes, 2), out=bounds[1:])
                 data = self._arena.append_pairs(arrays, values, n_tokens, row_bytes)
-                blocks[PAIR] = _Block(array.dtype, (row_shape, False), bounds, [data], None)
+                blocks[PAIR] = TensorBlock(array.dtype, (row_shape, False), bounds, [data], None)
                 continue
             bounds = (entry_bounds if per_entry else token_bounds) * row_bytes
-            blocks[kind] = _Block(array.dtype, (row_shape, per_entry), bounds, [self._arena.append(arrays)], None)
+            blocks[kind] = TensorBlock(array.dtype, (row_shape, per_entry), bounds, [self._arena.append(arrays)], None)
         if (PAIR in blocks) != ("v" in tensors):
             raise AssertionError("keys without values, or values without keys")
         meta = dict(meta or {})
-        added = sum(int(b.bounds[-1]) for b in blocks.values()) + sum(_meta_bytes(m) for m in meta.values())
+        added = sum(int(b.bounds[-1]) for b in blocks.values()) + sum(shard_file.meta_bytes(m) for m in meta.values())
         entries, tensor_count, data_bytes = self._totals()
         tensors_added = count * (len(blocks) + (PAIR in blocks))  # the pair block holds two tensors an entry
         totals = (entries + count, tensor_count + tensors_added, data_bytes + added)
@@ -358,7 +288,9 @@ class ShardBuilder:
         shape, the bytes in another file, their checked CRC): the sealed
         file copies them inside the kernel."""
         self._lent.append((entry_id, n_tokens, tensors, meta))
-        added = sum(part.length for _, _, part, _ in tensors.values()) + (_meta_bytes(meta) if meta is not None else 0)
+        added = sum(part.length for _, _, part, _ in tensors.values())
+        if meta is not None:
+            added += shard_file.meta_bytes(meta)
         entries, count, data_bytes = self._lent_totals
         self._lent_totals = (entries + 1, count + len(tensors), data_bytes + added)
 
@@ -388,7 +320,7 @@ class ShardBuilder:
             )
             bounds = np.zeros(len(specs) + 1, dtype=np.int64)
             np.cumsum([spec[2].length for spec in specs], out=bounds[1:])
-            blocks[kind] = _Block(
+            blocks[kind] = TensorBlock(
                 dtype,
                 shapes,
                 bounds,
@@ -413,8 +345,7 @@ class ShardBuilder:
 
     def file_bytes_bound(self) -> int:
         """An upper bound of the file size if sealed now."""
-        entries, tensors, data_bytes = self._totals()
-        return data_bytes + HEADER_FIXED_BYTES + HEADER_BYTES_PER_TENSOR * tensors + INDEX_ROW_BYTES * entries
+        return shard_file.file_bytes_bound(*self._totals())
 
     def _find(self, entry_id: int) -> tuple[_Part, int]:
         self._gather_lent()
@@ -445,68 +376,10 @@ class ShardBuilder:
         return raw.view(block.dtype).reshape(block.shape_of(part.n_tokens, row))
 
     def encode(self) -> tuple[list[Any], int]:
-        """The file's bytes as buffers and file ranges (header, index, F32
-        data, then the narrower data), and the CRC-32C of the index tensor."""
+        """The file's bytes as buffers and file ranges, and the CRC-32C of
+        its index tensor (hmem/formats/shard_file.py, encode)."""
         self._gather_lent()
-        n = self.entries
-        index = np.full((n + 1, INDEX_COLUMNS), -1, dtype="<i8")
-        uid = int(self.uid, 16)
-        index[0, :5] = [
-            INDEX_MAGIC,
-            INDEX_VERSION,
-            n,
-            *np.array([uid >> 64, uid & (2**64 - 1)], dtype="<u8").view("<i8"),
-        ]
-        starts = np.cumsum([0] + [len(part.ids) for part in self._parts])
-        for part, first in zip(self._parts, starts):
-            index[1 + first : 1 + first + len(part.ids), 0] = part.ids
-            index[1 + first : 1 + first + len(part.ids), 1] = part.n_tokens
-        data: list[Any] = []
-        tensor_text: list[bytes] = []
-        crc_text: list[bytes] = []
-        at = index.nbytes  # data offsets count from the start of the data, where hmem_index is
-        for region in (0, 1):
-            # each kind's tensors together: one header-text call for all of them
-            members: dict[tuple[str, np.dtype], list[tuple]] = {}
-            for unit in BLOCK_ORDER:
-                for part, first in zip(self._parts, starts):
-                    block = part.blocks.get(unit)
-                    if block is None or block.region != region:
-                        continue
-                    if block.crcs is None:
-                        block.crcs = checksum_kernels.crc32c_pieces(block.data[0], block.bounds)
-                    rows = slice(1 + first, 1 + first + len(part.ids))
-                    begins, ends = at + block.bounds[:-1], at + block.bounds[1:]
-                    shapes = block.shape_rows(part.n_tokens)
-                    # a pair block's tensors alternate: k_0, v_0, k_1, v_1, ...
-                    for kind, pick in (
-                        (("k", slice(0, None, 2)), ("v", slice(1, None, 2))) if unit == PAIR else ((unit, slice(None)),)
-                    ):
-                        column = KINDS.index(kind)
-                        index[rows, 2 + column] = begins[pick]
-                        index[rows, 7 + column] = block.crcs[pick]
-                        members.setdefault((kind, block.dtype), []).append(
-                            (part.ids, shapes, begins[pick], ends[pick], block.crcs[pick])
-                        )
-                    data.extend(block.data)
-                    at += int(block.bounds[-1])
-            for (kind, dtype), pieces in members.items():
-                name = f"{kind}_".encode()
-                ids, shapes, begins, ends, crcs = (np.concatenate(column) for column in zip(*pieces))
-                tensor_text.append(
-                    header_text.tensor_entries(name, ids, DTYPE_NAMES[dtype].encode(), shapes, begins, ends)
-                )
-                crc_text.append(header_text.crc_entries(CRC_PREFIX.encode() + name, ids, crcs))
-        index_crc = checksum_kernels.crc32c(bytes_view(index))
-        metadata = {"format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION, "shard_uid": self.uid}
-        if self.store_config:
-            metadata["store_config"] = self.store_config
-        for part in self._parts:
-            metadata.update((META_PREFIX + str(entry_id), text) for entry_id, text in part.meta.items())
-        metadata[CRC_PREFIX + INDEX_TENSOR] = f"{index_crc:08x}"
-        index_entry = safetensors.entry_text(INDEX_TENSOR, "I64", index.shape, 0, index.nbytes)
-        header = safetensors.encode_text(metadata, crc_text, [index_entry, *tensor_text])
-        return [header, bytes_view(index), *data], index_crc
+        return shard_file.encode(self.uid, self.store_config, self._parts)
 
     def seal(self, path: Path) -> tuple[int, int]:
         """Write the shard file durably; returns (file size, index CRC)."""

@@ -8,7 +8,6 @@ import collections
 import math
 import mmap
 import os
-import struct
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,16 +16,8 @@ import numpy as np
 
 from hmem import _io, file_reads
 from hmem.errors import CorruptStoreError, Hint, StoreChangedError, storage_error
-from hmem.formats.shard_file import (
-    INDEX_COLUMNS,
-    INDEX_ROW_BYTES,
-    KINDS,
-    META_PREFIX,
-    bytes_view,
-    index_problem,
-    parse_header,
-    uid_halves,
-)
+from hmem.formats import shard_file
+from hmem.formats.shard_file import ShardIndex, bytes_view
 from hmem.kernels import checksum as checksum_kernels
 
 
@@ -34,11 +25,10 @@ class ShardState:
     """What this process has checked of one shard file (known by its uid),
     kept while its map comes and goes: shard files never change."""
 
-    __slots__ = ("uid", "uid_halves", "ids", "verified", "metadata")
+    __slots__ = ("uid", "ids", "verified", "metadata")
 
     def __init__(self, uid: str) -> None:
         self.uid = uid
-        self.uid_halves = uid_halves(uid)
         self.ids: np.ndarray | None = None  # entry ids of the index, once it passed its checksum
         self.verified: set[tuple[int, str]] = set()  # (entry_id, kind) whose CRC matched
         self.metadata: dict[str, str] | None = None  # the JSON header's __metadata__, once read
@@ -108,42 +98,35 @@ class ShardReader:
     def _bad(self, why: str) -> CorruptStoreError:
         return CorruptStoreError(f"shard {self.path.name} is damaged: {why}", hint=Hint.VERIFY)
 
-    def _load_index(self, entries: int, index_crc: int) -> tuple[int, np.ndarray]:
-        (length,) = struct.unpack_from("<Q", self._map, 0)
-        data_start = 8 + length
-        index_bytes = (entries + 1) * INDEX_ROW_BYTES
-        if length > self.size or data_start + index_bytes > self.size:
+    def _load_index(self, entries: int, index_crc: int) -> tuple[int, ShardIndex]:
+        start = shard_file.data_start(self._map)
+        if shard_file.head_bytes(start, entries) > self.size:
             raise self._bad("its header or index runs past the end of the file")
-        self._ensure(0, data_start + index_bytes)
-        index = np.frombuffer(self._map, dtype="<i8", count=(entries + 1) * INDEX_COLUMNS, offset=data_start).reshape(
-            entries + 1, INDEX_COLUMNS
-        )
-        if (int(index[0, 3]), int(index[0, 4])) != self.state.uid_halves:
+        self._ensure(0, shard_file.head_bytes(start, entries))
+        index = ShardIndex.view(self._map, start, entries)
+        if not index.names_uid(self.uid):
             raise StoreChangedError(
                 f"shard {self.path.name} was replaced since the store was opened", hint=Hint.OPEN_AGAIN
             )
         if self.state.ids is None:
-            if checksum_kernels.crc32c(bytes_view(index)) != index_crc:
-                raise self._bad("its entry index fails its checksum")
-            problem = index_problem(index, entries, self.uid)  # as verify checks it
+            problem = index.problem(entries, self.uid, index_crc)  # as verify checks it
             if problem is not None:
                 raise self._bad(problem)
-            self.state.ids = np.ascontiguousarray(index[1:, 0])
-        return data_start, index
+            self.state.ids = np.ascontiguousarray(index.ids)
+        return start, index
 
-    def _head_index(self, entries: int, index_crc: int, data_start: int, raw: Any) -> tuple[int, np.ndarray] | None:
+    def _head_index(self, entries: int, index_crc: int, start: int, raw: Any) -> tuple[int, ShardIndex] | None:
         """The index a head gives, once it checks out against the store's
         record of the shard (its CRC, entries, uid); None otherwise."""
-        if len(raw) != (entries + 1) * INDEX_ROW_BYTES or data_start + len(raw) > self.size:
+        if len(raw) != shard_file.index_bytes(entries) or start + len(raw) > self.size:
             return None
-        index = np.frombuffer(raw, dtype="<i8").reshape(entries + 1, INDEX_COLUMNS)
-        if index_problem(index, entries, self.uid) is not None:
-            return None
-        if checksum_kernels.crc32c(raw) != index_crc:  # checked each time: heads come with every commit read
+        index = ShardIndex.view(raw, 0, entries)
+        # checked each time (its CRC too): heads come with every commit read
+        if index.problem(entries, self.uid, index_crc) is not None:
             return None
         if self.state.ids is None:
-            self.state.ids = np.ascontiguousarray(index[1:, 0])
-        return data_start, index
+            self.state.ids = np.ascontiguousarray(index.ids)
+        return start, index
 
     def _row(self, entry_id: int) -> int:
         """The entry's row of the index (after its header row)."""
@@ -155,13 +138,12 @@ class ShardReader:
         return row + 1
 
     def _locate(self, entry_id: int, kind: str) -> tuple[int, int]:
-        row, column = self._row(entry_id), KINDS.index(kind)
-        return int(self.index[row, 2 + column]), int(self.index[row, 7 + column])
+        return self.index.locate(self._row(entry_id), kind)
 
     def pair(self, entry_id: int, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         """Read-only views of an entry's keys and values (tensors k and v),
         its index row found once for both."""
-        k_start, v_start = self.index[self._row(entry_id), 2:4].tolist()  # offsets of KINDS[0] and [1]: k, v
+        k_start, v_start = self.index.pair_offsets(self._row(entry_id))
         return self._view(entry_id, "k", k_start, dtype, shape), self._view(entry_id, "v", v_start, dtype, shape)
 
     def tensor(self, entry_id: int, kind: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -212,12 +194,12 @@ class ShardReader:
         once per shard file; None when it has none."""
         if self.state.metadata is None:
             self.state.metadata = self.header()[0]
-        return self.state.metadata.get(META_PREFIX + str(entry_id))
+        return shard_file.meta_of(self.state.metadata, entry_id)
 
     def header(self) -> tuple[dict[str, str], dict[str, tuple]]:
         """The JSON header, parsed and checked (for verify and tests)."""
         self._ensure(0, self.data_start)
-        metadata, entries, _ = parse_header(self._map, self.path.name)
+        metadata, entries, _ = shard_file.parse_header(self._map, self.path.name)
         return metadata, entries
 
 

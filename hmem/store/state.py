@@ -152,12 +152,8 @@ class StoreState:
     def entry_file_bytes(self, n_tokens: Any) -> Any:
         """Bytes an entry of n_tokens takes in a shard, header entries and
         index row included (an int, or an array for an array)."""
-        storage = self.config.storage_dtype
-        return (
-            shard_file.entry_bytes(n_tokens, self.config.embed_dim, storage, self.config.signatures_per_entry)
-            + len(shard_file.kinds(storage)) * shard_file.HEADER_BYTES_PER_TENSOR
-            + shard_file.INDEX_ROW_BYTES
-        )
+        cfg = self.config
+        return shard_file.entry_file_bytes(n_tokens, cfg.embed_dim, cfg.storage_dtype, cfg.signatures_per_entry)
 
     def grow(self, extra: int) -> None:
         """Room for `extra` more records.  A put grows the records while

@@ -71,7 +71,7 @@ class Writer:
         ids = np.arange(first_id, first_id + count, dtype=np.int64)
         sizes = np.asarray(state.entry_file_bytes(batch.n_tokens), dtype=np.int64)
         for position, text in batch.meta.items():  # as the open shard counts it (shard_builder)
-            sizes[position] += 2 * len(text) + 40
+            sizes[position] += shard_file.meta_bytes(text)
         plan = self._plan_shards(sizes)
         if len(plan) > 1 or plan[0][2]:
             # Seal what came before, so every shard sealed below holds
