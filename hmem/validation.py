@@ -7,6 +7,7 @@ message has one wording:
     <name> must be an integer, got 'x'
     <name> must be between 1 and 4096, got 0
     <name> must be >= 1, got 0
+    <name> must be > 0, got 0
     <name> must be a number, got 'x'
     <name> must be finite and >= 0, got nan
     <name> must be one of a, b, got 'c'
@@ -59,6 +60,15 @@ def number(value: Any, name: str, *, low: float | None = None, high: float | Non
     if not math.isfinite(result):
         raise InvalidArgumentError(f"{name} must be finite, got {value!r}")
     _check_range(result, name, low, high)
+    return result
+
+
+def positive(value: Any, name: str, *, high: float | None = None) -> float:
+    """`value` as a finite float > 0 (and <= high): a size or a duration
+    that zero would make meaningless."""
+    result = number(value, name, high=high)
+    if not result > 0.0:
+        raise InvalidArgumentError(f"{name} must be > 0, got {value!r}")
     return result
 
 

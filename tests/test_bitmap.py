@@ -153,7 +153,7 @@ def test_bad_lengths_are_refused(bad):
 
 
 def test_prefix_count_errors():
-    with pytest.raises(InvalidArgumentError, match="exceeds"):
+    with pytest.raises(InvalidArgumentError, match="count must be between 0 and 8, got 9"):
         Bitmap.prefix(8, 9)
     with pytest.raises(InvalidArgumentError):
         Bitmap.prefix(8, -1)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from hmem import validation
 from hmem.errors import InvalidArgumentError
 from hmem.kernels import bitops
 
@@ -36,13 +37,7 @@ def _nbytes(nbits: int) -> int:
 
 
 def _length(value: Any, what: str = "length") -> int:
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}") from None
-    if n < 0:
-        raise InvalidArgumentError(f"{what} must be >= 0, got {n}")
-    return n
+    return validation.count(value, what)
 
 
 class Bitmap:
@@ -90,9 +85,7 @@ class Bitmap:
     def prefix(cls, nbits: int, count: int) -> Bitmap:
         """`nbits` bits of which the first `count` are set."""
         bm = cls(nbits)
-        count = _length(count, "count")
-        if count > bm._nbits:
-            raise InvalidArgumentError(f"count {count} exceeds the length {bm._nbits}")
+        count = validation.integer(count, "count", low=0, high=bm._nbits)
         bitops.set_range(bm._buf, 0, count)
         return bm
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from operator import attrgetter
 
+from hmem import validation
 from hmem.errors import InvalidArgumentError
 from hmem.kernels import bitops
 from hmem.prefix_hit.bitmap import Bitmap
-from hmem.prefix_hit.operators import _int, _kernel_windows, _windows
+from hmem.prefix_hit.operators import _kernel_windows, _windows
 
 # Per-row work is done by C-level map() calls: a request has tens to hundreds
 # of rows, and a Python step per row would cost more than the kernels.  The
@@ -89,13 +90,9 @@ def unfold_grouped(hit: int, num_chunks: int, windows: Sequence[int]) -> list[Bi
 
     `hit` larger than C is clamped to C.
     """
-    C = _int(num_chunks, "num_chunks")
-    if C < 0:
-        raise InvalidArgumentError(f"num_chunks must be >= 0, got {C}")
+    C = validation.count(num_chunks, "num_chunks")
     ws = _windows(windows)
-    hit = _int(hit, "hit")
-    if hit < 0:
-        raise InvalidArgumentError(f"hit must be >= 0, got {hit}")
+    hit = validation.count(hit, "hit")
     return _unfold(min(hit, C), C, _kernel_windows(ws, C))
 
 

@@ -69,21 +69,12 @@ def _windows(windows: Sequence[int] | Iterable[int]) -> tuple[int, ...]:
 def checked_layout(layout: Layout | str) -> Layout:
     if isinstance(layout, Layout):
         return layout
-    try:
-        return Layout(layout)
-    except ValueError:
-        raise InvalidArgumentError(
-            f"unknown layout {layout!r}: use {Layout.GROUP_MAJOR.value!r} or {Layout.CHUNK_MAJOR.value!r}"
-        ) from None
+    return Layout(validation.choice(layout, "layout", [x.value for x in Layout]))
 
 
 def checked_shape(num_chunks: int, num_ranks: int, windows) -> tuple[int, int, tuple[int, ...]]:
-    C = _int(num_chunks, "num_chunks")
-    R = _int(num_ranks, "num_ranks")
-    if C < 0:
-        raise InvalidArgumentError(f"num_chunks must be >= 0, got {C}")
-    if R < 1:
-        raise InvalidArgumentError(f"num_ranks must be >= 1, got {R}")
+    C = validation.count(num_chunks, "num_chunks")
+    R = validation.integer(num_ranks, "num_ranks", low=1)
     return C, R, _windows(windows)
 
 
@@ -149,10 +140,7 @@ def unfold(
     `hit` larger than C is clamped to C.
     """
     C, R, ws = checked_shape(num_chunks, num_ranks, windows)
-    hit = _int(hit, "hit")
-    if hit < 0:
-        raise InvalidArgumentError(f"hit must be >= 0, got {hit}")
-    hit = min(hit, C)
+    hit = min(validation.count(hit, "hit"), C)
     out = Bitmap(len(ws) * C * R)
     bitops.unfold_into(hit, C, R, _kernel_windows(ws, C), checked_layout(layout) is Layout.CHUNK_MAJOR, out.buffer)
     return out
@@ -205,9 +193,7 @@ def merge_bitmaps(bitmaps: Iterable[Bitmap], nbits: int) -> Bitmap:
     its end, and bits of a longer one past `nbits` are dropped.  No input
     gives `nbits` zeros.
     """
-    n = _int(nbits, "nbits")
-    if n < 0:
-        raise InvalidArgumentError(f"nbits must be >= 0, got {n}")
+    n = validation.count(nbits, "nbits")
     acc = np.zeros((n + 7) >> 3, dtype=np.uint8)
     for bm in bitmaps:
         if not isinstance(bm, Bitmap):
@@ -220,14 +206,11 @@ def merge_bitmaps(bitmaps: Iterable[Bitmap], nbits: int) -> Bitmap:
 def select_retained(found: Bitmap, nbits: int, policy: TrimPolicy | str = TrimPolicy.PREFIX) -> Bitmap:
     """Bits to keep without windows: PREFIX keeps the leading run of set
     bits, KEEP_ALL keeps every set bit."""
-    n = _int(nbits, "nbits")
+    n = validation.count(nbits, "nbits")
     if not isinstance(found, Bitmap) or len(found) != n:
         got = len(found) if isinstance(found, Bitmap) else type(found).__name__
         raise InvalidArgumentError(f"select_retained needs a Bitmap of {n} bits, got {got}")
-    try:
-        policy = TrimPolicy(policy)
-    except ValueError:
-        raise InvalidArgumentError(f"unknown trim policy {policy!r}") from None
+    policy = TrimPolicy(validation.choice(policy, "policy", [x.value for x in TrimPolicy]))
     if policy is TrimPolicy.PREFIX:
         return Bitmap.prefix(n, found.leading_ones())
     return found.copy()
@@ -254,7 +237,7 @@ def presence_map(
     holds; every group must list the same number of ranks.
     """
     lay = checked_layout(layout)
-    C = _int(num_chunks, "num_chunks")
+    C = validation.count(num_chunks, "num_chunks")
     G = len(rows)
     if G == 0:
         raise InvalidArgumentError("no groups given")

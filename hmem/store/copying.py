@@ -50,6 +50,7 @@ def copy_store(
     s3://bucket/prefix, with its own storage_options.  The source's writer
     lock (or lease) is held while it is read, waiting up to `lock_wait`
     seconds for it."""
+    lock_wait = validation.wait_seconds(lock_wait, "lock_wait")  # a URL's lease is taken here, not by open
     source_name, destination_name = str(source), str(destination)
     _refuse_existing(destination, destination_options)
     held: Store | None = None

@@ -131,6 +131,8 @@ class Queries:
         state = self.state
         layer = validation.layer_index(layer_idx)
         k = validation.top_k(top_k)
+        rerank = validation.flag(rerank, "rerank")
+        count_access = validation.flag(count_access, "count_access")
         validation.choice(framework, "framework", FRAMEWORKS)
         skip = validation.choice(on_damage, "on_damage", ON_DAMAGE) == "skip"
         factor = validation.integer(shortlist_factor, "shortlist_factor", low=1) if rerank else 1

@@ -1,9 +1,11 @@
 """Store: the persistent tier-3 K/V memory, hmem's main object.
 
-A facade: it checks arguments, takes the store's lock (shared to read,
-intent to put or flush beside reads, exclusive for evict, delete, compact
-and close: hmem/store/rwlock.py) and hands the work
-to the components that share one StoreState (docs/architecture.md):
+A facade: it checks arguments, takes the store's lock (shared to read;
+intent to put or flush beside reads, and for stats and the plans, which
+no write may change under them; exclusive for evict, delete, compact,
+record_source, close and a put that must evict: hmem/store/rwlock.py)
+and hands the work to the components that share one StoreState
+(docs/architecture.md):
 
 - Writer (hmem/store/writer.py): put, flush and the commit protocol;
 - Queries (hmem/store/queries.py): similarity search and re-rank;
@@ -86,10 +88,15 @@ class Store:
 
     A Store object may be shared between threads (docs/architecture.md,
     "Threads"): reads (query, query_many, get, stored_kv, entries,
-    entry_ids, stats, the plans) run at the same time; writes (put,
-    put_many, flush, evict, delete, compact, close) run one at a time, each
-    but flush while no read runs, so every read sees the state after some
-    whole number of writes.  A waiting write goes before reads that come
+    entry_ids, size, check_entries, imported_sources, find_source) run at
+    the same time, and beside put, put_many and flush.  stats and the
+    plans (plan_eviction, plan_delete, plan_compaction) run beside reads
+    but not beside any write: they read many parts of the state, which
+    must not change between them.  Writes run one at a time: put,
+    put_many and flush beside reads; evict, delete, compact,
+    record_source, close and a put that the limits make evict while no
+    read runs.  So every read sees the state after some whole number of
+    writes.  A waiting exclusive write goes before the reads that come
     after it.
     """
 

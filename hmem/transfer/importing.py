@@ -135,8 +135,8 @@ def import_files(
     content the registry holds (an earlier file of the same import
     included) is not imported again (``imported_before`` says as what) unless
     `again`: re-running an import stores exactly what is missing."""
-    if layer is not None and (isinstance(layer, bool) or not 0 <= int(layer) <= 0xFFFFFFFF):
-        raise InvalidArgumentError(f"layer must be between 0 and {0xFFFFFFFF}, got {layer}")
+    if layer is not None:
+        layer = validation.layer_index(layer, "layer")
     if importance is not None:
         importance = validation.importance(importance)
     if layout is not None:

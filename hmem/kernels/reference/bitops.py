@@ -14,6 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+# the CPU-path switch every kernel module offers hmem.kernels, re-exported
+from hmem.kernels.reference._paths import PATH_NAMES as PATH_NAMES
+from hmem.kernels.reference._paths import active_path as active_path
+from hmem.kernels.reference._paths import best_path as best_path
+from hmem.kernels.reference._paths import select_path as select_path
+
 if TYPE_CHECKING:
     from typing import TypeAlias
 
@@ -24,20 +30,6 @@ if TYPE_CHECKING:
     # 1-d C-contiguous unsigned bytes, writable where a kernel writes.
     _Bytes: TypeAlias = bytes | bytearray | memoryview | NDArray[np.uint8]
     _WritableBytes: TypeAlias = bytearray | memoryview | NDArray[np.uint8]
-
-PATH_NAMES = ("reference",)
-
-
-def best_path() -> int:
-    return 0
-
-
-def select_path(limit: int) -> int:
-    return 0
-
-
-def active_path() -> int:
-    return 0
 
 
 def _get(buf: _Bytes, i: int) -> int:

@@ -17,6 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+# the CPU-path switch every kernel module offers hmem.kernels, re-exported
+from hmem.kernels.reference._paths import PATH_NAMES as PATH_NAMES
+from hmem.kernels.reference._paths import active_path as active_path
+from hmem.kernels.reference._paths import best_path as best_path
+from hmem.kernels.reference._paths import select_path as select_path
+
 if TYPE_CHECKING:
     from typing import TypeAlias
 
@@ -27,21 +33,7 @@ if TYPE_CHECKING:
     # (hmem/kernels/_native/_checksum.pyi).
     _AnyBuffer: TypeAlias = Buffer | NDArray[Any]
 
-PATH_NAMES = ("reference",)
-
 POLY = 0x82F63B78
-
-
-def best_path() -> int:
-    return 0
-
-
-def select_path(limit: int) -> int:
-    return 0
-
-
-def active_path() -> int:
-    return 0
 
 
 def _make_table() -> list[int]:

@@ -15,6 +15,12 @@ from typing import TYPE_CHECKING, SupportsIndex
 
 import numpy as np
 
+# the CPU-path switch every kernel module offers hmem.kernels, re-exported
+from hmem.kernels.reference._paths import PATH_NAMES as PATH_NAMES
+from hmem.kernels.reference._paths import active_path as active_path
+from hmem.kernels.reference._paths import best_path as best_path
+from hmem.kernels.reference._paths import select_path as select_path
+
 if TYPE_CHECKING:
     from typing import TypeAlias
 
@@ -23,21 +29,6 @@ if TYPE_CHECKING:
     # As the native kernels take them (hmem/kernels/_native/_hamming.pyi).
     _Bytes: TypeAlias = bytes | bytearray | memoryview | NDArray[np.uint8]
     _Alive: TypeAlias = NDArray[np.uint8] | NDArray[np.bool_] | None
-
-PATH_NAMES = ("reference",)
-
-
-def best_path() -> int:
-    return 0
-
-
-def select_path(limit: int) -> int:
-    return 0
-
-
-def active_path() -> int:
-    return 0
-
 
 # Set bits of each byte value 0..255, by counting them in its binary digits.
 _BYTE_POPCOUNT = np.array([bin(value).count("1") for value in range(256)], dtype=np.uint8)

@@ -26,6 +26,12 @@ from typing import TYPE_CHECKING, SupportsIndex
 
 import numpy as np
 
+# the CPU-path switch every kernel module offers hmem.kernels, re-exported
+from hmem.kernels.reference._paths import PATH_NAMES as PATH_NAMES
+from hmem.kernels.reference._paths import active_path as active_path
+from hmem.kernels.reference._paths import best_path as best_path
+from hmem.kernels.reference._paths import select_path as select_path
+
 if TYPE_CHECKING:
     from typing import TypeAlias
 
@@ -35,21 +41,7 @@ if TYPE_CHECKING:
     _Bytes: TypeAlias = bytes | bytearray | memoryview | NDArray[np.uint8]
     _WritableBytes: TypeAlias = bytearray | memoryview | NDArray[np.uint8]
 
-PATH_NAMES = ("reference",)
-
 _MASK64 = (1 << 64) - 1
-
-
-def best_path() -> int:
-    return 0
-
-
-def select_path(limit: int) -> int:
-    return 0
-
-
-def active_path() -> int:
-    return 0
 
 
 def _index(name: str, value, lo: int) -> int:

@@ -12,22 +12,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+# the CPU-path switch every kernel module offers hmem.kernels, re-exported
+from hmem.kernels.reference._paths import PATH_NAMES as PATH_NAMES
+from hmem.kernels.reference._paths import active_path as active_path
+from hmem.kernels.reference._paths import best_path as best_path
+from hmem.kernels.reference._paths import select_path as select_path
+
 if TYPE_CHECKING:
     from numpy.typing import NDArray
-
-PATH_NAMES = ("reference",)
-
-
-def best_path() -> int:
-    return 0
-
-
-def select_path(limit: int) -> int:
-    return 0
-
-
-def active_path() -> int:
-    return 0
 
 
 def quantize_rows(rows: NDArray[np.float32], q: NDArray[np.int8], scales: NDArray[np.float32]) -> None:
