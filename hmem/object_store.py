@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from hmem import validation
 from hmem.errors import (
     CorruptStoreError,
     Hint,
@@ -37,7 +38,11 @@ from hmem.errors import (
     PermissionDeniedError,
 )
 
-SCHEMES = ("s3://",)
+# s3:// is S3 or an S3-compatible server; memory:// holds the objects in this
+# process's memory, one namespace per bucket name, gone when the process ends:
+# the same client and conditional writes (obstore's MemoryStore), for tests
+# and trials that need no server
+SCHEMES = ("s3://", "memory://")
 # storage_options hmem understands; anything else is refused by name
 OPTION_NAMES = (
     "endpoint",
@@ -55,12 +60,17 @@ _DEFAULT_CONNECT_TIMEOUT = 5.0
 _DEFAULT_RETRIES = 3
 PART_BYTES = 8 << 20  # objects larger than this are uploaded in parts of this size
 _NO_SUCH_BUCKET = "<Code>NoSuchBucket</Code>"  # in the body of S3's 404 for a bucket that does not exist
-_INVALID_RANGE = "<Code>InvalidRange</Code>"  # S3's 416: a range starting at or past an object's end
+# a range starting at or past an object's end: S3's 416, and memory://'s error
+_INVALID_RANGES = ("<Code>InvalidRange</Code>", "Invalid range: Wanted range starting at")
 
 
 def is_url(location: object) -> bool:
     """Whether `location` names a store on object storage rather than a directory."""
     return isinstance(location, str) and location.startswith(SCHEMES)
+
+
+def _invalid_range(exc: Exception) -> bool:
+    return any(text in str(exc) for text in _INVALID_RANGES)
 
 
 class ConditionFailed(Exception):
@@ -94,27 +104,41 @@ class Location:
     url: str
     bucket: str
     prefix: str  # without leading or trailing "/"; "" for the bucket's root
+    scheme: str = "s3"  # "s3" or "memory"
+
+    def at(self, prefix: str) -> str:
+        """The URL of `prefix` in the same bucket."""
+        return f"{self.scheme}://{self.bucket}/{prefix}".rstrip("/")
 
 
 def parse_url(url: str) -> Location:
     if not is_url(url):
         raise InvalidArgumentError(f"{url!r} is not an object-store URL", hint="give s3://bucket/prefix")
-    rest = url[len("s3://") :]
+    scheme, _, rest = url.partition("://")
     bucket, _, prefix = rest.partition("/")
     prefix = prefix.strip("/")
     if not bucket or "//" in prefix or any(part in (".", "..") for part in prefix.split("/") if prefix):
-        raise InvalidArgumentError(f"{url!r} is not a valid store URL", hint="give s3://bucket/prefix")
-    return Location(f"s3://{bucket}/{prefix}".rstrip("/"), bucket, prefix)
+        raise InvalidArgumentError(f"{url!r} is not a valid store URL", hint=f"give {scheme}://bucket/prefix")
+    return Location(f"{scheme}://{bucket}/{prefix}".rstrip("/"), bucket, prefix, scheme)
+
+
+# memory:// buckets: one object namespace per name, for the life of the process
+_MEMORY_BUCKETS: dict[str, Any] = {}
+_MEMORY_LOCK = threading.Lock()
+
+
+def _memory_bucket(name: str) -> Any:
+    from obstore.store import MemoryStore
+
+    with _MEMORY_LOCK:
+        store = _MEMORY_BUCKETS.get(name)
+        if store is None:
+            store = _MEMORY_BUCKETS[name] = MemoryStore()
+        return store
 
 
 def _seconds(value: Any, name: str) -> float:
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"storage option {name} must be a number of seconds, got {value!r}") from None
-    if not 0 < seconds < 86400:
-        raise InvalidArgumentError(f"storage option {name} must be between 0 and 86400 seconds, got {value!r}")
-    return seconds
+    return validation.positive(value, f"storage option {name}", high=86400)  # a day at most
 
 
 class ObjectClient:
@@ -138,6 +162,20 @@ class ObjectClient:
                 "stores on object storage need the obstore package", hint="install it with pip install 'hmem[s3]'"
             ) from None
         self._obstore = obstore
+        self.stats = ObjectStats()
+        self._stats_lock = threading.Lock()
+        self._options = options  # as given: a client for another prefix of the bucket is made with them
+        if self.location.scheme == "memory":
+            if options:
+                raise InvalidArgumentError(
+                    f"storage options do not apply to {self.location.url} (objects in this process's memory)"
+                )
+            self.endpoint, self.timeout = "memory", 0.0
+            self._store = _memory_bucket(self.location.bucket)
+            # one namespace per bucket: the prefix is put in front of every key here
+            self._key_prefix = f"{self.location.prefix}/" if self.location.prefix else ""
+            return
+        self._key_prefix = ""  # S3Store adds the prefix itself
         env = os.environ
         endpoint = options.get("endpoint", env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
         config: dict[str, Any] = {}
@@ -157,12 +195,11 @@ class ObjectClient:
         allow_http = options.get("allow_http", bool(endpoint) and str(endpoint).startswith("http://"))
         timeout = _seconds(options.get("timeout", _DEFAULT_TIMEOUT), "timeout")
         connect = _seconds(options.get("connect_timeout", _DEFAULT_CONNECT_TIMEOUT), "connect_timeout")
-        retries = options.get("max_retries", _DEFAULT_RETRIES)
-        if not isinstance(retries, int) or isinstance(retries, bool) or not 0 <= retries <= 20:
-            raise InvalidArgumentError(f"storage option max_retries must be an integer 0..20, got {retries!r}")
+        retries = validation.integer(
+            options.get("max_retries", _DEFAULT_RETRIES), "storage option max_retries", low=0, high=20
+        )
         self.endpoint = config.get("endpoint", "AWS")
         self.timeout = timeout
-        self._options = options  # as given: a client for another prefix of the bucket is made with them
         try:
             self._store = S3Store(
                 self.location.bucket,
@@ -189,8 +226,6 @@ class ObjectClient:
             )
         except Exception as exc:  # a malformed endpoint or option, from the client
             raise InvalidArgumentError(f"cannot use {url}: {exc}") from None
-        self.stats = ObjectStats()
-        self._stats_lock = threading.Lock()
 
     @property
     def url(self) -> str:
@@ -199,7 +234,7 @@ class ObjectClient:
     def at(self, prefix: str, *, shared_counts: bool = True) -> ObjectClient:
         """A client for a prefix of the same bucket, with the same options,
         counting its requests with this one's (`shared_counts`) or apart."""
-        other = ObjectClient(f"s3://{self.location.bucket}/{prefix}", self._options)
+        other = ObjectClient(self.location.at(prefix), self._options)
         if shared_counts:
             other.stats, other._stats_lock = self.stats, self._stats_lock
         return other
@@ -254,7 +289,7 @@ class ObjectClient:
         than that is a damaged store (CorruptStoreError), refused from the
         size the answer announces, before its body is read."""
         try:
-            result = self._obstore.get(self._store, key)
+            result = self._obstore.get(self._store, self._key_prefix + key)
             size = int(result.meta["size"])
             if max_bytes is not None and size > max_bytes:
                 self._count("gets")
@@ -283,10 +318,10 @@ class ObjectClient:
             )
 
         try:
-            data = bytes(self._obstore.get_range(self._store, key, start=start, end=end))
+            data = bytes(self._obstore.get_range(self._store, self._key_prefix + key, start=start, end=end))
         except Exception as exc:
             self._count("gets")
-            if _INVALID_RANGE in str(exc):
+            if _invalid_range(exc):
                 raise short(0) from None  # S3's 416: the range starts at or past the object's end
             raise self._fail(exc, "read", key) from None
         self._count("gets", fetched=len(data))
@@ -298,10 +333,10 @@ class ObjectClient:
         """At most the first `size` bytes of an object (all of a shorter
         one); None when it does not exist.  One request."""
         try:
-            data = bytes(self._obstore.get_range(self._store, key, start=0, end=size))
+            data = bytes(self._obstore.get_range(self._store, self._key_prefix + key, start=0, end=size))
         except Exception as exc:
             self._count("gets")
-            if _INVALID_RANGE in str(exc):
+            if _invalid_range(exc):
                 return b""  # S3 refuses any range of an empty object (416)
             failure = self._fail(exc, "read", key)
             if isinstance(failure, ObjectMissing):
@@ -320,7 +355,9 @@ class ObjectClient:
         more requests."""
         pages = 0
         # batches of 1,000 keys, as S3 pages them: one batch, about one request
-        batches = iter(self._obstore.list(self._store, prefix=prefix or None, chunk_size=1000))
+        listed = self._key_prefix + prefix
+        batches = iter(self._obstore.list(self._store, prefix=listed or None, chunk_size=1000))
+        strip = len(self._key_prefix)
         while True:
             try:
                 batch = next(batches, None)
@@ -333,7 +370,7 @@ class ObjectClient:
                 return
             pages += 1
             self._count("lists")
-            yield from ((str(meta["path"]), int(meta["size"])) for meta in batch)
+            yield from ((str(meta["path"])[strip:], int(meta["size"])) for meta in batch)
 
     # ---- writes ----------------------------------------------------------------------
 
@@ -353,7 +390,7 @@ class ObjectClient:
         requests = -(-size // PART_BYTES) + 2 if multipart else 1
         try:
             result = self._obstore.put(
-                self._store, key, data, mode=mode, use_multipart=multipart, chunk_size=PART_BYTES
+                self._store, self._key_prefix + key, data, mode=mode, use_multipart=multipart, chunk_size=PART_BYTES
             )
         except Exception as exc:
             self._count("puts")
@@ -365,7 +402,7 @@ class ObjectClient:
         """Delete objects (a missing one is no error)."""
         for key in keys:
             try:
-                self._obstore.delete(self._store, key)
+                self._obstore.delete(self._store, self._key_prefix + key)
             except Exception as exc:
                 self._count("deletes")
                 failure = self._fail(exc, "delete", key)

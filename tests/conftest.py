@@ -684,6 +684,19 @@ def s3_url(s3_env, request) -> str:
     return f"s3://{S3_BUCKET}/{request.node.name[:40].replace('[', '-').replace(']', '')}-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.fixture(params=["s3", "memory"])
+def object_url(request, monkeypatch, tmp_path) -> str:
+    """A fresh store URL on each object-storage backend: the local S3
+    server, and memory:// (the same client over objects held in this
+    process), so that one test holds for both."""
+    if request.param == "s3":
+        return request.getfixturevalue("s3_url")
+    import uuid
+
+    monkeypatch.setenv("HMEM_CACHE_DIR", str(tmp_path / "hmem-cache"))
+    return f"memory://{uuid.uuid4().hex[:12]}/{request.node.originalname[:40]}"
+
+
 @pytest.fixture
 def own_s3_server(s3_server) -> Iterator[S3Server]:
     """A second server of the test's own, which it may stop and start; it

@@ -338,14 +338,14 @@ def test_a_damaged_copy_on_the_host_is_fetched_again(s3_server, s3_url, tmp_path
         _check_kv(reader, data)
 
 
-def test_create_refuses_an_existing_store_and_open_an_empty_prefix(s3_url):
-    Store.create(s3_url, embed_dim=DIM).close()
+def test_create_refuses_an_existing_store_and_open_an_empty_prefix(object_url):
+    Store.create(object_url, embed_dim=DIM).close()
     with pytest.raises(StoreExistsError):
-        Store.create(s3_url, embed_dim=DIM)
+        Store.create(object_url, embed_dim=DIM)
     with pytest.raises(NotAStoreError):
-        Store.open(s3_url + "-nothing-here", read_only=True)
+        Store.open(object_url + "-nothing-here", read_only=True)
     with pytest.raises(NotAStoreError):
-        Store.open(s3_url + "-nothing-here")
+        Store.open(object_url + "-nothing-here")
 
 
 def test_options_are_checked(s3_url, tmp_path):
@@ -377,11 +377,11 @@ def test_bad_input_leaves_the_objects_unchanged(s3_server, s3_url):
 # ---- readers see whole commits and pick up new ones ---------------------------------------
 
 
-def test_refresh_takes_new_commits_and_old_entries_stay_right(s3_url, store_internals):
-    writer = Store.create(s3_url, embed_dim=DIM)
+def test_refresh_takes_new_commits_and_old_entries_stay_right(object_url, store_internals):
+    writer = Store.create(object_url, embed_dim=DIM)
     first = _fill(writer, range(10))
     writer.flush()
-    reader = Store.open(s3_url, read_only=True, max_open_shards=7)
+    reader = Store.open(object_url, read_only=True, max_open_shards=7)
     try:
         _check_kv(reader, first)
         second = _fill(writer, range(10, 15))
@@ -403,11 +403,11 @@ def test_refresh_takes_new_commits_and_old_entries_stay_right(s3_url, store_inte
         writer.close()
 
 
-def test_refresh_seconds_lets_reads_pick_up_commits_by_themselves(s3_url):
-    writer = Store.create(s3_url, embed_dim=DIM)
+def test_refresh_seconds_lets_reads_pick_up_commits_by_themselves(object_url):
+    writer = Store.create(object_url, embed_dim=DIM)
     _fill(writer, range(3))
     writer.flush()
-    reader = Store.open(s3_url, read_only=True, refresh_seconds=0)
+    reader = Store.open(object_url, read_only=True, refresh_seconds=0)
     try:
         new = _fill(writer, [77])
         writer.flush()
@@ -418,15 +418,15 @@ def test_refresh_seconds_lets_reads_pick_up_commits_by_themselves(s3_url):
         writer.close()
 
 
-def test_access_counts_reach_readers(s3_url):
-    with Store.create(s3_url, embed_dim=DIM) as writer:
+def test_access_counts_reach_readers(object_url):
+    with Store.create(object_url, embed_dim=DIM) as writer:
         ids = _fill(writer, range(20))
         writer.flush()
         for _ in range(3):
             writer.query(_kv(4)[0], 0, top_k=1)
         writer.flush()
     target = [i for i, s in ids.items() if s == 4][0]
-    with Store.open(s3_url, read_only=True) as reader:
+    with Store.open(object_url, read_only=True) as reader:
         assert reader.get(target).info.access_count == 3
 
 
@@ -444,11 +444,11 @@ def test_many_commits_keep_the_state_list_short(s3_server, s3_url):
         assert reader.stats().total_accesses == 20
 
 
-def test_a_spans_store_works_on_object_storage(s3_url):
-    with Store.create(s3_url, embed_dim=DIM, signatures_per_entry=4) as writer:
+def test_a_spans_store_works_on_object_storage(object_url):
+    with Store.create(object_url, embed_dim=DIM, signatures_per_entry=4) as writer:
         ids = _fill(writer, range(12))
         writer.flush()
-    with Store.open(s3_url, read_only=True) as reader:
+    with Store.open(object_url, read_only=True) as reader:
         _check_kv(reader, ids)
         best = reader.query(_kv(5)[0][1:4], 0, top_k=3)
         assert [i for i, s in ids.items() if s == 5][0] in [r.entry_id for r in best]
@@ -457,14 +457,14 @@ def test_a_spans_store_works_on_object_storage(s3_url):
 # ---- one writer ----------------------------------------------------------------------
 
 
-def test_one_writer_at_a_time_and_the_lease_is_given_back(s3_url):
-    writer = Store.create(s3_url, embed_dim=DIM)
+def test_one_writer_at_a_time_and_the_lease_is_given_back(object_url):
+    writer = Store.create(object_url, embed_dim=DIM)
     with pytest.raises(StoreLockedError, match="locked for writing"):
-        Store.open(s3_url)
-    with Store.open(s3_url, read_only=True):  # readers need no lease
+        Store.open(object_url)
+    with Store.open(object_url, read_only=True):  # readers need no lease
         pass
     writer.close()
-    with Store.open(s3_url) as second:  # released at close, not left to expire
+    with Store.open(object_url) as second:  # released at close, not left to expire
         _fill(second, [1])
 
 
@@ -523,15 +523,15 @@ def test_a_writer_whose_lease_was_taken_cannot_commit(s3_server, s3_url):
         _check_kv(reader, {**kept, **added})
 
 
-def test_two_writers_racing_exactly_one_gets_the_store(s3_url):
-    Store.create(s3_url, embed_dim=DIM).close()
+def test_two_writers_racing_exactly_one_gets_the_store(object_url):
+    Store.create(object_url, embed_dim=DIM).close()
     barrier = threading.Barrier(2, timeout=HANG_GUARD)
     outcomes: list[object] = []
 
     def race() -> None:
         barrier.wait()
         try:
-            store = Store.open(s3_url)
+            store = Store.open(object_url)
         except StoreLockedError as exc:
             outcomes.append(exc)
             return
@@ -720,7 +720,7 @@ def test_retired_objects_are_removed_after_their_grace_time(s3_server, s3_url):
 # ---- copies between a directory and object storage ----------------------------------------
 
 
-def test_copy_a_local_store_to_object_storage_and_back(s3_url, tmp_path):
+def test_copy_a_local_store_to_object_storage_and_back(object_url, tmp_path):
     source = tmp_path / "local"
     with Store.create(source, embed_dim=DIM, hdc_dim=512) as store:
         ids = _fill(store, range(30))
@@ -728,33 +728,33 @@ def test_copy_a_local_store_to_object_storage_and_back(s3_url, tmp_path):
         store.delete(sorted(ids)[:2])
         store.query(_kv(10)[0], 0, top_k=1)  # an access count, carried over
     kept = {i: s for i, s in ids.items() if i not in sorted(ids)[:2]}
-    up = hmem.copy_store(source, s3_url)
+    up = hmem.copy_store(source, object_url)
     assert up.entries == 28 and up.records == 30
-    with Store.open(s3_url, read_only=True) as reader:
+    with Store.open(object_url, read_only=True) as reader:
         _check_kv(reader, kept)
         assert reader.stats().total_accesses == 1
-    assert hmem.verify(s3_url, full=True).ok
+    assert hmem.verify(object_url, full=True).ok
     back = tmp_path / "back"
-    hmem.copy_store(s3_url, back)
+    hmem.copy_store(object_url, back)
     with Store.open(back, read_only=True) as reader:
         _check_kv(reader, kept)
         assert reader.stats().total_accesses == 1
     assert hmem.verify(back, full=True).ok
     with pytest.raises(StoreExistsError):
-        hmem.copy_store(source, s3_url)
+        hmem.copy_store(source, object_url)
     with pytest.raises(StoreExistsError):
-        hmem.copy_store(s3_url, back)
+        hmem.copy_store(object_url, back)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.stress
-def test_readers_see_exactly_the_writers_commits_through_any_mix_of_changes(s3_url, seed):
+def test_readers_see_exactly_the_writers_commits_through_any_mix_of_changes(object_url, seed):
     """Each commit sends only what it changed (docs/format.md, "State
     objects"); after any mix of puts, counted queries, deletes, evictions
     and compactions, a fresh reader holds exactly the writer's records."""
     rng = np.random.default_rng(seed)
     next_seed = 0
-    with Store.create(s3_url, embed_dim=DIM, hdc_dim=512, shard_max_bytes=32 << 10) as writer:
+    with Store.create(object_url, embed_dim=DIM, hdc_dim=512, shard_max_bytes=32 << 10) as writer:
         live: dict[int, int] = {}
         for step in range(30):
             action = rng.choice(
@@ -777,34 +777,34 @@ def test_readers_see_exactly_the_writers_commits_through_any_mix_of_changes(s3_u
             else:
                 writer.compact()
             writer.flush()
-            with Store.open(s3_url, read_only=True) as reader:
+            with Store.open(object_url, read_only=True) as reader:
                 mine = [(e.entry_id, e.access_count, e.layer_idx) for e in writer.entries()]
                 theirs = [(e.entry_id, e.access_count, e.layer_idx) for e in reader.entries()]
                 assert theirs == mine, f"step {step} ({action})"
-        with Store.open(s3_url, read_only=True) as reader:
+        with Store.open(object_url, read_only=True) as reader:
             _check_kv(reader, live)
 
 
-def test_the_disk_limit_counts_the_objects_not_the_working_copy(s3_url):
+def test_the_disk_limit_counts_the_objects_not_the_working_copy(object_url):
     """A writer's working copy holds only the shards it made; the limit is
     on what the store takes on object storage."""
-    with Store.create(s3_url, embed_dim=DIM, hdc_dim=512, shard_max_bytes=64 << 10) as writer:
+    with Store.create(object_url, embed_dim=DIM, hdc_dim=512, shard_max_bytes=64 << 10) as writer:
         _fill(writer, range(200))
-    with Store.open(s3_url) as writer:
+    with Store.open(object_url) as writer:
         size = writer.stats().bytes_on_disk
         assert size == writer.size() and size > 200 * 2 * 6 * DIM * 4
         writer.flush()
     limit = size // 2
-    with Store.open(s3_url, read_only=True) as reader:
+    with Store.open(object_url, read_only=True) as reader:
         assert reader.stats().bytes_on_disk == size
     # a store created with the same data under a limit keeps under it
     with Store.create(
-        s3_url + "-limited", embed_dim=DIM, hdc_dim=512, shard_max_bytes=64 << 10, max_disk_bytes=limit
+        object_url + "-limited", embed_dim=DIM, hdc_dim=512, shard_max_bytes=64 << 10, max_disk_bytes=limit
     ) as writer:
         for part in range(4):
             _fill(writer, range(part * 50, part * 50 + 50))
             writer.flush()
-    with Store.open(s3_url + "-limited") as writer:
+    with Store.open(object_url + "-limited") as writer:
         _fill(writer, range(1000, 1050))
         writer.flush()
         st = writer.stats()
@@ -974,3 +974,22 @@ def test_state_objects_apply_as_their_pieces_in_order(pieces):
     no_file = fmt.encode_state([(7, 0, b"abc")])
     with pytest.raises(CorruptStoreError):
         fmt.apply_state(no_file, [bytearray(s) for s in sizes], "state/x")
+
+
+def test_memory_urls_keep_stores_apart_and_take_no_options(monkeypatch, tmp_path):
+    monkeypatch.setenv("HMEM_CACHE_DIR", str(tmp_path / "hmem-cache"))
+    rng = np.random.default_rng(7)
+    base = "memory://apart-test"
+    with Store.create(f"{base}/a", embed_dim=DIM) as a:
+        k = rng.standard_normal((4, DIM)).astype(np.float32)
+        (only,) = a.put_many([(k, k, 0, 1.0)])
+    with Store.create(f"{base}/b", embed_dim=DIM) as b:  # beside a, in the same bucket
+        assert b.entry_ids() == []
+    with Store.open(f"{base}/a", read_only=True) as a:
+        assert a.entry_ids() == [only]
+        np.testing.assert_array_equal(a.get(only).keys, k)
+    with pytest.raises(StoreExistsError, match="inside the hmem store memory://apart-test/a"):
+        Store.create(f"{base}/a/inner", embed_dim=DIM)
+    with pytest.raises(InvalidArgumentError, match="storage options do not apply"):
+        Store.open(f"{base}/a", storage_options={"timeout": 5})
+    assert hmem.verify(f"{base}/a").ok
