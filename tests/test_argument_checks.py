@@ -176,6 +176,9 @@ def test_trim_policy_and_layout_take_their_enums_and_names():
         ({"lease_seconds": math.inf}, "lease_seconds"),
         ({"coalesce_bytes": -1}, "coalesce_bytes"),
         ({"coalesce_bytes": 1.5}, "coalesce_bytes"),
+        ({"retire_seconds": "abc"}, "retire_seconds"),
+        ({"retire_seconds": -1}, "retire_seconds"),
+        ({"retire_seconds": True}, "retire_seconds"),
     ],
 )
 def test_storage_options_are_checked_before_any_request(s3_env, s3_url, options, name):
@@ -187,3 +190,35 @@ def test_storage_options_are_checked_before_any_request(s3_env, s3_url, options,
             hmem.Store.open(s3_url, read_only=read_only, storage_options=options)
         assert str(info.value).startswith(f"storage option {name} must be")
     assert s3_env.objects(prefix) == before
+
+
+@pytest.mark.parametrize(
+    ("options", "name"), [(dict(read_only="no"), "read_only"), (dict(verify_reads=1.0), "verify_reads")]
+)
+def test_open_refuses_flags_that_are_not_booleans(store, snapshot_dir, options, name):
+    """read_only="no" once opened a reader (a truthy string)."""
+    path = store.path
+    store.close()
+    files = snapshot_dir(path)
+    with pytest.raises(InvalidArgumentError, match=f"^{name} must be"):
+        hmem.Store.open(path, **options)
+    assert snapshot_dir(path) == files
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        (dict(max_seconds="soon"), "max_seconds"),
+        (dict(max_seconds=-1), "max_seconds"),
+        (dict(subset=(3, 2)), "subset k"),
+        (dict(subset=(1.5, 2)), "subset k"),
+        (dict(subset=(1, 0)), "subset n"),
+    ],
+)
+def test_verify_refuses_a_bad_bound(store, snapshot_dir, options, name):
+    path = store.path
+    store.close()
+    files = snapshot_dir(path)
+    with pytest.raises(InvalidArgumentError, match=f"^{name} must be"):
+        hmem.verify(path, full=True, **options)
+    assert snapshot_dir(path) == files

@@ -132,12 +132,13 @@ def verify(
         raise NotAStoreError(f"{root} holds no hmem store", hint="check the path")
     if not full and (subset is not None or max_seconds is not None):
         raise InvalidArgumentError("subset and max_seconds bound the full check: give them with full=True")
-    if max_seconds is not None and not max_seconds >= 0:
-        raise InvalidArgumentError(f"max_seconds must be >= 0, got {max_seconds}")
+    if max_seconds is not None:
+        max_seconds = validation.number(max_seconds, "max_seconds", low=0.0)
     if subset is not None:
         k, n = subset
-        if not (isinstance(k, int) and isinstance(n, int) and 1 <= k <= n):
-            raise InvalidArgumentError(f"subset must be k/n with 1 <= k <= n, got {k}/{n}")
+        n = validation.integer(n, "subset n", low=1)
+        k = validation.integer(k, "subset k", low=1, high=n)
+        subset = (k, n)
     out = _Collector()
     mf = _check_index(root, out)
     files = layout.classify(root, mf.shards if mf else (), mf.pending if mf else None)

@@ -33,7 +33,6 @@ from hmem import _io, validation
 from hmem.errors import (
     CorruptStoreError,
     Hint,
-    InvalidArgumentError,
     NotAStoreError,
     StorageError,
     StoreChangedError,
@@ -148,9 +147,9 @@ class RemoteLink:
             )
         )
         self.lease_seconds = _positive(own.get("lease_seconds", DEFAULT_LEASE_SECONDS), "lease_seconds")
-        self.retire_seconds = float(own.get("retire_seconds", DEFAULT_RETIRE_SECONDS))
-        if self.retire_seconds < 0:
-            raise InvalidArgumentError("storage option retire_seconds must be >= 0")
+        self.retire_seconds = validation.number(
+            own.get("retire_seconds", DEFAULT_RETIRE_SECONDS), "storage option retire_seconds", low=0.0
+        )
         coalesce = validation.count(own.get("coalesce_bytes", 0), "storage option coalesce_bytes")
         self.cache_root = cache_root(own.get("cache_dir"))
         self.workdir = make_workdir(self.cache_root)

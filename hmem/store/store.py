@@ -235,6 +235,8 @@ class Store:
         (docs/reliability.md, "Degraded reads").
         """
         lock_wait = validation.wait_seconds(lock_wait, "lock_wait")
+        read_only = validation.flag(read_only, "read_only")
+        verify_reads = validation.flag(verify_reads, "verify_reads")
         validation.choice(on_damage, "on_damage", ("raise", "skip"))
         if on_damage == "skip" and not read_only:
             raise InvalidArgumentError(
