@@ -112,7 +112,7 @@ _LAZY: dict[str, tuple[str, str]] = {
         name: ("hmem.transfer.kv_export", name)
         for name in ("EXPORT_LAYOUTS", "check_export_path", "export_entries", "export_results", "write_kv_file")
     },
-    "OBJECT_FORMAT_VERSION": ("hmem.formats.remote", "FORMAT_VERSION"),
+    "OBJECT_FORMAT_VERSION": ("hmem.formats.objects", "FORMAT_VERSION"),
 }
 
 
@@ -131,7 +131,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what the names above are, for type checkers
-    from hmem.formats.remote import FORMAT_VERSION as OBJECT_FORMAT_VERSION
+    from hmem.formats.objects import FORMAT_VERSION as OBJECT_FORMAT_VERSION
     from hmem.prefix_hit.explain import GroupHit, PrefixHitReport, explain_prefix_hit
     from hmem.prefix_hit.grouped import fold_grouped, fold_unfold_grouped, unfold_grouped
     from hmem.prefix_hit.operators import (

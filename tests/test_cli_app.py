@@ -238,7 +238,7 @@ def test_a_command_under_json_does_not_import_rich(tmp_path):
         assert not [
             m
             for m in imported
-            if m in ("hmem.store.remote", "hmem.formats.remote", "hmem.store.remote_fetch", "hmem.store.lease")
+            if m in ("hmem.store.object_link", "hmem.formats.objects", "hmem.store.object_fetch", "hmem.store.lease")
         ], args
     human = run_python("-m", "hmem", "ls", str(store))  # ... and human output still has it
     assert human.returncode == 0 and "┃ id ┃" in human.stdout and "1 entries, by id" in human.stdout

@@ -197,7 +197,7 @@ def _rewrite_state(s3_server, s3_url: str, change) -> None:
     """Commit the store's state again as one state object whose four files
     `change` edited in place (a list of bytearrays: entries, pooled,
     sources, shard heads; it may empty the heads)."""
-    from hmem.formats import remote as fmt  # crafting a commit needs the format's own encoders
+    from hmem.formats import objects as fmt  # crafting a commit needs the format's own encoders
 
     objects = s3_server.objects(_prefix(s3_url))
     mf = fmt.RemoteManifest.parse(objects["manifest.json"], "manifest.json")
@@ -655,7 +655,7 @@ def test_a_damaged_state_object_or_manifest_is_refused(s3_server, s3_url, tmp_pa
 
 
 def test_a_manifest_naming_objects_outside_the_store_is_refused(s3_server, s3_url):
-    from hmem.formats import remote as fmt  # a crafted manifest needs the format's own encoder
+    from hmem.formats import objects as fmt  # a crafted manifest needs the format's own encoder
 
     with Store.create(s3_url, embed_dim=DIM) as writer:
         _fill(writer, range(2))
@@ -946,9 +946,9 @@ def test_reader_threads_share_one_store_while_a_writer_commits(s3_url):
 
 @pytest.mark.parametrize("pieces", [3, 300])
 def test_state_objects_apply_as_their_pieces_in_order(pieces):
-    # the format's own encoder and decoder (hmem/formats/remote.py): a state
+    # the format's own encoder and decoder (hmem/formats/objects.py): a state
     # object's pieces land where they say, few or many, and a damaged one is refused
-    from hmem.formats import remote as fmt
+    from hmem.formats import objects as fmt
 
     rng = np.random.default_rng(pieces)
     sizes = [4096 * 8, 2048, 512]

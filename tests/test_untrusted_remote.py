@@ -38,7 +38,7 @@ from typer.testing import CliRunner
 from hmem import Store
 from hmem.cli.app import app
 from hmem.cli.exit_codes import ExitCode
-from hmem.formats import remote as fmt  # crafting a manifest needs the format's own encoder
+from hmem.formats import objects as fmt  # crafting a manifest needs the format's own encoder
 
 DIM = 16
 HDC = 256
@@ -204,8 +204,8 @@ def test_a_writer_deletes_only_its_own_expired_names(s3_env, bucket, tmp_path):
 
 
 def test_every_object_deletion_goes_through_the_one_function():
-    # the object client's delete is called from one place: RemoteLink.delete_objects
-    # (hmem/store/remote.py), which takes only the store's own names
+    # the object client's delete is called from one place: ObjectLink.delete_objects
+    # (hmem/store/object_link.py), which takes only the store's own names
     root = Path(__file__).resolve().parent.parent / "hmem"
     calls = []
     for path in root.rglob("*.py"):
@@ -213,8 +213,8 @@ def test_every_object_deletion_goes_through_the_one_function():
             if re.search(r"\.delete\(", text) and "def delete" not in text:
                 calls.append((path.relative_to(root.parent).as_posix(), text.strip()))
     deleting = [(path, text) for path, text in calls if "client.delete(" in text or "_obstore.delete(" in text]
-    assert sorted(path for path, _ in deleting) == ["hmem/object_store.py", "hmem/store/remote.py"], deleting
-    assert [text for path, text in deleting if path == "hmem/store/remote.py"] == ["self.client.delete(own)"]
+    assert sorted(path for path, _ in deleting) == ["hmem/object_store.py", "hmem/store/object_link.py"], deleting
+    assert [text for path, text in deleting if path == "hmem/store/object_link.py"] == ["self.client.delete(own)"]
 
 
 # ---- 2. every number of a manifest within its bound ------------------------------------

@@ -1,6 +1,6 @@
 """The public verify and repair: a store directory (hmem/recovery/verify.py,
 hmem/recovery/repair.py) or a store on object storage
-(hmem/recovery/remote.py), told apart by its name.  The object-store
+(hmem/recovery/objects.py), told apart by its name.  The object-store
 side is imported when a URL is given: `hmem verify DIR` starts without it
 (docs/benchmarks.md, "Command start-up")."""
 
@@ -30,9 +30,9 @@ def verify(
     others and against its checksums; `full` also reads every tensor.
     Nothing is written.  docs/reliability.md lists the finding codes."""
     if is_url(path):
-        from hmem.recovery import remote
+        from hmem.recovery import objects
 
-        return remote.verify_remote(
+        return objects.verify_remote(
             str(path), full=full, subset=subset, max_seconds=max_seconds, storage_options=storage_options
         )
     _local_only(storage_options)
@@ -60,9 +60,9 @@ def repair(
                 "dry_run, rebuild_layer and rebuild_importance apply to store directories only",
                 hint="copy the store to a directory with 'hmem copy' to plan its repair",
             )
-        from hmem.recovery import remote
+        from hmem.recovery import objects
 
-        return remote.repair_remote(str(path), lock_wait=lock_wait, storage_options=storage_options)
+        return objects.repair_remote(str(path), lock_wait=lock_wait, storage_options=storage_options)
     _local_only(storage_options)
     return local_repair.repair(
         path,

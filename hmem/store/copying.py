@@ -23,7 +23,7 @@ from hmem.errors import CorruptStoreError, Hint, StoreExistsError
 from hmem.formats import layout, manifest
 from hmem.formats.manifest import Manifest, Pending
 from hmem.object_store import is_url
-from hmem.store.remote import RemoteLink, committed_sizes
+from hmem.store.object_link import ObjectLink, committed_sizes
 from hmem.store.store import Store
 
 
@@ -54,10 +54,10 @@ def copy_store(
     source_name, destination_name = str(source), str(destination)
     _refuse_existing(destination, destination_options)
     held: Store | None = None
-    link: RemoteLink | None = None
+    link: ObjectLink | None = None
     try:
         if is_url(source_name):
-            link = RemoteLink(source_name, source_options)
+            link = ObjectLink(source_name, source_options)
             link.read_manifest()
             link.take_lease(lock_wait)  # nothing changes it meanwhile
             directory = link.materialize()
@@ -116,7 +116,7 @@ def _write(directory: Path, committed: Manifest, destination: Any, options: dict
     total = shard_bytes + sum(sizes.values())
     report = CopyReport("", "", 0, committed.record_count, len(committed.shards), total)
     if is_url(str(destination)):
-        target = RemoteLink(str(destination), options)
+        target = ObjectLink(str(destination), options)
         try:
             target.claim_new()
             target.create(directory, committed)

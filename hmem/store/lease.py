@@ -14,7 +14,7 @@ import uuid
 from typing import Any
 
 from hmem.errors import Hint, StoreLockedError
-from hmem.formats import remote as fmt
+from hmem.formats import objects as fmt
 from hmem.object_store import ConditionFailed, ObjectClient, ObjectMissing
 
 

@@ -85,7 +85,7 @@ class EntryReader:
         (`kinds`; by default their K/V) will need, all at once: first the
         header and index of each shard not yet read whose head the state
         objects did not give, then the tensors' byte ranges, the requests
-        of each round made concurrently (hmem/store/remote_fetch.py).  The
+        of each round made concurrently (hmem/store/object_fetch.py).  The
         reads that follow then wait for no request.  Nothing for a local
         store; damage found here is left for those reads to report."""
         state = self.state
@@ -182,7 +182,7 @@ class EntryReader:
             # since replaced (compaction) sees them as missing or foreign;
             # when nothing was committed since, the file itself is damaged.
             if isinstance(exc, StoreChangedError) and state.cache.fetcher is not None:
-                raise  # on object storage: a newer commit removed the object (hmem/store/remote.py)
+                raise  # on object storage: a newer commit removed the object (hmem/store/object_link.py)
             changed = state.store_changed()
             if changed and state.read_only:
                 raise StoreChangedError(

@@ -217,7 +217,7 @@ class StoreStats:
     kernels: str
     health: StoreHealth  # the cheap file check (no tensor read)
     limits: LimitActivity = LimitActivity()  # evictions and compactions of puts, since the store was opened
-    remote: RemoteStats | None = None  # a store on object storage (hmem/store/remote.py)
+    remote: RemoteStats | None = None  # a store on object storage (hmem/store/object_link.py)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

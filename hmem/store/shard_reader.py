@@ -41,7 +41,7 @@ class ShardReader:
         """Map the file described by the ShardInfo `info`; check its index
         (checksum, header row, uid) unless `state` says it was checked.
         `source`: the shard of a store on object storage, a local file its
-        bytes are fetched into as they are read (hmem/store/remote.py)."""
+        bytes are fetched into as they are read (hmem/store/object_link.py)."""
         self.path = path
         self.uid = info.uid
         self.state = state
@@ -211,7 +211,7 @@ class ShardCache:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.fetcher: Any = None  # a store on object storage: its ShardFetcher (hmem/store/remote.py)
+        self.fetcher: Any = None  # a store on object storage: its ShardFetcher (hmem/store/object_link.py)
         self._open: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
         self._states: dict[str, ShardState] = {}
         # queries of several threads share the cache; a reader dropped from

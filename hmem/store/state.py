@@ -139,7 +139,7 @@ class StoreState:
     def stored_bytes(self) -> int:
         """Bytes the store takes: the files of its directory; on object
         storage, whose working copy holds no shard it did not make, also
-        the committed shards that live only there (hmem/store/remote.py)."""
+        the committed shards that live only there (hmem/store/object_link.py)."""
         total = layout.directory_bytes(self.path)
         fetcher = self.cache.fetcher
         if fetcher is not None:

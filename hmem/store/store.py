@@ -73,7 +73,7 @@ if TYPE_CHECKING:
     # imported where a store on object storage is opened: a local store's
     # commands start without the object-store code (docs/benchmarks.md,
     # "Command start-up")
-    from hmem.store.remote import RemoteLink
+    from hmem.store.object_link import ObjectLink
 
 _READ_RETRIES = 5
 
@@ -115,8 +115,8 @@ class Store:
         self._release_unclosed: weakref.finalize[[], Store] | None = (
             weakref.finalize(self, lambda: _release_writer(state)) if state.writer is not None else None
         )
-        # a store on object storage: the link to its objects (hmem/store/remote.py)
-        self._remote: RemoteLink | None = None
+        # a store on object storage: the link to its objects (hmem/store/object_link.py)
+        self._remote: ObjectLink | None = None
         self.location: str = str(state.path)  # what the store was opened as: a directory or a URL
         self._refresh_seconds: float | None = None
         self._refreshed = time.monotonic()
@@ -125,7 +125,7 @@ class Store:
         # entries.bin a reader opened with on_damage="skip" reads past
         self.damaged_records: tuple[tuple[int, int | None], ...] = ()
 
-    def _attach(self, link: RemoteLink) -> None:
+    def _attach(self, link: ObjectLink) -> None:
         """Tie this store (a working copy) to the objects of `link`."""
         self._remote = link
         self.location = link.url
@@ -312,9 +312,9 @@ class Store:
 
     @classmethod
     def _create_remote(cls, url: str, config: StoreConfig, storage_options: dict[str, Any] | None) -> Store:
-        from hmem.store.remote import RemoteLink  # here, not at the top: see the TYPE_CHECKING import
+        from hmem.store.object_link import ObjectLink  # here, not at the top: see the TYPE_CHECKING import
 
-        link = RemoteLink(url, storage_options)
+        link = ObjectLink(url, storage_options)
         link.use_state_cache()
         store: Store | None = None
         try:
@@ -343,9 +343,9 @@ class Store:
     ) -> Store:
         if refresh_seconds is not None:
             refresh_seconds = validation.number(refresh_seconds, "refresh_seconds", low=0.0)
-        from hmem.store.remote import RemoteLink  # here, not at the top: see the TYPE_CHECKING import
+        from hmem.store.object_link import ObjectLink  # here, not at the top: see the TYPE_CHECKING import
 
-        link = RemoteLink(url, storage_options)
+        link = ObjectLink(url, storage_options)
         link.use_state_cache()
         try:
             link.read_manifest()  # "not a store" before any lease is taken
@@ -961,7 +961,7 @@ def _release_writer(state: StoreState) -> None:
     state.writer.release()
 
 
-def _release_all(state: StoreState, link: RemoteLink) -> None:
+def _release_all(state: StoreState, link: ObjectLink) -> None:
     if state.writer is not None:
         _release_writer(state)
     link.close()

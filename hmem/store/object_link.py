@@ -2,13 +2,13 @@
 (docs/format.md, "Stores on object storage").
 
 An open store on object storage is an ordinary local store in a private
-working directory (under the cache directory) plus a ``RemoteLink`` that
+working directory (under the cache directory) plus a ``ObjectLink`` that
 ties it to the objects:
 
 - at open, the committed manifest is read and the store's small files
   (index.json, entries.bin, pooled.bin, sources.jsonl) are made from its
   state objects; shard files are not fetched: ``ShardFetcher``
-  (hmem/store/remote_fetch.py) fetches the byte ranges a read needs, once,
+  (hmem/store/object_fetch.py) fetches the byte ranges a read needs, once,
   into sparse local files, keeping at most ``cache_bytes`` of them;
 - a writer holds the lease (``LeaseHolder``, hmem/store/lease.py), and after each local commit
   ``publish`` uploads the new shard files and one state object with the
@@ -40,11 +40,11 @@ from hmem.errors import (
     StoreLockedError,
 )
 from hmem.formats import layout, pooled, shard_file
-from hmem.formats import remote as fmt
+from hmem.formats import objects as fmt
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.object_store import ConditionFailed, ObjectClient, ObjectMissing
 from hmem.store.lease import LeaseHolder
-from hmem.store.remote_fetch import ShardFetcher, fetch_pool
+from hmem.store.object_fetch import ShardFetcher, fetch_pool
 from hmem.store.results import StoreHealth
 from hmem.store.state_cache import StateCache
 
@@ -134,7 +134,7 @@ def _changed_spans(
     return spans
 
 
-class RemoteLink:
+class ObjectLink:
     """Ties a local working copy to a store's objects (the module docstring)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None, *, cache_bytes: int | None = None) -> None:
@@ -591,7 +591,7 @@ class RemoteLink:
     def orphan_sizes(self, listed: dict[str, int] | None = None) -> dict[str, int]:
         """Objects under the store that its manifest does not name, retired
         or not, and their sizes: only names this store gives its shard and
-        state objects (formats/remote.py, is_own_key), never another
+        state objects (formats/objects.py, is_own_key), never another
         store's or an unknown object.  `listed`: the listing, if made."""
         mf = self.manifest
         assert mf is not None
@@ -690,7 +690,7 @@ class RemoteLink:
         """Delete objects of the store: the one place hmem deletes an object
         (an expired retired object, an orphan).  Only names the store gives
         its own shard and state objects, directly under its prefix
-        (formats/remote.py, is_own_key), and none the committed manifest
+        (formats/objects.py, is_own_key), and none the committed manifest
         names, whatever a manifest or a listing says: another store's
         objects, an unknown object and a live one are never deleted.
         Returns the keys it deleted."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from hmem import _io
 from hmem.errors import CorruptStoreError, Hint, StoreChangedError
-from hmem.formats import remote as fmt
+from hmem.formats import objects as fmt
 from hmem.object_store import ObjectClient, ObjectMissing
 
 FETCH_BLOCK = 1 << 20  # shard bytes are fetched in whole blocks of this size

@@ -1,7 +1,7 @@
 """verify and repair of a store on object storage (docs/format.md, "Stores
 on object storage").
 
-Both work on a working copy of the committed state (hmem/store/remote.py):
+Both work on a working copy of the committed state (hmem/store/object_link.py):
 
 - verify checks the manifest and its state objects (checksums), that
   every object the manifest names exists with its size, and lists the
@@ -24,11 +24,11 @@ from typing import Any
 from hmem import _io
 from hmem.errors import HmemError, NotAStoreError
 from hmem.formats import manifest, shard_file
-from hmem.formats import remote as fmt
+from hmem.formats import objects as fmt
 from hmem.recovery.repair import RepairReport, repair
 from hmem.recovery.verify import ERROR, INFO, WARNING, Finding, VerifyReport, verify
-from hmem.store.remote import RemoteLink
-from hmem.store.remote_fetch import RemoteShardFile
+from hmem.store.object_fetch import RemoteShardFile
+from hmem.store.object_link import ObjectLink
 
 
 def verify_remote(
@@ -40,7 +40,7 @@ def verify_remote(
     storage_options: dict[str, Any] | None,
 ) -> VerifyReport:
     started = time.perf_counter()
-    link = RemoteLink(url, storage_options)
+    link = ObjectLink(url, storage_options)
     found: list[Finding] = []
 
     def report(local: VerifyReport | None) -> VerifyReport:
@@ -137,7 +137,7 @@ def verify_remote(
         link.close()
 
 
-def _fetch_head(link: RemoteLink, key: str, path: Path, size: int, entries: int) -> None:
+def _fetch_head(link: ObjectLink, key: str, path: Path, size: int, entries: int) -> None:
     """A sparse copy of a shard holding its header and entry index, all the
     quick check reads of it."""
     mirror = RemoteShardFile(link.fetcher, key, path, size)
@@ -152,7 +152,7 @@ def _fetch_head(link: RemoteLink, key: str, path: Path, size: int, entries: int)
 
 
 def repair_remote(url: str, *, lock_wait: float, storage_options: dict[str, Any] | None) -> RepairReport:
-    link = RemoteLink(url, storage_options)
+    link = ObjectLink(url, storage_options)
     try:
         link.read_manifest()
         link.take_lease(lock_wait)

@@ -165,7 +165,7 @@ class StatePieces:
 
     def file_bytes(self, count: int) -> np.ndarray:
         """The bytes its pieces hold for each of `count` files: what a
-        manifest may claim of them is bounded by this (RemoteLink.materialize)."""
+        manifest may claim of them is bounded by this (ObjectLink.materialize)."""
         held = np.zeros(count, dtype=np.int64)
         np.add.at(held, self.files, self.lengths)
         return held
