@@ -475,7 +475,7 @@ def test_a_waiting_writer_gets_the_lease_when_it_expires(s3_server, s3_url):
     # in the holder and in the store (private state: the test plays a writer
     # that hangs, whose lease then runs out; a lease that short from the
     # start could run out before the holder's own commits on a busy machine).
-    lease = holder._remote.lease
+    lease = holder._placement.lease
     lease._stop.set()
     lease.expires = time.time() + 1.5
     s3_server.put_object(
@@ -501,7 +501,7 @@ def test_a_writer_whose_lease_was_taken_cannot_commit(s3_server, s3_url):
     old.flush()
     # The old writer's lease is taken over as if it had expired (private
     # state: its expiry is moved back; the new writer sees an expired lease).
-    lease = old._remote.lease
+    lease = old._placement.lease
     lease._stop.set()
     s3_server.put_object(
         _prefix(s3_url), "lease.json", json.dumps({"token": lease.token, "owner": lease.owner, "expires": 0}).encode()

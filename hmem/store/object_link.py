@@ -33,6 +33,7 @@ from hmem import _io, validation
 from hmem.errors import (
     CorruptStoreError,
     Hint,
+    HmemError,
     NotAStoreError,
     StorageError,
     StoreChangedError,
@@ -45,7 +46,8 @@ from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.object_store import ConditionFailed, ObjectClient, ObjectMissing
 from hmem.store.lease import LeaseHolder
 from hmem.store.object_fetch import ShardFetcher, fetch_pool
-from hmem.store.results import StoreHealth
+from hmem.store.results import RemoteStats, StoreHealth
+from hmem.store.state import StoreState, open_reader
 from hmem.store.state_cache import StateCache
 
 CACHE_ENV = "HMEM_CACHE_DIR"
@@ -706,6 +708,75 @@ class ObjectLink:
         mf = self.manifest
         assert mf is not None
         return sum(s["bytes"] for s in mf.shards.values()) + sum(s["bytes"] for s in mf.state) + len(mf.to_bytes())
+
+    # ---- the Placement the Store facade calls (hmem/store/placement.py) -----------------
+
+    maps_in_place = False  # shard bytes are fetched by range into sparse local files first
+
+    @property
+    def location(self) -> str:
+        return self.url
+
+    def attach(self, state: StoreState) -> None:
+        state.cache.fetcher = self.fetcher
+        self.fetcher.on_drop = state.cache.drop_uid
+
+    def after_write(self, state: StoreState, *, snapshot: bool = False, data_only: bool = False) -> None:
+        if not state.read_only:
+            self.publish(state.path, state.committed, state.manifest_bytes, snapshot=snapshot, data_only=data_only)
+
+    def before_close(self, state: StoreState) -> None:
+        try:  # readers then open with two requests
+            self.consolidate(state.path, state.committed)
+        except HmemError:
+            pass  # everything is committed already: the state list stays as it was
+
+    def newer_state(self, state: StoreState) -> StoreState | None:
+        """The newest commit as a reader's state in a new directory of the
+        working copy (one request when there is none), fetched while
+        queries go on with `state`, whose shards stay known to the fetcher
+        until swap_in.  A failure leaves the link on the commit it holds."""
+        held, held_etag = self.manifest, self.etag
+        held_shards, held_shards_etag = self.fetcher.remote, self.fetcher.manifest_etag
+        assert held is not None
+        try:
+            if self.read_manifest().generation == held.generation:
+                return None
+            return open_reader(self.materialize(keep_known=True), state.verify_reads)
+        except BaseException:  # still on the commit it holds: the next refresh tries again
+            self.manifest, self.etag = held, held_etag
+            self.fetcher.remote, self.fetcher.manifest_etag = held_shards, held_shards_etag
+            raise
+
+    def swap_in(self, old: StoreState, fresh: StoreState) -> None:
+        fresh.cache.capacity = old.cache.capacity  # the bound open() was given, if any
+        self.attach(fresh)
+        assert self.manifest is not None
+        self.fetcher.remote, self.fetcher.manifest_etag = dict(self.manifest.shards), self.etag
+
+    def forget(self, old: StoreState) -> None:
+        _io.remove_tree(old.path)
+
+    def report(self) -> RemoteStats | None:
+        if self.manifest is None:
+            return None
+        counts = self.client.stats
+        return RemoteStats(
+            url=self.url,
+            endpoint=self.client.endpoint,
+            generation=self.manifest.generation,
+            state_objects=len(self.manifest.state),
+            object_bytes=self.total_bytes(),
+            requests=counts.requests,
+            gets=counts.gets,
+            puts=counts.puts,
+            deletes=counts.deletes,
+            lists=counts.lists,
+            bytes_fetched=counts.bytes_fetched,
+            bytes_sent=counts.bytes_sent,
+            cached_shard_bytes=self.fetcher.cached_bytes(),
+            cache_dir=str(self.workdir),
+        )
 
     # ---- end -------------------------------------------------------------------------
 

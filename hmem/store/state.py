@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,15 @@ import numpy as np
 
 from hmem import memory
 from hmem.config import StoreConfig
-from hmem.errors import CorruptStoreError, Hint, HmemError, ReadOnlyStoreError, StoreClosedError, UnsupportedFormatError
+from hmem.errors import (
+    CorruptStoreError,
+    Hint,
+    HmemError,
+    ReadOnlyStoreError,
+    StoreChangedError,
+    StoreClosedError,
+    UnsupportedFormatError,
+)
 from hmem.formats import layout, manifest, pooled, records, shard_file
 from hmem.formats.manifest import Manifest, ShardInfo
 from hmem.formats.records import EVICTED
@@ -206,6 +215,27 @@ class StoreState:
         self.spares.release()
         if self.writer is not None:
             self.writer.release()
+
+
+_READ_RETRIES = 5
+
+
+def open_reader(root: Path, verify_reads: bool, *, skipped: list[tuple[int, int | None]] | None = None) -> StoreState:
+    """The state of a reader of the store directory `root`: its last commit,
+    loaded and then checked not to have changed meanwhile (a writer that
+    committed in between may have rewritten what was read).  `skipped`:
+    as load_records'."""
+    for _ in range(_READ_RETRIES):
+        data = manifest.read_bytes(root)
+        mf = manifest.parse(root, data)
+        damaged: list[tuple[int, int | None]] | None = [] if skipped is not None else None
+        loaded = load_records(root, mf, follow_renames=True, skipped=damaged)
+        if manifest.read_bytes(root) == data:
+            if skipped is not None and damaged:
+                skipped.extend(damaged)
+            return StoreState(root, mf, writer=None, verify_reads=verify_reads, manifest_bytes=data, loaded=loaded)
+        time.sleep(0.01)
+    raise StoreChangedError(f"{root} kept changing while it was being opened", hint="try again")
 
 
 def load_records(

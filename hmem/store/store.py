@@ -33,9 +33,7 @@ from hmem.errors import (
     CorruptStoreError,
     EntryNotFoundError,
     Hint,
-    HmemError,
     InvalidArgumentError,
-    StoreChangedError,
     StoreExistsError,
 )
 from hmem.formats import layout, manifest, records, shard_file, stamp
@@ -49,6 +47,7 @@ from hmem.store.bridge import AugmentedKV, augmented_kv
 from hmem.store.compaction import MIN_DEAD_SHARE, Compaction
 from hmem.store.eviction import Eviction
 from hmem.store.listing import ENTRY_SORTS, EntryListing
+from hmem.store.placement import DirectoryPlacement, Placement
 from hmem.store.prepare import Entry
 from hmem.store.projection import Projector
 from hmem.store.queries import Queries
@@ -60,22 +59,19 @@ from hmem.store.results import (
     EntryInfo,
     EvictionPlan,
     QueryResults,
-    RemoteStats,
     ShardStats,
     StoredEntry,
     StoredKV,
     StoreStats,
 )
-from hmem.store.state import StoreState, load_records
+from hmem.store.state import StoreState, load_records, open_reader
 from hmem.store.writer import Writer
 
 if TYPE_CHECKING:
     # imported where a store on object storage is opened: a local store's
     # commands start without the object-store code (docs/benchmarks.md,
     # "Command start-up")
-    from hmem.store.object_link import ObjectLink
-
-_READ_RETRIES = 5
+    pass
 
 __all__ = ["Entry", "Store", "is_store"]
 
@@ -101,23 +97,19 @@ class Store:
     """
 
     def __init__(self, state: StoreState) -> None:
-        self._state = state
-        self._reader = EntryReader(state)
-        self._writer = Writer(state)
-        self._queries = Queries(state, self._reader)
-        self._compaction = Compaction(state, self._writer, self._reader)
-        self._eviction = Eviction(state, self._writer, self._compaction)
-        self.path: Path = state.path
-        self.config: StoreConfig = state.config
-        # A store dropped unclosed lets its lock go when collected.  A finalizer
-        # (not __del__) so that a closed store runs no Python code when
-        # collected: a signal arriving then would be lost in a destructor.
+        # the state and its components, swapped as one by a refresh
+        self._open = _OpenState(state)
+        # where the store's bytes live (hmem/store/placement.py): here, the
+        # directory; a store on object storage is placed by _place
+        self._placement: Placement = (placement := DirectoryPlacement(str(state.path)))
+        self.location: str = self._placement.location  # what the store was opened as: a directory or a URL
+        # A store dropped unclosed lets its lock and its storage go when
+        # collected.  A finalizer (not __del__) so that a closed store runs
+        # no Python code when collected: a signal arriving then would be
+        # lost in a destructor.
         self._release_unclosed: weakref.finalize[[], Store] | None = (
-            weakref.finalize(self, lambda: _release_writer(state)) if state.writer is not None else None
+            weakref.finalize(self, lambda: _release(state, placement)) if state.writer is not None else None
         )
-        # a store on object storage: the link to its objects (hmem/store/object_link.py)
-        self._remote: ObjectLink | None = None
-        self.location: str = str(state.path)  # what the store was opened as: a directory or a URL
         self._refresh_seconds: float | None = None
         self._refreshed = time.monotonic()
         self._refresh_lock = threading.Lock()  # one refresh at a time
@@ -125,25 +117,36 @@ class Store:
         # entries.bin a reader opened with on_damage="skip" reads past
         self.damaged_records: tuple[tuple[int, int | None], ...] = ()
 
-    def _attach(self, link: ObjectLink) -> None:
-        """Tie this store (a working copy) to the objects of `link`."""
-        self._remote = link
-        self.location = link.url
-        self._state.cache.fetcher = link.fetcher
-        link.fetcher.on_drop = self._state.cache.drop_uid
-        if self._release_unclosed is not None:  # an unclosed writer also gives its lease back
+    # the state and its components, as the last refresh left them
+    _state = property(lambda self: self._open.state)
+    _reader = property(lambda self: self._open.reader)
+    _writer = property(lambda self: self._open.writer)
+    _queries = property(lambda self: self._open.queries)
+    _compaction = property(lambda self: self._open.compaction)
+    _eviction = property(lambda self: self._open.eviction)
+
+    @property
+    def path(self) -> Path:
+        """The store's directory (for a store on object storage, its working copy)."""
+        return self._open.state.path
+
+    @property
+    def config(self) -> StoreConfig:
+        return self._open.state.config
+
+    def _place(self, placement: Placement) -> None:
+        """Tie this store (a working copy) to where it lives."""
+        self._placement = placement
+        placement.attach(self._state)
+        self.location = placement.location
+        if self._release_unclosed is not None:
             self._release_unclosed.detach()
-            state = self._state
-            self._release_unclosed = weakref.finalize(self, lambda: _release_all(state, link))
-        else:
-            self._release_unclosed = weakref.finalize(self, link.close)
+        state = self._state
+        self._release_unclosed = weakref.finalize(self, lambda: _release(state, placement))
 
     def _publish(self, *, snapshot: bool = False, data_only: bool = False) -> None:
-        """After a write: commit the working copy's last commit to the object
-        store (nothing when it was published already or the store is local)."""
-        link, state = self._remote, self._state
-        if link is not None and not state.read_only:
-            link.publish(state.path, state.committed, state.manifest_bytes, snapshot=snapshot, data_only=data_only)
+        """After a write: make its commit the store's own where it lives."""
+        self._placement.after_write(self._state, snapshot=snapshot, data_only=data_only)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -294,21 +297,10 @@ class Store:
 
     @classmethod
     def _open_reader(cls, root: Path, verify_reads: bool, *, skip_damaged: bool = False) -> Store:
-        # Load, then check index.json did not change meanwhile; a writer that
-        # committed in between may have rewritten what was read.
-        for _ in range(_READ_RETRIES):
-            data = manifest.read_bytes(root)
-            mf = manifest.parse(root, data)
-            damaged: list[tuple[int, int | None]] | None = [] if skip_damaged else None
-            loaded = load_records(root, mf, follow_renames=True, skipped=damaged)
-            if manifest.read_bytes(root) == data:
-                store = cls(
-                    StoreState(root, mf, writer=None, verify_reads=verify_reads, manifest_bytes=data, loaded=loaded)
-                )
-                store.damaged_records = tuple(damaged or ())
-                return store
-            time.sleep(0.01)
-        raise StoreChangedError(f"{root} kept changing while it was being opened", hint="try again")
+        damaged: list[tuple[int, int | None]] | None = [] if skip_damaged else None
+        store = cls(open_reader(root, verify_reads, skipped=damaged))
+        store.damaged_records = tuple(damaged or ())
+        return store
 
     @classmethod
     def _create_remote(cls, url: str, config: StoreConfig, storage_options: dict[str, Any] | None) -> Store:
@@ -320,7 +312,7 @@ class Store:
         try:
             link.claim_new()
             store = cls.create(link.workdir / "store-0", config)
-            store._attach(link)
+            store._place(link)
             state = store._state
             link.create(state.path, state.committed)
             return store
@@ -360,7 +352,7 @@ class Store:
         except BaseException:
             link.close()
             raise
-        store._attach(link)
+        store._place(link)
         store._refresh_seconds = refresh_seconds
         return store
 
@@ -374,38 +366,23 @@ class Store:
         return self._refresh(wait=True)
 
     def _refresh(self, *, wait: bool) -> bool:
-        link = self._remote
         self._refreshed = time.monotonic()
-        if link is None or not self._state.read_only:
+        if not self._state.read_only:
             return False
         if not self._refresh_lock.acquire(blocking=wait):
             return False  # another thread is refreshing: this read goes on with the commit it has
         try:
             self._state.check_open()
-            held, held_etag = link.manifest, link.etag
-            held_shards, held_shards_etag = link.fetcher.remote, link.fetcher.manifest_etag
-            assert held is not None
-            try:
-                if link.read_manifest().generation == held.generation:
-                    return False
-                # fetched without the store's lock: queries go on meanwhile, on the commit they
-                # have, whose shards stay known to the fetcher until the swap
-                fresh = Store._open_reader(link.materialize(keep_known=True), self._state.verify_reads)
-            except BaseException:  # still on the commit it holds: the next refresh tries again
-                link.manifest, link.etag = held, held_etag
-                link.fetcher.remote, link.fetcher.manifest_etag = held_shards, held_shards_etag
-                raise
-            with self._state.lock.exclusive():
-                old = self._state
-                fresh._state.cache.capacity = old.cache.capacity  # the bound open() was given, if any
-                fresh._state.cache.fetcher = link.fetcher
-                link.fetcher.on_drop = fresh._state.cache.drop_uid
-                for name in ("_state", "_reader", "_writer", "_queries", "_compaction", "_eviction", "path", "config"):
-                    setattr(self, name, getattr(fresh, name))
-                assert link.manifest is not None
-                link.fetcher.remote, link.fetcher.manifest_etag = dict(link.manifest.shards), link.etag
+            # loaded without the store's lock: queries go on meanwhile, on the commit they have
+            fresh = self._placement.newer_state(self._state)
+            if fresh is None:
+                return False
+            old = self._state
+            with old.lock.exclusive():
+                self._placement.swap_in(old, fresh)
+                self._open = _OpenState(fresh)  # one object: every component with its state
                 old.shut()
-            _io.remove_tree(old.path)
+            self._placement.forget(old)
             return True
         finally:
             self._refresh_lock.release()
@@ -436,17 +413,12 @@ class Store:
                 if not state.read_only:
                     self._writer.close()
                     self._publish()
-                    if self._remote is not None:  # readers then open with two requests
-                        try:
-                            self._remote.consolidate(state.path, state.committed)
-                        except HmemError:
-                            pass  # everything is committed already: the state list stays as it was
+                    self._placement.before_close(state)
             finally:
                 state.shut()
                 if self._release_unclosed is not None:
                     self._release_unclosed.detach()
-                if self._remote is not None:
-                    self._remote.close()
+                self._placement.close()
 
     def __enter__(self) -> Store:
         return self
@@ -764,10 +736,8 @@ class Store:
             plan = self._compaction.plan(
                 validation.share(min_dead_share, "min_dead_share"), repack=validation.flag(repack, "repack")
             )
-        if self._remote is None:
-            return plan
         # on object storage, also the objects no commit names (a writer that stopped before its commit)
-        orphans = self._remote.orphan_sizes()
+        orphans = self._placement.orphan_sizes()
         if not orphans:
             return plan
         reclaimable = plan.reclaimable_bytes + sum(orphans.values())
@@ -814,10 +784,8 @@ class Store:
                 min_dead_share=validation.share(min_dead_share, "min_dead_share"),
                 repack=validation.flag(repack, "repack"),
             )
-            if self._remote is None:
-                return report
             self._publish(snapshot=report.performed)  # the small files whole: the state list starts again
-            removed = self._remote.remove_orphans()
+            removed = self._placement.remove_orphans()
             if not removed:
                 return report
             freed = sum(removed.values())
@@ -899,34 +867,10 @@ class Store:
                 next_entry_id=state.next_id,
                 kernels=kernels.describe(),
                 # on object storage, also whether the objects are there (a listing; verify's remote errors)
-                health=self._reader.health()
-                if self._remote is None
-                else self._remote.checked_health(self._reader.health(), state.shards, rows["shard_idx"]),
+                health=self._placement.checked_health(self._reader.health(), state.shards, rows["shard_idx"]),
                 limits=state.limits,
-                remote=self._remote_stats(),
+                remote=self._placement.report(),
             )
-
-    def _remote_stats(self) -> RemoteStats | None:
-        link = self._remote
-        if link is None or link.manifest is None:
-            return None
-        counts = link.client.stats
-        return RemoteStats(
-            url=link.url,
-            endpoint=link.client.endpoint,
-            generation=link.manifest.generation,
-            state_objects=len(link.manifest.state),
-            object_bytes=link.total_bytes(),
-            requests=counts.requests,
-            gets=counts.gets,
-            puts=counts.puts,
-            deletes=counts.deletes,
-            lists=counts.lists,
-            bytes_fetched=counts.bytes_fetched,
-            bytes_sent=counts.bytes_sent,
-            cached_shard_bytes=link.fetcher.cached_bytes(),
-            cache_dir=str(link.workdir),
-        )
 
     def size(self) -> int:
         """Bytes on disk: the files of the store directory (the lock file's
@@ -950,21 +894,42 @@ def _local_only(storage_options: Any) -> None:
         raise InvalidArgumentError("storage_options apply to stores on object storage (s3://...) only")
 
 
-def _release_writer(state: StoreState) -> None:
-    """An unclosed writer's lock goes back.  A shard a put was still making
-    durable is waited for first: no file is renamed into the store once
-    another writer may have it (the shard itself is not committed)."""
-    sealing = state.sealing
-    if sealing is not None:
-        sealing.wait()
-    assert state.writer is not None
-    state.writer.release()
-
-
-def _release_all(state: StoreState, link: ObjectLink) -> None:
+def _release(state: StoreState, placement: Placement) -> None:
+    """An unclosed store's lock and storage go back.  A shard a put was
+    still making durable is waited for first: no file is renamed into the
+    store once another writer may have it (the shard itself is not committed)."""
     if state.writer is not None:
-        _release_writer(state)
-    link.close()
+        sealing = state.sealing
+        if sealing is not None:
+            sealing.wait()
+        state.writer.release()
+    placement.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _OpenState:
+    """A state and the components that work on it, made together and
+    replaced together (Store.refresh)."""
+
+    state: StoreState
+    reader: EntryReader
+    writer: Writer
+    queries: Queries
+    compaction: Compaction
+    eviction: Eviction
+
+    def __init__(self, state: StoreState) -> None:
+        reader, writer = EntryReader(state), Writer(state)
+        compaction = Compaction(state, writer, reader)
+        for name, value in (
+            ("state", state),
+            ("reader", reader),
+            ("writer", writer),
+            ("queries", Queries(state, reader)),
+            ("compaction", compaction),
+            ("eviction", Eviction(state, writer, compaction)),
+        ):
+            object.__setattr__(self, name, value)
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
