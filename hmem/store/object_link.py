@@ -2,8 +2,9 @@
 (docs/format.md, "Stores on object storage").
 
 An open store on object storage is an ordinary local store in a private
-working directory (under the cache directory) plus a ``ObjectLink`` that
-ties it to the objects:
+working directory (under the cache directory) plus an ``ObjectLink`` that
+ties it to the objects, the Placement the Store facade calls
+(hmem/store/placement.py):
 
 - at open, the committed manifest is read and the store's small files
   (index.json, entries.bin, pooled.bin, sources.jsonl) are made from its

@@ -23,7 +23,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -66,12 +66,6 @@ from hmem.store.results import (
 )
 from hmem.store.state import StoreState, load_records, open_reader
 from hmem.store.writer import Writer
-
-if TYPE_CHECKING:
-    # imported where a store on object storage is opened: a local store's
-    # commands start without the object-store code (docs/benchmarks.md,
-    # "Command start-up")
-    pass
 
 __all__ = ["Entry", "Store", "is_store"]
 
@@ -304,7 +298,9 @@ class Store:
 
     @classmethod
     def _create_remote(cls, url: str, config: StoreConfig, storage_options: dict[str, Any] | None) -> Store:
-        from hmem.store.object_link import ObjectLink  # here, not at the top: see the TYPE_CHECKING import
+        # imported here, where a store on object storage is opened: a local store's commands
+        # start without the object-store code (docs/benchmarks.md, "Command start-up")
+        from hmem.store.object_link import ObjectLink
 
         link = ObjectLink(url, storage_options)
         link.use_state_cache()
@@ -335,7 +331,9 @@ class Store:
     ) -> Store:
         if refresh_seconds is not None:
             refresh_seconds = validation.number(refresh_seconds, "refresh_seconds", low=0.0)
-        from hmem.store.object_link import ObjectLink  # here, not at the top: see the TYPE_CHECKING import
+        # imported here, where a store on object storage is opened: a local store's commands
+        # start without the object-store code (docs/benchmarks.md, "Command start-up")
+        from hmem.store.object_link import ObjectLink
 
         link = ObjectLink(url, storage_options)
         link.use_state_cache()
