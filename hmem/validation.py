@@ -25,6 +25,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from hmem.errors import InvalidArgumentError, PathError
 
 U32_MAX = (1 << 32) - 1
@@ -114,6 +116,19 @@ def layer_index(value: Any, name: str = "layer_idx") -> int:
 
 def top_k(value: Any, name: str = "top_k") -> int:
     return integer(value, name, low=1)
+
+
+def entry_ids(value: Any) -> np.ndarray:
+    """Entry ids as a unique ascending uint64 array; anything else than an
+    iterable of non-negative integers is refused."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "iu" and value.ndim == 1:
+        if value.size and value.min() < 0:
+            raise InvalidArgumentError(f"entry ids must be >= 0, got {value.min()}")
+        return np.unique(value.astype(np.uint64))
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(f"entry_ids must be an iterable of integers, got {type(value).__name__}")
+    ids = [integer(i, "entry id", low=0, high=2**64 - 1) for i in value]
+    return np.unique(np.array(ids, dtype=np.uint64))
 
 
 def count(value: Any, name: str) -> int:

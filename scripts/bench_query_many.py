@@ -262,7 +262,7 @@ def run(store, args, log) -> dict:
         factor = SHORTLIST_FACTOR if rerank else 1
 
         def run() -> object:
-            queries = store._queries
+            queries = store._session.components.queries
             no_spans = [None] * len(prepared)  # mean keys only: a store without span signatures
             pooled, kvs = queries._read_ahead(
                 ready[rerank], [mean for _, mean in prepared], TOP_K, rerank, None, no_spans
@@ -276,7 +276,6 @@ def run(store, args, log) -> dict:
                     TOP_K,
                     factor,
                     rerank=rerank,
-                    framework="numpy",
                     skip=False,
                     search=SEARCH,
                     pooled=pooled,

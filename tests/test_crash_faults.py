@@ -462,10 +462,10 @@ if mode == "reference":
     path, snapshots = sys.argv[2], sys.argv[3]
     real_write, real_point, passes = manifest.write, _io.crash_point, {}
     def write(root, mf):
-        data = real_write(root, mf)
+        written = real_write(root, mf)
         STATE["commits"] += 1
         shutil.copytree(root, os.path.join(snapshots, str(STATE["commits"])))
-        return data
+        return written
     def point(name):
         passes[name] = passes.get(name, 0) + 1
         emit("pass", name, passes[name], STATE["commits"])

@@ -327,7 +327,7 @@ def test_index_json_is_the_indented_json_of_its_document(shards, sources):
     data = mf.to_bytes()
     document = json.loads(data)
     assert data == (json.dumps(document, indent=1) + "\n").encode()
-    assert [ShardInfo(**s) for s in document["shards"]] == mf.shards
+    assert tuple(ShardInfo(**s) for s in document["shards"]) == mf.shards
     body = {key: value for key, value in document.items() if key != "checksum"}
     assert document["checksum"] == f"crc32c:{manifest._checksum(body):08x}"
     # the texts of the last commit's shards are kept for the next: a shard
@@ -337,16 +337,18 @@ def test_index_json_is_the_indented_json_of_its_document(shards, sources):
         with pytest.raises(dataclasses.FrozenInstanceError):
             mf.shards[-1].dead_entries += 1  # type: ignore[misc]
         last = mf.shards[-1]
-        mf.shards[-1] = dataclasses.replace(last, dead_entries=last.dead_entries + 1)
+        mf = dataclasses.replace(
+            mf, shards=(*mf.shards[:-1], dataclasses.replace(last, dead_entries=last.dead_entries + 1))
+        )
         again = json.loads(mf.to_bytes())
         assert again["shards"][-1]["dead_entries"] == document["shards"][-1]["dead_entries"] + 1
         assert again["shards"][:-1] == document["shards"][:-1]
         assert (
             again["checksum"] == f"crc32c:{manifest._checksum({k: v for k, v in again.items() if k != 'checksum'}):08x}"
         )
-        mf.shards.append(ShardInfo("added", 1, "u", 2, 3))
-        assert [ShardInfo(**s) for s in json.loads(mf.to_bytes())["shards"]] == mf.shards
-        del mf.shards[0]
+        mf = dataclasses.replace(mf, shards=(*mf.shards, ShardInfo("added", 1, "u", 2, 3)))
+        assert tuple(ShardInfo(**s) for s in json.loads(mf.to_bytes())["shards"]) == mf.shards
+        mf = dataclasses.replace(mf, shards=mf.shards[1:])
         data = mf.to_bytes()
-        assert [ShardInfo(**s) for s in json.loads(data)["shards"]] == mf.shards
+        assert tuple(ShardInfo(**s) for s in json.loads(data)["shards"]) == mf.shards
         assert data == (json.dumps(json.loads(data), indent=1) + "\n").encode()

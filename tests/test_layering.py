@@ -86,6 +86,32 @@ RULE_CLI_PUBLIC = "the CLI imports only `hmem` (the public names of hmem/__init_
 RULE_NO_CLI = "the library never imports the CLI"
 RULE_NO_CYCLES = "no import cycles between modules (imports under `if TYPE_CHECKING:` do not count)"
 RULE_ONLY_IO_WRITES = "only hmem/_io.py writes, renames or deletes files"
+RULE_STATE_OWNS_ITS_FIELDS = (
+    "only hmem/store/state.py assigns a StoreState's attributes: its methods keep its invariants"
+)
+RULE_ENGINE_NEVER_IMPORTS_A_BACKEND = (
+    "the store engine (hmem/store/*) never imports a storage backend: it talks to the Placement "
+    "and ShardSource of hmem/store/placement.py; only hmem/store/opening.py chooses a backend"
+)
+# The object-storage backend: its client, its objects' format and its side of the seam.
+BACKEND_MODULES = (
+    "hmem.object_store",
+    "hmem.formats.objects",
+    "hmem.store.object_link",
+    "hmem.store.object_fetch",
+    "hmem.store.object_opening",
+    "hmem.store.lease",
+    "hmem.store.state_cache",
+)
+ENGINE = "hmem.store"
+# Engine modules that may import a backend: opening chooses one from the location
+# given, copying copies a store from one place to another.
+BACKEND_CHOOSERS = {"hmem.store.opening", "hmem.store.copying"}
+STATE_MODULE_FILE = "hmem/store/state.py"
+# Assignments to a StoreState's attributes still made outside hmem/store/state.py, as
+# {path: {attribute, ...}}: each is a state change to move into a StoreState method.
+# Empty, and to stay so: add nothing here.
+STATE_ASSIGNMENTS_ALLOWED: dict[str, set[str]] = {}
 
 
 # ---- reading the source -----------------------------------------------------------
@@ -280,6 +306,17 @@ def check_prefix_hit(imports: Iterable[Import]) -> list[str]:
         for imp in imports
         if _inside(imp.source, "hmem.prefix_hit")
         and any(_inside(imp.target, banned) for banned in PREFIX_HIT_MUST_NOT_IMPORT)
+    ]
+
+
+def check_engine_never_imports_a_backend(imports: Iterable[Import]) -> list[str]:
+    return [
+        _violation(imp, RULE_ENGINE_NEVER_IMPORTS_A_BACKEND)
+        for imp in imports
+        if _inside(imp.source, ENGINE)
+        and imp.source not in BACKEND_MODULES
+        and imp.source not in BACKEND_CHOOSERS
+        and any(_inside(imp.target, backend) for backend in BACKEND_MODULES)
     ]
 
 
@@ -600,6 +637,84 @@ def check_only_io_writes(files: Iterable[SourceFile]) -> list[str]:
     return bad
 
 
+# ---- StoreState's attributes are assigned by its own methods only ----------------------
+
+
+def state_attributes(text: str) -> set[str]:
+    """The attributes class StoreState (in `text`, hmem/store/state.py)
+    assigns through ``self``, in any of its methods, and its properties."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef) and node.name == "StoreState":
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.FunctionDef) and any(
+                    isinstance(d, ast.Name) and d.id == "property" for d in inner.decorator_list
+                ):
+                    names.add(inner.name)
+                for target in _assigned(inner):
+                    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                        if target.value.id == "self":
+                            names.add(target.attr)
+    return names
+
+
+def _assigned(node: ast.AST) -> list[ast.expr]:
+    """The targets `node` assigns (=, augmented, annotated), tuples and
+    starred targets taken apart."""
+    if isinstance(node, ast.Assign):
+        pending = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        pending = [node.target]
+    else:
+        return []
+    found = []
+    while pending:
+        target = pending.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            pending.extend(target.elts)
+        elif isinstance(target, ast.Starred):
+            pending.append(target.value)
+        else:
+            found.append(target)
+    return found
+
+
+def _is_a_state(expr: ast.expr) -> bool:
+    """Whether `expr` names a StoreState the way hmem does: ``state``,
+    ``self.state``, ``self._state``, ``opened.state``."""
+    name = expr.id if isinstance(expr, ast.Name) else expr.attr if isinstance(expr, ast.Attribute) else None
+    return name in ("state", "_state")
+
+
+def state_assignments(file: SourceFile, attributes: set[str]) -> list[str]:
+    """The assignments of a StoreState's `attributes` in one Python file, as
+    "path:line: target" lines (an attribute of an object the state holds,
+    ``state.cache.capacity``, is that object's own)."""
+    allowed = STATE_ASSIGNMENTS_ALLOWED.get(file.path, set())
+    found = []
+    for node in ast.walk(ast.parse(file.text, filename=file.path)):
+        for target in _assigned(node):
+            if (
+                isinstance(target, ast.Attribute)
+                and target.attr in attributes
+                and target.attr not in allowed
+                and _is_a_state(target.value)
+            ):
+                found.append(
+                    f"{file.path}:{target.lineno}: assigns {ast.unparse(target)} "
+                    f"-- rule: {RULE_STATE_OWNS_ITS_FIELDS} ({DOC})"
+                )
+    return found
+
+
+def check_state_owns_its_fields(files: Iterable[SourceFile], attributes: set[str]) -> list[str]:
+    bad = []
+    for file in files:
+        if file.kind == "py" and file.path != STATE_MODULE_FILE:
+            bad.extend(state_assignments(file, attributes))
+    return bad
+
+
 # ---- the rules, on the real package ----------------------------------------------------
 
 
@@ -644,6 +759,14 @@ def test_prefix_hit_is_independent_of_the_store(imports):
     assert not bad, _report(bad, RULE_PREFIX_HIT)
 
 
+def test_the_engine_never_imports_a_backend(imports):
+    bad = check_engine_never_imports_a_backend(imports)
+    assert not bad, _report(bad, RULE_ENGINE_NEVER_IMPORTS_A_BACKEND)
+    # the rule is not vacuous: the backend modules exist, and the chooser does import one
+    edges = {(i.source, i.target) for i in imports}
+    assert ("hmem.store.opening", "hmem.store.object_opening") in edges
+
+
 def test_the_cli_uses_only_the_public_api(imports):
     bad = check_cli_public_only(imports)
     assert not bad, _report(bad, RULE_CLI_PUBLIC)
@@ -662,6 +785,15 @@ def test_no_import_cycles(imports):
 def test_only_io_writes_files(sources):
     bad = check_only_io_writes(sources)
     assert not bad, _report(bad, RULE_ONLY_IO_WRITES)
+
+
+def test_only_the_state_assigns_its_attributes(sources):
+    [state_file] = [f for f in sources if f.path == STATE_MODULE_FILE]
+    attributes = state_attributes(state_file.text)
+    # the walker sees the class: an empty set would pass every module
+    assert {"committed", "shards", "n", "next_id", "builder", "dirty", "limits", "read_only"} <= attributes
+    bad = check_state_owns_its_fields(sources, attributes)
+    assert not bad, _report(bad, RULE_STATE_OWNS_ITS_FIELDS)
 
 
 # ---- self-tests: each checker catches a violation ----------------------------------------
@@ -697,6 +829,9 @@ _BASE = {
     "hmem.store": "",
     "hmem.store.store": "from . import lock\nfrom ..formats.manifest import X\n",
     "hmem.store.lock": "from hmem._io import open_lock_file\n",
+    "hmem.store.opening": "def f():\n    from hmem.store import object_link\n",
+    "hmem.store.object_link": "from hmem.object_store import ObjectClient\n",
+    "hmem.object_store": "",
     "hmem.prefix_hit": "",
     "hmem.prefix_hit.bitmap": "from hmem.kernels import bitops\n",
     "hmem.cli": "",
@@ -730,6 +865,7 @@ def test_self_the_clean_synthetic_package_passes_every_checker():
         check_cli_public_only,
         check_library_never_imports_cli,
         check_no_cycles,
+        check_engine_never_imports_a_backend,
     ):
         assert check(imports) == [], check.__name__
     edges = {(i.source, i.target) for i in imports}
@@ -786,6 +922,18 @@ def test_self_type_checking_imports_are_ignored():
 def test_self_prefix_hit_checker():
     bad = check_prefix_hit(_imports_with(hmem__prefix_hit__bitmap="from hmem.formats import manifest\n"))
     assert len(bad) == 1 and bad[0].startswith("hmem/prefix_hit/bitmap.py:1:") and RULE_PREFIX_HIT in bad[0]
+
+
+def test_self_engine_backend_checker():
+    text = "def f():\n    from hmem.store.object_link import ObjectLink\n"
+    bad = check_engine_never_imports_a_backend(_imports_with(hmem__store__store=text))
+    assert len(bad) == 1 and bad[0].startswith("hmem/store/store.py:2:")
+    assert RULE_ENGINE_NEVER_IMPORTS_A_BACKEND in bad[0]
+    bad = check_engine_never_imports_a_backend(_imports_with(hmem__store__state="from hmem import object_store\n"))
+    assert len(bad) == 1 and "hmem.object_store" in bad[0]
+    # the chooser and the backend's own modules may
+    assert not check_engine_never_imports_a_backend(_imports_with(hmem__store__opening=text))
+    assert not check_engine_never_imports_a_backend(_imports_with(hmem__store__object_opening=text))
 
 
 def test_self_cli_checker():
@@ -914,3 +1062,68 @@ def test_self_write_checker_spares_io_itself():
     [io_file] = _synthetic({"hmem._io": "import os\nos.replace(a, b)\nos.fsync(fd)\n"})
     assert io_file.path == IO_MODULE_FILE
     assert check_only_io_writes([io_file]) == []
+
+
+_STATE_SOURCE = """
+class StoreState:
+    def __init__(self):
+        self.n = 0
+        self.committed, self.shards = None, []
+        self.dirty: set = set()
+
+    @property
+    def read_only(self):
+        return False
+
+class Other:
+    def __init__(self):
+        self.ids = None
+"""
+
+
+def test_self_state_attributes_are_read_from_the_class():
+    assert state_attributes(_STATE_SOURCE) == {"n", "committed", "shards", "dirty", "read_only"}
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "state.n = 1",
+        "self.state.committed = mf",
+        "self._state.shards = []",
+        "opened.state.dirty = set()",
+        "state.dirty |= taken",
+        "state.n: int = 2",
+        "state.n, state.next = 1, 2",
+        "a, (b, state.shards) = x",
+        "first, *state.shards = x",
+    ],
+)
+def test_self_state_checker_flags(line):
+    [file] = _synthetic({"hmem.store.thing": "x = 1\n" + line + "\n"})
+    bad = check_state_owns_its_fields([file], state_attributes(_STATE_SOURCE))
+    assert len(bad) == 1, bad
+    assert bad[0].startswith("hmem/store/thing.py:2:") and RULE_STATE_OWNS_ITS_FIELDS in bad[0]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "state.cache.fetcher = f",  # the cache's own attribute
+        "self.state.ids = ids",  # not a StoreState attribute (a shard reader's state)
+        "self.n = 1",
+        "state.records['shard_idx'][victims] = 0",
+        "n = state.n",
+        "mf.shards = []",
+        "state.commit(mf)",
+    ],
+)
+def test_self_state_checker_passes(line):
+    [file] = _synthetic({"hmem.store.thing": "x = 1\n" + line + "\n"})
+    assert check_state_owns_its_fields([file], state_attributes(_STATE_SOURCE)) == []
+
+
+def test_self_state_checker_spares_the_state_itself():
+    [state_file] = _synthetic({"hmem.store.state": _STATE_SOURCE + "state.n = 1\n"})
+    assert state_file.path == STATE_MODULE_FILE
+    assert check_state_owns_its_fields([state_file], {"n"}) == []

@@ -97,13 +97,22 @@ class ShardInfo:
         return kept
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Pending:
-    """Idempotent steps that follow the commit that lists them."""
+    """Idempotent steps that follow the commit that lists them.  Frozen,
+    its lists tuples and its update rows read-only: a commit's steps are
+    part of an immutable snapshot (a change is a new Pending)."""
 
     record_updates: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=UPDATE_DTYPE))
-    renames: list[tuple[str, str]] = dataclasses.field(default_factory=list)
-    deletes: list[str] = dataclasses.field(default_factory=list)
+    renames: tuple[tuple[str, str], ...] = ()
+    deletes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # lists given (tests, older callers) are kept as tuples; nothing
+        # writes to the update rows once they are part of a Pending
+        object.__setattr__(self, "renames", tuple((str(a), str(b)) for a, b in self.renames))
+        object.__setattr__(self, "deletes", tuple(self.deletes))
+        self.record_updates.flags.writeable = False
 
     def __bool__(self) -> bool:
         return bool(len(self.record_updates) or self.renames or self.deletes)
@@ -121,23 +130,30 @@ class Pending:
         if len(raw) % UPDATE_DTYPE.itemsize:
             raise ValueError("record_updates is not a whole number of rows")
         updates = np.frombuffer(raw, dtype=UPDATE_DTYPE).copy()
-        renames = [(str(a), str(b)) for a, b in data["renames"]]
-        return cls(updates, renames, [str(name) for name in data["deletes"]])
+        renames = tuple((str(a), str(b)) for a, b in data["renames"])
+        return cls(updates, renames, tuple(str(name) for name in data["deletes"]))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Manifest:
+    """What one index.json says.  Frozen, its shard list a tuple: the
+    committed manifest a store holds (StoreState.committed) is an immutable
+    snapshot, replaced whole by each commit (dataclasses.replace)."""
+
     config: StoreConfig
     projection: dict[str, Any]
     generation: int = 0
     next_entry_id: int = 1
     record_count: int = 0
-    shards: list[ShardInfo] = dataclasses.field(default_factory=list)
+    shards: tuple[ShardInfo, ...] = ()
     pending: Pending = dataclasses.field(default_factory=Pending)
     created: str = dataclasses.field(default_factory=_now)
     committed: str = dataclasses.field(default_factory=_now)
     written_by: str = f"hmem {__version__}"
     sources: SourcesInfo = SourcesInfo()  # the committed part of sources.jsonl (hmem/formats/sources.py)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shards", tuple(self.shards))  # a list given is kept as a tuple
 
     def _body(self, shards: Any) -> dict[str, Any]:
         """The document without its checksum, "shards" holding `shards`."""
@@ -188,9 +204,9 @@ class _ListedShards:
     only make it start over (an update replaces one tuple, never changes it)."""
 
     def __init__(self) -> None:
-        self._last: tuple[list[ShardInfo], list[str], list[str]] = ([], [], [])
+        self._last: tuple[tuple[ShardInfo, ...], list[str], list[str]] = ((), [], [])
 
-    def texts(self, shards: list[ShardInfo]) -> tuple[list[str], list[str]]:
+    def texts(self, shards: tuple[ShardInfo, ...]) -> tuple[list[str], list[str]]:
         """The written and the canonical item text of every shard, in order."""
         infos, written, canonical = self._last
         kept = len(infos)
@@ -201,7 +217,7 @@ class _ListedShards:
             text, sorted_text = shard.texts()
             written.append(text)
             canonical.append(sorted_text)
-        self._last = (list(shards), written, canonical)
+        self._last = (shards, written, canonical)  # a tuple: kept as it is
         return written, canonical
 
 
@@ -227,19 +243,20 @@ def _checksum(body: dict[str, Any]) -> int:
     return checksum_kernels.crc32c(canonical)
 
 
-def write(store_dir: Path, manifest: Manifest) -> bytes:
-    """Commit `manifest` (atomically and durably); returns the bytes written."""
+def write(store_dir: Path, manifest: Manifest) -> tuple[Manifest, bytes]:
+    """Commit `manifest` (atomically and durably), stamped with the time of
+    the commit and this hmem's version; returns the manifest committed (a
+    new snapshot: `manifest`, frozen, keeps what it was given) and its bytes."""
     spent = counters_problem(manifest)
     if spent is not None:  # never commit an index.json that parse() refuses: docs/security.md
         raise CorruptStoreError(
             f"{store_dir}: {spent}; the change is not committed",
             hint="copy the store's entries into a new store",
         )
-    manifest.committed = _now()
-    manifest.written_by = f"hmem {__version__}"
-    data = manifest.to_bytes()
+    committed = dataclasses.replace(manifest, committed=_now(), written_by=f"hmem {__version__}")
+    data = committed.to_bytes()
     _io.write_file(store_dir / INDEX_FILE, [data])
-    return data
+    return committed, data
 
 
 def counters_problem(mf: Manifest) -> str | None:
@@ -306,7 +323,7 @@ def parse(store_dir: Path, data: bytes) -> Manifest:
             generation=int(doc["generation"]),
             next_entry_id=int(doc["next_entry_id"]),
             record_count=int(doc["record_count"]),
-            shards=[ShardInfo(**s) for s in doc["shards"]],
+            shards=tuple(ShardInfo(**s) for s in doc["shards"]),
             pending=Pending.from_json(doc["pending"]),
             created=str(doc["created"]),
             committed=str(doc["committed"]),

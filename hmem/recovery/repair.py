@@ -155,7 +155,8 @@ def repair(
             )
         stale = any(f.code == "index.stale" for f in errors)
         base, rebuilt, notes = _base_manifest(root, stale, dry_run)
-        base.sources, registry_data = _registry(root, base, rebuilt)
+        sources, registry_data = _registry(root, base, rebuilt)
+        base = dataclasses.replace(base, sources=sources)
         plan = _salvage(root, base, rebuilt, rebuild_layer, rebuild_importance)
         notes += plan.notes
         registry_kept, registry_dropped = _registry_kept(registry_data, plan)
@@ -166,7 +167,7 @@ def repair(
         if rebuilt:
             next_id += ID_MARGIN
         # held to the bound parse() holds index.json to: the kept ids lie below it (_salvage)
-        base.next_entry_id = min(next_id, manifest.MAX_COUNT)
+        base = dataclasses.replace(base, next_entry_id=min(next_id, manifest.MAX_COUNT))
         common = dict(
             dry_run=dry_run,
             rebuilt_entries=tuple(plan.rebuilt_ids),
@@ -191,7 +192,9 @@ def repair(
                 # the registry without the lines of files whose entries are gone
                 _io.write_file(root / SOURCES_TEMP, [registry_kept])
                 renames.append((SOURCES_TEMP, source_registry.SOURCES_FILE))
-                base.sources = source_registry.appended(source_registry.SourcesInfo(), registry_kept)
+                base = dataclasses.replace(
+                    base, sources=source_registry.appended(source_registry.SourcesInfo(), registry_kept)
+                )
             if plan.scratch:
                 _io.write_file(root / SCRATCH_FILE, [b"".join(plan.scratch)])
             # every shard and temporary file: the rewrite replaces them

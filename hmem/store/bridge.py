@@ -50,8 +50,13 @@ def _check_cache(cache_k: Any, cache_v: Any, embed_dim: int) -> None:
 
 
 def augmented_kv(
-    store: Store, query: Any, cache_k: Any, cache_v: Any, layer_idx: int, top_k: int, **query_options: Any
+    store: Store, query: Any, cache_k: Any, cache_v: Any, layer_idx: int, top_k: int = 5, **query_options: Any
 ) -> AugmentedKV:
+    """Keys and values of the `top_k` retrieved entries (rank order)
+    followed by the cache rows, and which rows came from which entry.
+    numpy in, numpy out; torch in, torch out (the cache's dtype and
+    device).  Nothing retrieved gives the cache back unchanged.
+    Store.augmented_kv."""
     _check_cache(cache_k, cache_v, store.config.embed_dim)
     results = store.query(query, layer_idx, top_k, **query_options)
     if not results:

@@ -46,7 +46,13 @@ def put_cache(
     importance: float = 1.0,
     layers: Iterable[int] | None = None,
 ) -> dict[int, list[int]]:
-    """See Store.put_cache."""
+    """Store a transformers cache (DynamicCache, or the legacy tuple of
+    per-layer (key, value) [batch, kv_heads, tokens, head_dim]): each
+    layer's batch rows, cut into chunks of `chunk_tokens` if given, heads
+    flattened into the row (embed_dim = kv_heads x head_dim); layers
+    without K/V (mamba) are left out, a sliding-window layer stores the
+    tokens it holds.  All or nothing; returns the new ids per layer, in
+    order (`hmem.cache_tensors` turns entries back).  Store.put_cache."""
     pairs = layouts.layer_pairs(cache)
     held = [layer for layer, pair in enumerate(pairs) if pair is not None]
     chosen = held if layers is None else [validation.layer_index(x, "layers") for x in layers]

@@ -298,7 +298,7 @@ class Compaction:
         gone = [state.shards[i].file for i in range(last + 1, len(state.shards))]
         if last == index:
             shards = state.shards[:index]
-            self._commit_step(shards, Pending(deletes=[state.shards[index].file, *gone]), moved=None)
+            self._commit_step(shards, Pending(deletes=(state.shards[index].file, *gone)), moved=None)
             return
         # the last live shard takes this index: a second name for its file
         # (no byte copied), the old name deleted after the commit
@@ -325,7 +325,7 @@ class Compaction:
         shards[index] = dataclasses.replace(moved, file=layout.shard_file(index))
         self._commit_step(
             shards,
-            Pending(renames=[(temp, layout.shard_file(index))], deletes=[moved.file, *gone]),
+            Pending(renames=((temp, layout.shard_file(index)),), deletes=(moved.file, *gone)),
             moved=(last, index),
         )
 
@@ -350,13 +350,13 @@ class Compaction:
         if source == index:
             shards = list(state.shards)
             shards[index] = info
-            self._commit_step(shards, Pending(renames=[(temp, name)]), moved=None)
+            self._commit_step(shards, Pending(renames=((temp, name),)), moved=None)
             return
         gone = [s.file for s in state.shards[source + 1 :]]
         shards = list(state.shards[:source])
         shards[index] = info
-        deletes = [old.file, *gone]  # the rename replaces shard `index`'s own file
-        self._commit_step(shards, Pending(renames=[(temp, name)], deletes=deletes), moved=(source, index))
+        deletes = (old.file, *gone)  # the rename replaces shard `index`'s own file
+        self._commit_step(shards, Pending(renames=((temp, name),), deletes=deletes), moved=(source, index))
 
     def _commit_step(self, shards: list[ShardInfo], pending: Pending, moved: tuple[int, int] | None) -> None:
         """Commit the shard list `shards` with the steps that follow it;
@@ -368,13 +368,14 @@ class Compaction:
         rows = state.records[positions]
         rows["shard_idx"] = moved[1] if moved is not None else 0
         records.seal(rows)
-        pending.record_updates = records.updates_for(rows, np.arange(len(rows)))
-        pending.record_updates["position"] = positions
+        updates = records.updates_for(rows, np.arange(len(rows)))
+        updates["position"] = positions
+        pending = dataclasses.replace(pending, record_updates=updates)
         _io.crash_point("compact.shards_written")
         mf = dataclasses.replace(
-            state.committed, generation=state.committed.generation + 1, shards=shards, pending=pending
+            state.committed, generation=state.committed.generation + 1, shards=tuple(shards), pending=pending
         )
-        self._commit_and_finish(mf, lambda: _apply_rows(state, positions, rows, shards))
+        self._commit_and_finish(mf, lambda: state.apply_step(positions, rows, shards))
 
     def _drop_records(self, advanced: Callable[[int], None]) -> None:
         """entries.bin and pooled.bin written anew without the evicted records."""
@@ -398,7 +399,7 @@ class Compaction:
             state.committed,
             generation=state.committed.generation + 1,
             record_count=len(kept),
-            pending=Pending(renames=[(entries_temp, ENTRIES_FILE), (pooled_temp, POOLED_FILE)]),
+            pending=Pending(renames=((entries_temp, ENTRIES_FILE), (pooled_temp, POOLED_FILE))),
         )
 
         def adopt() -> None:
@@ -496,18 +497,11 @@ class Compaction:
         return locate
 
 
-def _apply_rows(state: StoreState, positions: np.ndarray, rows: np.ndarray, shards: list[ShardInfo]) -> None:
-    """A committed step into memory: the moved records, the shard list."""
-    state.records[positions] = rows
-    state.shards = list(shards)
-    state.shards_committed = len(shards)
-
-
 def _local_file(state: StoreState, info: ShardInfo) -> bool:
     """Whether shard `info`'s whole file is in the store directory (on
     object storage, a shard this writer did not make lives only there)."""
     fetcher = state.cache.fetcher
-    if fetcher is not None and info.uid in fetcher.remote:
+    if fetcher is not None and fetcher.remote_bytes(info.uid) is not None:
         return False
     try:
         return (state.path / info.file).stat().st_size == info.bytes

@@ -5,13 +5,10 @@ same mark, chosen by the user rather than by score)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from hmem import _io
 from hmem.errors import EntryNotFoundError, EntryTooLargeError
-from hmem.formats.manifest import MAX_FILE_BYTES
 from hmem.formats.records import EVICTED
 from hmem.store.compaction import Compaction
 from hmem.store.policy import eviction_order, scores
@@ -94,36 +91,7 @@ class Eviction:
 
     def mark(self, victims: np.ndarray) -> None:
         """Mark records evicted (in memory) and account their bytes as dead."""
-        state = self.state
-        if not len(victims):
-            return
-        state.index.remove(state.records, victims)
-        rows = state.records[victims]
-        sizes = state.entry_file_bytes(rows["n_tokens"].astype(np.int64))
-        open_index = state.builder.index if state.builder is not None else -1
-        shard_of = rows["shard_idx"].astype(np.int64)
-        touched, first = np.unique(shard_of, return_inverse=True)
-        dead_entries = np.bincount(first, minlength=len(touched)).tolist()
-        dead_bytes = np.bincount(first, weights=np.asarray(sizes, dtype=np.float64), minlength=len(touched))
-        shards = list(state.shards)
-        for shard_idx, entries, nbytes in zip(touched.tolist(), dead_entries, dead_bytes.astype(np.int64).tolist()):
-            if shard_idx == open_index:
-                state.builder_dead.entries += entries
-                state.builder_dead.bytes += nbytes
-            else:
-                # a new ShardInfo, not the listed one changed: commits share the listed ones (writer.py)
-                info = shards[shard_idx]
-                # held to their bounds: a crafted index.json may set them at
-                # the bound with live entries left (docs/security.md), and
-                # index.json must never say more than parse() accepts
-                shards[shard_idx] = dataclasses.replace(
-                    info,
-                    dead_entries=min(info.dead_entries + entries, info.entries),
-                    dead_bytes=min(info.dead_bytes + nbytes, MAX_FILE_BYTES),
-                )
-        state.shards = shards
-        state.records["shard_idx"][victims] = EVICTED
-        state.dirty.update(int(p) for p in victims if p < state.committed_n)
+        self.state.mark_evicted(victims)
 
     # ---- limits --------------------------------------------------------------------
 
@@ -204,11 +172,8 @@ class Eviction:
             self._evict_for_room(order[: int(np.argmax(remaining <= budget))])
             report = self.compaction.run(min_reclaim_share=0.0)
             if report.performed:
-                state.limits = dataclasses.replace(
-                    state.limits,
-                    compactions=state.limits.compactions + 1,
-                    bytes_rewritten=state.limits.bytes_rewritten + report.bytes_rewritten,
-                    bytes_freed=state.limits.bytes_freed + report.bytes_freed,
+                state.count_limit_activity(
+                    compactions=1, bytes_rewritten=report.bytes_rewritten, bytes_freed=report.bytes_freed
                 )
             if self._usage_bytes() + total <= cfg.max_disk_bytes or not len(state.live_positions()):
                 return
@@ -216,7 +181,7 @@ class Eviction:
 
     def _evict_for_room(self, victims: np.ndarray) -> None:
         self.mark(victims)
-        self.state.limits = dataclasses.replace(self.state.limits, evicted=self.state.limits.evicted + len(victims))
+        self.state.count_limit_activity(evicted=len(victims))
 
     def _usage_bytes(self) -> int:
         """Bytes on disk now plus what the next flush will add: shards,

@@ -7,7 +7,7 @@ so that listing a store of millions of entries holds a few numpy columns
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,18 @@ def order(columns: dict[str, np.ndarray], sort: str) -> np.ndarray:
     if sort == "size":  # an entry's bytes grow with its tokens alone
         return np.lexsort((ids, -columns["n_tokens"].astype(np.int64)))
     raise AssertionError(sort)
+
+
+def listing(
+    columns: dict[str, np.ndarray], sort: str, limit: int | None, sizes_of: Callable[[np.ndarray], Any]
+) -> EntryListing:
+    """The listing of the records `columns` (copies of FIELDS, ascending
+    ids) by `sort`, the first `limit` of them (None: all); `sizes_of` gives
+    the bytes of entries of n tokens."""
+    chosen = order(columns, sort)[:limit]
+    kept = {name: column[chosen] for name, column in columns.items()}
+    sizes = np.asarray(sizes_of(kept["n_tokens"].astype(np.int64)), dtype=np.int64)
+    return EntryListing(kept, sizes, len(columns["entry_id"]), sort)
 
 
 class EntryListing:

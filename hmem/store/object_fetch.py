@@ -10,6 +10,7 @@ import concurrent.futures
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,8 @@ class RemoteShardFile:
 class ShardFetcher:
     """The shard files of a store on object storage that this process read
     from, by uid, within a bound of `cache_bytes` fetched bytes (the least
-    recently used shard's file goes first; readers still using it keep it)."""
+    recently used shard's file goes first; readers still using it keep it):
+    the ShardSource (hmem/store/placement.py) of a store on object storage."""
 
     def __init__(self, client: ObjectClient, directory: Path, cache_bytes: int) -> None:
         self.client = client
@@ -144,7 +146,8 @@ class ShardFetcher:
         self._files: dict[str, RemoteShardFile] = {}
         self._bytes = 0
         self._lock = threading.RLock()
-        self.on_drop: Any = None  # called with a uid whose file was dropped (the shard cache forgets its map)
+        # called with a uid whose file was dropped (the shard cache forgets its map)
+        self.on_drop: Callable[[str], None] | None = None
         self.manifest_etag: str | None = None  # of the commit the shards were named by
         self.coalesce_bytes = 0  # ranges of one shard this close are fetched by one GET (fetch_many)
 
@@ -174,6 +177,14 @@ class ShardFetcher:
                 _io.unlink(path)  # a file dropped from the cache earlier
                 found = self._files[uid] = RemoteShardFile(self, info["key"], path, info["bytes"], self.heads.get(uid))
             return found
+
+    def remote_bytes(self, uid: str) -> int | None:
+        info = self.remote.get(uid)
+        return None if info is None else int(info["bytes"])
+
+    def fetch_ranges(self, spans: list[tuple[str, int, int]]) -> None:
+        files = {uid: self.source(uid) for uid in {uid for uid, _, _ in spans}}
+        self.fetch_many([(found, start, end) for uid, start, end in spans if (found := files[uid]) is not None])
 
     def fetched(self, nbytes: int) -> None:
         """Count fetched bytes; past the bound, drop the least recently used

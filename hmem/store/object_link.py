@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.object_store import ConditionFailed, ObjectClient, ObjectMissing
 from hmem.store.lease import LeaseHolder
 from hmem.store.object_fetch import ShardFetcher, fetch_pool
+from hmem.store.placement import Capabilities
 from hmem.store.results import RemoteStats, StoreHealth
 from hmem.store.state import StoreState, open_reader
 from hmem.store.state_cache import StateCache
@@ -570,7 +572,7 @@ class ObjectLink:
 
     # ---- whole objects, for verify and repair ------------------------------------------
 
-    def download_shards(self, directory: Path, shards: list[Any]) -> None:
+    def download_shards(self, directory: Path, shards: Sequence[Any]) -> None:
         """Every shard object whole into `directory` under its local name."""
         assert self.manifest is not None
         for info in shards:
@@ -712,7 +714,7 @@ class ObjectLink:
 
     # ---- the Placement the Store facade calls (hmem/store/placement.py) -----------------
 
-    maps_in_place = False  # shard bytes are fetched by range into sparse local files first
+    capabilities = Capabilities(maps_in_place=False, conditional_writes=True, refreshes=True, lists_orphans=True)
 
     @property
     def location(self) -> str:

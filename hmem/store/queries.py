@@ -41,6 +41,17 @@ ON_DAMAGE = ("raise", "skip")
 T = TypeVar("T")
 
 
+class QueryOptions(NamedTuple):
+    """How a query is answered (Store.query's keyword arguments, unchecked)."""
+
+    rerank: bool = True
+    shortlist_factor: int = 4
+    framework: str = "numpy"
+    count_access: bool = True
+    on_damage: str = "raise"
+    search: str = "auto"
+
+
 class Queries:
     """Queries over one StoreState."""
 
@@ -48,46 +59,12 @@ class Queries:
         self.state = state
         self.reader = reader
 
-    def query(
-        self,
-        query: Any,
-        layer_idx: int,
-        top_k: int,
-        *,
-        rerank: bool,
-        shortlist_factor: int,
-        framework: str,
-        count_access: bool,
-        on_damage: str = "raise",
-        search: str = "auto",
-    ) -> QueryResults:
+    def query(self, query: Any, layer_idx: int, top_k: int, options: QueryOptions) -> QueryResults:
         """See Store.query."""
         rows = [as_rows(query, "query", self.state.config.embed_dim, allow_vector=True)]
-        return self._run(
-            rows,
-            layer_idx,
-            top_k,
-            rerank=rerank,
-            shortlist_factor=shortlist_factor,
-            framework=framework,
-            count_access=count_access,
-            on_damage=on_damage,
-            search=search,
-        )[0]
+        return self._run(rows, layer_idx, top_k, options)[0]
 
-    def query_many(
-        self,
-        queries: Any,
-        layer_idx: int,
-        top_k: int,
-        *,
-        rerank: bool,
-        shortlist_factor: int,
-        framework: str,
-        count_access: bool,
-        on_damage: str = "raise",
-        search: str = "auto",
-    ) -> list[QueryResults]:
+    def query_many(self, queries: Any, layer_idx: int, top_k: int, options: QueryOptions) -> list[QueryResults]:
         """See Store.query_many."""
         ndim = getattr(queries, "ndim", None)
         if ndim is not None and ndim != 3:
@@ -100,43 +77,21 @@ class Queries:
             raise InvalidArgumentError(f"queries must be a list of token matrices, got {type(queries).__name__}")
         embed_dim = self.state.config.embed_dim
         rows = [as_rows(q, f"queries[{i}]", embed_dim, allow_vector=True) for i, q in enumerate(queries)]
-        return self._run(
-            rows,
-            layer_idx,
-            top_k,
-            rerank=rerank,
-            shortlist_factor=shortlist_factor,
-            framework=framework,
-            count_access=count_access,
-            on_damage=on_damage,
-            search=search,
-        )
+        return self._run(rows, layer_idx, top_k, options)
 
-    def _run(
-        self,
-        rows: list[np.ndarray],
-        layer_idx: int,
-        top_k: int,
-        *,
-        rerank: bool,
-        shortlist_factor: int,
-        framework: str,
-        count_access: bool,
-        on_damage: str,
-        search: str,
-    ) -> list[QueryResults]:
+    def _run(self, rows: list[np.ndarray], layer_idx: int, top_k: int, options: QueryOptions) -> list[QueryResults]:
         """Answer checked queries in order.  The shortlists of all of them
         come from one scan of the layer; each is then answered exactly as a
         query of its own would be."""
         state = self.state
         layer = validation.layer_index(layer_idx)
         k = validation.top_k(top_k)
-        rerank = validation.flag(rerank, "rerank")
-        count_access = validation.flag(count_access, "count_access")
-        validation.choice(framework, "framework", FRAMEWORKS)
-        skip = validation.choice(on_damage, "on_damage", ON_DAMAGE) == "skip"
-        factor = validation.integer(shortlist_factor, "shortlist_factor", low=1) if rerank else 1
-        search = validation.choice(search, "search", SEARCHES)
+        rerank = validation.flag(options.rerank, "rerank")
+        count_access = validation.flag(options.count_access, "count_access")
+        framework = validation.choice(options.framework, "framework", FRAMEWORKS)
+        skip = validation.choice(options.on_damage, "on_damage", ON_DAMAGE) == "skip"
+        factor = validation.integer(options.shortlist_factor, "shortlist_factor", low=1) if rerank else 1
+        search = validation.choice(options.search, "search", SEARCHES)
         if search == "spans" and not state.config.spans:
             raise InvalidArgumentError("search='spans' needs a store with span signatures (signatures_per_entry > 1)")
         if search == "auto" and state.config.spans:

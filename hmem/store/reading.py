@@ -14,10 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from hmem.errors import CorruptStoreError, Hint, HmemError, StoreChangedError
+from hmem import validation
+from hmem.errors import CorruptStoreError, EntryNotFoundError, Hint, HmemError, StoreChangedError
 from hmem.formats import layout, shard_file, stamp
+from hmem.formats.records import EVICTED
 from hmem.store import storage as storage_codec
-from hmem.store.results import StoreHealth
+from hmem.store.results import EntryInfo, StoredEntry, StoredKV, StoreHealth
 from hmem.store.shard_builder import ShardBuilder
 from hmem.store.shard_reader import ShardReader
 from hmem.store.state import StoreState
@@ -80,6 +82,50 @@ class EntryReader:
             raise CorruptStoreError(f"entry {entry_id}: its metadata in shard {shard_idx} is damaged", hint=Hint.VERIFY)
         return value
 
+    # ---- entries by id (Store.get, Store.stored_kv, the listings) ------------------
+
+    def live_in(self, layer_idx: int | None) -> np.ndarray:
+        """Positions of the live records (of layer `layer_idx`, if given)."""
+        live = self.state.live_positions()
+        if layer_idx is not None:
+            live = live[self.state.records["layer_idx"][live] == validation.layer_index(layer_idx)]
+        return live
+
+    def position(self, entry_id: int) -> int:
+        """Where the live entry `entry_id` is in the records (ids ascend)."""
+        state = self.state
+        ids = state.records["entry_id"][: state.n]
+        pos = int(np.searchsorted(ids, entry_id))
+        if pos >= state.n or int(ids[pos]) != entry_id or state.records["shard_idx"][pos] == EVICTED:
+            raise EntryNotFoundError(
+                f"the store at {state.path} holds no entry {entry_id}", hint="list the live ids with Store.entry_ids()"
+            )
+        return pos
+
+    def _info(self, pos: int) -> EntryInfo:
+        row = self.state.records[pos]
+        return EntryInfo.from_record(row, int(self.state.entry_file_bytes(int(row["n_tokens"]))))
+
+    def entry(self, pos: int) -> StoredEntry:
+        """The record at `pos`: its metadata and K/V decoded, as read-only arrays."""
+        keys, values = self.kv(pos)
+        return StoredEntry(self._info(pos), _read_only(keys), _read_only(values), self.meta(pos))
+
+    def stored_kv(self, pos: int) -> StoredKV:
+        """The record at `pos`: its K/V as the shard holds them (stored())."""
+        tensors = {kind: _read_only(array) for kind, array in self.stored(pos).items()}
+        storage = self.state.config.storage_dtype
+        return StoredKV(
+            self._info(pos),
+            storage,
+            shard_file.KV_DTYPES[storage],
+            tensors["k"],
+            tensors["v"],
+            tensors.get("ks"),
+            tensors.get("vs"),
+            self.meta(pos),
+        )
+
     def prefetch(self, positions: np.ndarray, kinds: tuple[str, ...] | None = None) -> None:
         """On object storage, fetch what reading these records' tensors
         (`kinds`; by default their K/V) will need, all at once: first the
@@ -96,7 +142,7 @@ class EntryReader:
             kinds = ("k", "v", "ks", "vs") if state.config.storage_dtype == "int8" else ("k", "v")
         rows = state.records[np.unique(positions)]
         sealed = [i for i in np.unique(rows["shard_idx"]).tolist() if i < len(state.shards)]
-        remote = [i for i in sealed if state.shards[i].uid in fetcher.remote]
+        remote = [i for i in sealed if fetcher.remote_bytes(state.shards[i].uid) is not None]
         if not remote:
             return
         try:
@@ -113,8 +159,8 @@ class EntryReader:
                         state.config.storage_dtype,
                         state.config.signatures_per_entry,
                     )
-                    spans.append((reader.source, *reader.span(entry_id, kind, int(np.prod(shape)) * dtype.itemsize)))
-            fetcher.fetch_many([span for span in spans if span[0] is not None])
+                    spans.append((reader.uid, *reader.span(entry_id, kind, int(np.prod(shape)) * dtype.itemsize)))
+            fetcher.fetch_ranges(spans)
         except HmemError:
             return  # the reads report it, each for its own entry
 
@@ -204,12 +250,12 @@ class EntryReader:
         bad_shards: list[int] = []
         shard_of = state.records["shard_idx"][: state.n]
         fetcher = state.cache.fetcher  # a store on object storage: shards not fetched are there
-        remote = fetcher.remote if fetcher is not None else {}
         sealing = state.sealing
         for idx, info in enumerate(state.shards):
             if sealing is not None and idx == sealing.builder.index:
                 continue  # its file is being made durable (StoreState.sealing); not yet committed
-            size = remote[info.uid]["bytes"] if info.uid in remote else self._file_size(info.file)
+            kept = fetcher.remote_bytes(info.uid) if fetcher is not None else None
+            size = kept if kept is not None else self._file_size(info.file)
             if size == info.bytes:
                 continue
             bad_shards.append(idx)
@@ -283,3 +329,9 @@ class EntryReader:
                 continue
             return st.st_size if stat.S_ISREG(st.st_mode) else _NOT_REGULAR
         return None
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view

@@ -280,6 +280,23 @@ class CompactionPlan:
     removed_at_open_files: int = 0  # leftovers this Store's open removed (an interrupted writer's files)
     removed_at_open_bytes: int = 0
 
+    def with_orphan_objects(self, orphans: dict[str, int]) -> CompactionPlan:
+        """The plan with the objects beside a store on object storage that no
+        commit names (name: bytes), which compact() removes too."""
+        if not orphans:
+            return self
+        extra = sum(orphans.values())
+        reclaimable, before = self.reclaimable_bytes + extra, self.bytes_before + extra
+        return dataclasses.replace(
+            self,
+            orphan_files=self.orphan_files + tuple(orphans),
+            needed=True,
+            bytes_before=before,
+            bytes_after_estimate=before - reclaimable,
+            reclaimable_bytes=reclaimable,
+            reclaimable_share=reclaimable / before,
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class CompactionReport:
@@ -300,3 +317,18 @@ class CompactionReport:
     orphan_bytes_removed: int = 0  # of bytes_freed, the orphan files'
     removed_at_open_files: int = 0  # leftovers this Store's open removed, before the compaction
     removed_at_open_bytes: int = 0
+
+    def with_orphan_objects(self, removed: dict[str, int]) -> CompactionReport:
+        """The report with the orphan objects compact() then removed beside a
+        store on object storage (name: bytes)."""
+        if not removed:
+            return self
+        freed = sum(removed.values())
+        return dataclasses.replace(
+            self,
+            performed=True,
+            orphans_removed=self.orphans_removed + len(removed),
+            bytes_before=self.bytes_before + freed,
+            bytes_freed=self.bytes_freed + freed,
+            reason=self.reason if self.performed else "removed orphan objects",
+        )

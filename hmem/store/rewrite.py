@@ -112,8 +112,8 @@ def rewrite(
         base,
         generation=base.generation + 1,
         record_count=len(new_records),
-        shards=new_shards,
-        pending=Pending(renames=renames, deletes=sorted({name for name in deletes if name not in keep})),
+        shards=tuple(new_shards),
+        pending=Pending(renames=tuple(renames), deletes=tuple(sorted({name for name in deletes if name not in keep}))),
     )
     manifest.write(root, mf)
     stamp.write(root, mf)  # after the commit, never before (hmem/formats/stamp.py)
@@ -122,9 +122,9 @@ def rewrite(
     _io.crash_point(f"{crash_prefix}.finished")
     # Done: commit again without the finished steps (the store must not grow).
     clean = dataclasses.replace(mf, generation=mf.generation + 1, pending=Pending())
-    manifest.write(root, clean)
-    stamp.write(root, clean)
-    return clean, new_records
+    committed = manifest.write(root, clean)[0]
+    stamp.write(root, committed)
+    return committed, new_records
 
 
 def pooled_rows(entry_ids: np.ndarray, keys: Sequence[tuple[_io.FileRange, int]], width: int) -> np.ndarray:

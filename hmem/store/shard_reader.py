@@ -10,7 +10,7 @@ import mmap
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,6 +19,10 @@ from hmem.errors import CorruptStoreError, Hint, StoreChangedError, storage_erro
 from hmem.formats import shard_file
 from hmem.formats.shard_file import ShardIndex, bytes_view
 from hmem.kernels import checksum as checksum_kernels
+
+if TYPE_CHECKING:
+    from hmem.formats.manifest import ShardInfo
+    from hmem.store.placement import FetchedFile, ShardSource
 
 
 class ShardState:
@@ -37,7 +41,7 @@ class ShardState:
 class ShardReader:
     """One shard file, memory-mapped, read through its hmem_index tensor."""
 
-    def __init__(self, path: Path, info: Any, state: ShardState, source: Any = None) -> None:
+    def __init__(self, path: Path, info: ShardInfo, state: ShardState, source: FetchedFile | None = None) -> None:
         """Map the file described by the ShardInfo `info`; check its index
         (checksum, header row, uid) unless `state` says it was checked.
         `source`: the shard of a store on object storage, a local file its
@@ -115,7 +119,9 @@ class ShardReader:
             self.state.ids = np.ascontiguousarray(index.ids)
         return start, index
 
-    def _head_index(self, entries: int, index_crc: int, start: int, raw: Any) -> tuple[int, ShardIndex] | None:
+    def _head_index(
+        self, entries: int, index_crc: int, start: int, raw: bytes | memoryview
+    ) -> tuple[int, ShardIndex] | None:
         """The index a head gives, once it checks out against the store's
         record of the shard (its CRC, entries, uid); None otherwise."""
         if len(raw) != shard_file.index_bytes(entries) or start + len(raw) > self.size:
@@ -211,7 +217,7 @@ class ShardCache:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.fetcher: Any = None  # a store on object storage: its ShardFetcher (hmem/store/object_link.py)
+        self.fetcher: ShardSource | None = None  # a store on object storage: where its shards come from
         self._open: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
         self._states: dict[str, ShardState] = {}
         # queries of several threads share the cache; a reader dropped from
@@ -227,7 +233,7 @@ class ShardCache:
             self._open.move_to_end(index)
             return reader
 
-    def get(self, index: int, path: Path, info: Any) -> ShardReader:
+    def get(self, index: int, path: Path, info: ShardInfo) -> ShardReader:
         """The reader of shard `index` (file at `path`, described by the
         ShardInfo `info`)."""
         with self._lock:

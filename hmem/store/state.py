@@ -16,6 +16,15 @@ given explicitly.  It holds:
   memory-mapped shard files, the map of pooled.bin, and the write lock
   (None for a reader).
 
+Its invariants are held by its own methods: each change the writer,
+eviction and compaction make (a put batch admitted, a shard sealed or taken
+back, a commit taken, victims marked, a compaction step applied, ...) is
+one method whose docstring states what it keeps, and no other module
+assigns its attributes (tests/test_layering.py checks it).  ``committed``,
+the last commit, is an immutable snapshot (a frozen Manifest,
+hmem/formats/manifest.py), replaced whole by each commit and never changed
+in place.
+
 docs/architecture.md describes how the components share it.
 """
 
@@ -25,6 +34,8 @@ import dataclasses
 import json
 import threading
 import time
+import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +53,7 @@ from hmem.errors import (
     UnsupportedFormatError,
 )
 from hmem.formats import layout, manifest, pooled, records, shard_file
-from hmem.formats.manifest import Manifest, ShardInfo
+from hmem.formats.manifest import MAX_FILE_BYTES, Manifest, Pending, ShardInfo
 from hmem.formats.records import EVICTED
 from hmem.store import lock
 from hmem.store.imported import ImportRegistry
@@ -51,7 +62,7 @@ from hmem.store.projection import Projector, SpanProjector
 from hmem.store.results import LimitActivity
 from hmem.store.rwlock import ReadWriteLock
 from hmem.store.search import SearchIndex
-from hmem.store.shard_builder import SealInFlight, ShardBuilder, SpareSegments
+from hmem.store.shard_builder import Arena, SealInFlight, ShardBuilder, SpareSegments
 from hmem.store.shard_reader import ShardCache
 
 
@@ -75,7 +86,10 @@ class StoreState:
         verify_reads: bool,
         manifest_bytes: bytes,
         loaded: np.ndarray,
+        removed_at_open: tuple[int, int] = (0, 0),
     ) -> None:
+        """`removed_at_open`: (files, bytes) of leftovers the writer's open
+        removed (an interrupted writer's files); compaction reports them."""
         cfg = committed.config
         self.path = path
         self.config: StoreConfig = cfg
@@ -110,15 +124,17 @@ class StoreState:
         self.sealing: SealInFlight | None = None
         self.builder_dead = DeadBytes()
         self.limits = LimitActivity()  # what the limits made puts do (StoreStats.limits)
-        # (files, bytes) of leftovers the writer's open removed: compaction reports them (Store.open)
-        self.removed_at_open = (0, 0)
+        self.removed_at_open = removed_at_open
         self.imports = ImportRegistry(path)  # sources.jsonl (hmem/store/imported.py)
         self.adopt(committed, manifest_bytes, loaded)
 
     def adopt(self, committed: Manifest, manifest_bytes: bytes | None, loaded: np.ndarray) -> None:
         """Take `committed` and its records as the whole state (at open, and
-        after compaction rewrote the store)."""
-        self.committed = committed  # what index.json says now
+        after compaction rewrote the store).  Keeps: everything in memory is
+        what the commit names, nothing past it (no record, shard or change
+        awaits a flush)."""
+        # the last commit: an immutable snapshot, replaced whole (committed_as, pending_done)
+        self.committed = committed
         if manifest_bytes is not None:
             self.manifest_bytes = manifest_bytes
         self.listed_pending = bool(committed.pending)  # index.json lists steps (done or not)
@@ -136,6 +152,165 @@ class StoreState:
         # each layer's signatures are copied into its matrix at its first query (LayerIndex.defer)
         self.index.load(self.records[: self.n])
 
+    # ---- transitions: each keeps its part of the state consistent, here only --------
+    # (no other module assigns a StoreState's attributes: tests/test_layering.py)
+
+    def admit_batch(self, count: int, pooled_keys: np.ndarray) -> None:
+        """A put's `count` records, written past n (their entries in shards,
+        their rows in the search index), join the state.  Keeps: the records
+        between committed_n and n are the new ones, fresh_pooled holds their
+        pooled keys in order, and next_id is past every id handed out.  The
+        keys are queued first, then n and next_id move in one assignment:
+        an interrupt leaves the batch in, or out with at most its keys
+        queued (withdraw_pooled takes them back)."""
+        self.fresh_pooled.append(pooled_keys)
+        self.n, self.next_id = self.n + count, self.next_id + count
+
+    def withdraw_pooled(self, pooled_keys: np.ndarray) -> None:
+        """Take back the keys a batch that did not go in queued (admit_batch)."""
+        if self.fresh_pooled and self.fresh_pooled[-1] is pooled_keys:
+            self.fresh_pooled.pop()
+
+    def reserve_ids(self, limit: int) -> None:
+        """index.json now reserves the ids below `limit` (a commit just
+        said so).  Keeps: id_limit never goes down, and puts hand out ids
+        below it only (hmem/store/writer.py commits a reservation first)."""
+        self.id_limit = max(self.id_limit, limit)
+
+    def open_shard(self) -> ShardBuilder:
+        """The open shard, begun when there is none.  Keeps: the open
+        shard's index is len(shards), the next one to be listed."""
+        if self.builder is None:
+            self.builder = ShardBuilder(len(self.shards), uuid.uuid4().hex, self.config_json, Arena(self.spares))
+        return self.builder
+
+    def seal(self, info: ShardInfo, sealing: SealInFlight | None) -> None:
+        """The open shard, its file written (or being written by `sealing`),
+        is listed as `info`.  Keeps: a shard is open (builder, its evicted
+        entries counted in builder_dead) or listed, never both nor neither:
+        shards, builder, builder_dead and sealing change in one assignment,
+        so an interrupt leaves it listed and closed, or open and unlisted."""
+        self.shards, self.builder, self.builder_dead, self.sealing = (
+            [*self.shards, info],  # a new list: the one a commit took is never changed
+            None,
+            DeadBytes(),
+            sealing,
+        )
+
+    def seal_settled(self) -> None:
+        """The shard the last seal wrote in the background is durable under
+        its name.  Keeps: while `sealing` is set, readers read that shard
+        from memory (hmem/store/reading.py); from now on, from its file."""
+        self.sealing = None
+
+    def unseal(self, shards_mark: int, builder: ShardBuilder | None) -> None:
+        """Take back the shards listed since `shards_mark` (a failed put's)
+        and make `builder` the open shard again.  Keeps: no committed shard
+        is ever taken back (shards_mark is at least shards_committed)."""
+        if shards_mark < self.shards_committed:
+            raise AssertionError("a committed shard cannot be taken back")
+        self.shards, self.builder = self.shards[:shards_mark], builder
+
+    def take_dirty(self) -> set[int]:
+        """Take the positions of the committed records changed since the
+        last flush (the flush writes them).  Queries add to the set under
+        counts_lock, so it is swapped for an empty one under it."""
+        with self.counts_lock:
+            taken, self.dirty = self.dirty, set()
+        return taken
+
+    def return_dirty(self, taken: set[int]) -> None:
+        """Give back what take_dirty took and a failed flush did not write:
+        the next flush writes it."""
+        with self.counts_lock:
+            self.dirty |= taken
+
+    def committed_as(self, committed: Manifest, manifest_bytes: bytes) -> None:
+        """index.json now holds `committed` (as manifest.write committed it),
+        written as `manifest_bytes`.  Keeps: `committed` is the last commit,
+        an immutable snapshot replaced whole by each commit and never changed;
+        manifest_bytes are the bytes it was written as (store_changed
+        compares them); listed_pending says whether index.json lists
+        pending steps."""
+        self.manifest_bytes = manifest_bytes
+        self.committed = committed
+        self.listed_pending = bool(committed.pending)
+
+    def flushed(self, end: int, next_id: int) -> None:
+        """The commit just made names every record below `end` (n) and
+        every shard listed, and reserves the ids below `next_id`.  Keeps:
+        committed_n and shards_committed count what index.json names, and
+        fresh_pooled holds the keys of the records past committed_n (none
+        now: the flush wrote them)."""
+        self.committed_n = end
+        self.fresh_pooled = []
+        self.shards_committed = len(self.shards)
+        self.reserve_ids(next_id)
+
+    def pending_done(self) -> None:
+        """The pending steps of the last commit are done: `committed` is
+        replaced by a snapshot without them, which the next commit starts
+        from (it need not repeat them).  index.json lists them until that
+        commit (listed_pending)."""
+        self.committed = dataclasses.replace(self.committed, pending=Pending())
+
+    def mark_evicted(self, victims: np.ndarray) -> None:
+        """Mark the records at `victims` (live positions) evicted, in
+        memory, and count their bytes as dead in their shards.  Keeps: the
+        search index holds live records only; each shard's dead counts stay
+        within the bounds index.json is held to (a crafted index.json may
+        set them at the bound with live entries left: docs/security.md);
+        a listed ShardInfo is replaced, never changed (commits share them);
+        a committed record changed is in `dirty` for the next flush."""
+        if not len(victims):
+            return
+        self.index.remove(self.records, victims)
+        rows = self.records[victims]
+        sizes = self.entry_file_bytes(rows["n_tokens"].astype(np.int64))
+        open_index = self.builder.index if self.builder is not None else -1
+        shard_of = rows["shard_idx"].astype(np.int64)
+        touched, first = np.unique(shard_of, return_inverse=True)
+        dead_entries = np.bincount(first, minlength=len(touched)).tolist()
+        dead_bytes = np.bincount(first, weights=np.asarray(sizes, dtype=np.float64), minlength=len(touched))
+        shards = list(self.shards)
+        for shard_idx, entries, nbytes in zip(touched.tolist(), dead_entries, dead_bytes.astype(np.int64).tolist()):
+            if shard_idx == open_index:
+                self.builder_dead.entries += entries
+                self.builder_dead.bytes += nbytes
+            else:
+                info = shards[shard_idx]
+                shards[shard_idx] = dataclasses.replace(
+                    info,
+                    dead_entries=min(info.dead_entries + entries, info.entries),
+                    dead_bytes=min(info.dead_bytes + nbytes, MAX_FILE_BYTES),
+                )
+        self.shards = shards
+        self.records["shard_idx"][victims] = EVICTED
+        self.dirty.update(int(p) for p in victims if p < self.committed_n)
+
+    def count_limit_activity(
+        self, *, evicted: int = 0, compactions: int = 0, bytes_rewritten: int = 0, bytes_freed: int = 0
+    ) -> None:
+        """Add to what the limits made puts do.  Keeps: `limits` only grows,
+        and is replaced whole (a StoreStats holds the one it was given)."""
+        self.limits = dataclasses.replace(
+            self.limits,
+            evicted=self.limits.evicted + evicted,
+            compactions=self.limits.compactions + compactions,
+            bytes_rewritten=self.limits.bytes_rewritten + bytes_rewritten,
+            bytes_freed=self.limits.bytes_freed + bytes_freed,
+        )
+
+    def apply_step(self, positions: np.ndarray, rows: np.ndarray, shards: Sequence[ShardInfo]) -> None:
+        """A committed compaction step into memory: the records at
+        `positions` become `rows` (moved to another shard) and the shard
+        list becomes `shards`, the list the step committed.  Keeps:
+        shards_committed counts them all (a compaction flushes first, so
+        no shard is sealed past its commits)."""
+        self.records[positions] = rows
+        self.shards = list(shards)
+        self.shards_committed = len(shards)
+
     # ---- facts derived from the state ---------------------------------------------
 
     @property
@@ -152,7 +327,7 @@ class StoreState:
         total = layout.directory_bytes(self.path)
         fetcher = self.cache.fetcher
         if fetcher is not None:
-            total += sum(info.bytes for info in self.shards if info.uid in fetcher.remote)
+            total += sum(info.bytes for info in self.shards if fetcher.remote_bytes(info.uid) is not None)
         return total
 
     def live_count(self) -> int:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections.abc import Iterator
 
 import numpy as np
@@ -41,8 +40,8 @@ from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.formats.sources import SourcesInfo
 from hmem.store.prepare import PreparedBatch
 from hmem.store.search import SearchIndex
-from hmem.store.shard_builder import Arena, SealInFlight, ShardBuilder
-from hmem.store.state import DeadBytes, StoreState
+from hmem.store.shard_builder import SealInFlight, ShardBuilder
+from hmem.store.state import StoreState
 
 ROWS_PER_WRITE = 1 << 16  # records (and pooled.bin rows) a flush seals and writes at a time
 ID_LEASE = 4096  # ids reserved per index.json write, at least
@@ -106,12 +105,10 @@ class Writer:
             if state.config.spans:
                 rows["spans"] = batch.spans
             state.index.add_records(state.records, np.arange(start, start + count, dtype=np.int64))
-            state.fresh_pooled.append(batch.pooled)  # taken back below unless the batch goes in
-            state.n, state.next_id = start + count, first_id + count  # the batch is in
+            state.admit_batch(count, batch.pooled)  # the batch is in (its keys taken back below if not)
         except BaseException:
             if state.n == start:
-                if state.fresh_pooled and state.fresh_pooled[-1] is batch.pooled:
-                    state.fresh_pooled.pop()
+                state.withdraw_pooled(batch.pooled)
                 # Queries may have met the batch's rows in the search index
                 # (a put runs beside them): they finish before it goes back.
                 with state.lock.exclusive():
@@ -156,12 +153,12 @@ class Writer:
         sealing = state.sealing
         if sealing is not None and sealing.builder.index >= shards_mark:
             sealing.wait()  # a shard of the batch: its file goes below with the others
-            state.sealing = None
+            state.seal_settled()
         _index_rollback(state.index, index_mark)
         if builder is not None and builder_mark is not None:
             builder.rollback(builder_mark)
         sealed = len(state.shards)
-        state.shards, state.builder = state.shards[:shards_mark], builder
+        state.unseal(shards_mark, builder)
         # Files of the shards sealed for the batch, and of one whose seal was cut short.
         try:
             _io.unlink_many([state.path / layout.shard_file(i) for i in range(shards_mark, sealed + 1)])
@@ -204,14 +201,11 @@ class Writer:
             next_entry_id=min(state.next_id + count + room, manifest.MAX_COUNT),
         )
         self.commit(mf)
-        state.id_limit = mf.next_entry_id
+        state.reserve_ids(mf.next_entry_id)
 
     def _open_shard(self) -> ShardBuilder:
         """The open shard, begun when there is none."""
-        state = self.state
-        if state.builder is None:
-            state.builder = ShardBuilder(len(state.shards), uuid.uuid4().hex, state.config_json, Arena(state.spares))
-        return state.builder
+        return self.state.open_shard()
 
     def seal_open_shard(self, *, background: bool = False) -> None:
         """Write the open shard into its file (not yet committed).  With
@@ -244,12 +238,7 @@ class Writer:
                 dead_bytes=dead.bytes,
             )
             # One assignment: an interrupt leaves the shard listed and closed, or open and unlisted.
-            state.shards, state.builder, state.builder_dead, state.sealing = (
-                [*state.shards, info],
-                None,
-                DeadBytes(),
-                sealing,
-            )
+            state.seal(info, sealing)
         except BaseException:
             if sealing is not None and state.sealing is not sealing:
                 sealing.discard()  # still open: sealed again later
@@ -269,7 +258,7 @@ class Writer:
             return
         if sealing.wait() is not None:
             sealing.write_again()
-        state.sealing = None  # its file is there: readers read it (hmem/store/reading.py)
+        state.seal_settled()  # its file is there: readers read it (hmem/store/reading.py)
 
     # ---- flushing ---------------------------------------------------------------------
 
@@ -290,20 +279,18 @@ class Writer:
             not new
             and not state.dirty
             and state.builder is None
-            and state.shards == state.committed.shards
+            and tuple(state.shards) == state.committed.shards
             and next_id == state.committed.next_entry_id
             and not state.imports.pending
         ):
             return
         self.seal_open_shard()
         _io.crash_point("flush.shards_written")
-        with state.counts_lock:
-            taken, state.dirty = state.dirty, set()
+        taken = state.take_dirty()
         try:
             self._write_and_commit(new, next_id, taken)
         except BaseException:
-            with state.counts_lock:  # not written: the next flush writes them
-                state.dirty |= taken
+            state.return_dirty(taken)  # not written: the next flush writes them
             raise
 
     def _write_and_commit(self, new: int, next_id: int, taken: set[int]) -> None:
@@ -337,7 +324,7 @@ class Writer:
             state.committed,
             generation=state.committed.generation + 1,
             record_count=end,
-            shards=list(state.shards),  # ShardInfos are never changed in place (eviction replaces them)
+            shards=tuple(state.shards),  # ShardInfos are never changed in place (eviction replaces them)
             next_entry_id=next_id,
             pending=Pending(record_updates=updates),
             sources=sources_info,
@@ -348,14 +335,11 @@ class Writer:
         if adds_files:
             # after the commit, never before: hmem/formats/stamp.py
             stamp.write(state.path, mf)
-        state.committed_n = end
-        state.fresh_pooled = []
-        state.shards_committed = len(state.shards)
-        state.id_limit = max(state.id_limit, next_id)
+        state.flushed(end, next_id)
         _io.crash_point("flush.committed")
         _io.write_pieces(entries_path, records.update_pieces(updates, state.record_size))
         _io.crash_point("flush.updates_written")
-        state.committed.pending = Pending()  # applied; the next commit need not repeat them
+        state.pending_done()  # applied; the next commit need not repeat them
 
     def _sealed_records(self, start: int, end: int) -> Iterator[memoryview]:
         """Records [start, end) sealed, ROWS_PER_WRITE at a time, each batch
@@ -411,9 +395,7 @@ class Writer:
         """Write index.json: `mf` becomes the committed state."""
         self.settle()  # no commit may name a shard file not yet durable
         state = self.state
-        state.manifest_bytes = manifest.write(state.path, mf)
-        state.committed = mf
-        state.listed_pending = bool(mf.pending)
+        state.committed_as(*manifest.write(state.path, mf))
 
     def close(self) -> None:
         """The writer's part of closing: flush with exact ids, and leave
