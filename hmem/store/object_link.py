@@ -209,9 +209,7 @@ class ObjectLink:
             try:  # never more than the manifest says it is
                 return self.client.get(key, max_bytes=claimed[key])[0]
             except ObjectMissing:
-                raise StoreChangedError(
-                    f"{self.url} changed while it was being read (state object {key} is gone)", hint=Hint.REFRESH
-                ) from None
+                raise self._missing_state(key) from None
 
         def check(key: str, data: bytes) -> fmt.StatePieces:
             if len(data) != claimed[key]:
@@ -253,6 +251,22 @@ class ObjectLink:
                 )
         self._checked = ((keys, sizes), checked)
         return checked
+
+    def _missing_state(self, key: str) -> HmemError:
+        """The error for a state object the manifest read names but that is
+        gone: a newer commit retired it (the manifest changed meanwhile), or
+        it is lost from the commit that still names it (damage)."""
+        try:
+            etag = self.client.get(fmt.MANIFEST_KEY, max_bytes=fmt.MAX_MANIFEST_BYTES)[1]
+        except ObjectMissing:
+            etag = None
+        if etag != self.etag:
+            return StoreChangedError(
+                f"{self.url} changed while it was being read (state object {key} is gone)", hint=Hint.REFRESH
+            )
+        return CorruptStoreError(
+            f"{self.url}: state object {key}, which the manifest names, is missing", hint=Hint.VERIFY_THEN_REPAIR
+        )
 
     def materialize(self, *, keep_known: bool = False) -> Path:
         """Make the committed state's small files in a new directory of the
