@@ -45,7 +45,7 @@ from hmem.object_store import is_url as is_store_url
 from hmem.prefix_hit.bitmap import Bitmap
 from hmem.store.caches import cache_tensors
 from hmem.store.compaction import MIN_DEAD_SHARE
-from hmem.store.layouts import LAYOUTS
+from hmem.store.kv_layouts import LAYOUTS
 from hmem.store.listing import ENTRY_SORTS, EntryListing
 from hmem.store.results import (
     CompactionPlan,

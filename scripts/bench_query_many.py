@@ -207,7 +207,7 @@ def run(store, args, log) -> dict:
     # they are read from the store's private state (read only) so that faiss
     # searches exactly the bytes hmem searches.
     state = store._state
-    layer = state.index.layers[LAYER]
+    layer = state.search_index.layers[LAYER]
     view = layer.ready()  # a layer's matrix is made at its first query (LayerIndex.defer)
     sigs = view.sigs[: view.n]
     prepared = [state.projector.signature_and_mean(np.ascontiguousarray(q)) for q in pool]
@@ -254,8 +254,8 @@ def run(store, args, log) -> dict:
         return [state.projector.signature_and_mean(q) for q in qs]
 
     ready = {
-        True: state.index.search_many(LAYER, qsigs, shortlist),
-        False: state.index.search_many(LAYER, qsigs, TOP_K),
+        True: state.search_index.search_many(LAYER, qsigs, shortlist),
+        False: state.search_index.search_many(LAYER, qsigs, TOP_K),
     }
 
     def answers(rerank: bool) -> Callable[[], object]:
@@ -289,8 +289,8 @@ def run(store, args, log) -> dict:
 
     parts_cases: dict[str, Callable[[], object]] = {
         "query signatures": signatures,
-        "scan, k=40": lambda: state.index.search_many(LAYER, qsigs, shortlist),
-        "scan, k=10": lambda: state.index.search_many(LAYER, qsigs, TOP_K),
+        "scan, k=40": lambda: state.search_index.search_many(LAYER, qsigs, shortlist),
+        "scan, k=10": lambda: state.search_index.search_many(LAYER, qsigs, TOP_K),
         "scan, k=40, 1 thread": lambda: _one_thread(layer, qsigs, shortlist),
         "answers, rerank": answers(True),
         "answers, signature": answers(False),

@@ -335,7 +335,7 @@ def bench_open_query(root: Path, args, report: dict) -> None:
         with_rr = time_calls(lambda: one(True), min_runs=200)
         without = time_calls(lambda: one(False), min_runs=200)
         # the baseline scans the very signature matrix hmem searches (internal state, read only)
-        index = store._state.index.layers[layer]
+        index = store._state.search_index.layers[layer]
         view = index.ready()  # made at the layer's first query (LayerIndex.defer); the queries above made it
         sigs = view.sigs[: view.n]
         qsig = store._state.projector.signature(queries[:1])

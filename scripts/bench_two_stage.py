@@ -120,7 +120,7 @@ def set_two_stage(store, prefix: int, survivors: int) -> None:
     # at the new width (private state, read and reset by this script only).
     search_module.PREFIX_BYTES = prefix
     search_module.SURVIVORS_PER_PLACE = survivors
-    layer = store._state.index.layers[0]
+    layer = store._state.search_index.layers[0]
     layer.view = layer.view._replace(prefixes=None)
 
 
@@ -158,7 +158,7 @@ def run_dataset(root: Path, dataset: str, args, log) -> dict:
             "full": lambda i: store.query(queries[i], 0, top_k=TOP_K, search="full", count_access=False),
         }
         if faiss is not None:
-            layer = store._state.index.layers[0]  # the signatures hmem scans, for faiss (read only)
+            layer = store._state.search_index.layers[0]  # the signatures hmem scans, for faiss (read only)
             view = layer.ready()  # made at the layer's first query (LayerIndex.defer)
             index = faiss.IndexBinaryFlat(HDC_DIM)
             index.add(view.sigs[: view.n])

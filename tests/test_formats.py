@@ -1,5 +1,5 @@
 """The safetensors container (hmem/formats/safetensors.py) and the store
-directory's layout (hmem/formats/layout.py), through their own functions:
+directory's layout (hmem/formats/store_files.py), through their own functions:
 headers round-trip and every malformation is refused with its reason; a
 store directory's files are sorted into committed, orphan and foreign."""
 
@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 import hmem
 from hmem import _io
-from hmem.formats import layout, safetensors, shard_file
+from hmem.formats import safetensors, shard_file, store_files
 from hmem.formats.manifest import Pending, ShardInfo
 from hmem.transfer.kv_export import write_kv_file
 
@@ -206,10 +206,12 @@ def test_a_shard_reader_words_a_damaged_header_its_own_way():
 
 
 def test_names_and_record_size():
-    assert layout.shard_file(3) == "shard_0003.safetensors"
-    assert layout.shard_index("shard_0003.safetensors") == 3 and layout.shard_index("shard_3.safetensors") is None
-    assert layout.record_bytes(16) == 56
-    assert layout.FIXED_FILES == ("index.json", "entries.bin", "lock", "commit.stamp", "sources.jsonl", "pooled.bin")
+    assert store_files.shard_file(3) == "shard_0003.safetensors"
+    assert store_files.shard_index("shard_0003.safetensors") == 3
+    assert store_files.shard_index("shard_3.safetensors") is None
+    assert store_files.record_bytes(16) == 56
+    fixed = ("index.json", "entries.bin", "lock", "commit.stamp", "sources.jsonl", "pooled.bin")
+    assert store_files.FIXED_FILES == fixed
 
 
 def _directory(root: Path) -> None:
@@ -222,7 +224,7 @@ def _directory(root: Path) -> None:
         "shard_0001.safetensors",
         "shard_0007.safetensors",
         _io.TEMP_PREFIX + "index.json.1.0",
-        layout.REWRITE_PREFIX + "shard_0000.safetensors",
+        store_files.REWRITE_PREFIX + "shard_0000.safetensors",
         "notes.txt",
     ):
         (root / name).write_bytes(b"12345")
@@ -234,9 +236,9 @@ def _directory(root: Path) -> None:
 def test_classify_sorts_a_store_directory(tmp_path):
     root = tmp_path / "s"
     _directory(root)
-    shards = [ShardInfo(file=layout.shard_file(i), bytes=5, uid="", entries=0, index_crc=0) for i in range(2)]
-    pending = Pending(renames=[(layout.REWRITE_PREFIX + "shard_0000.safetensors", "shard_0000.safetensors")])
-    files = layout.classify(root, shards, pending)
+    shards = [ShardInfo(file=store_files.shard_file(i), bytes=5, uid="", entries=0, index_crc=0) for i in range(2)]
+    pending = Pending(renames=[(store_files.REWRITE_PREFIX + "shard_0000.safetensors", "shard_0000.safetensors")])
+    files = store_files.classify(root, shards, pending)
     assert files.committed == sorted(
         [
             "index.json",
@@ -244,7 +246,7 @@ def test_classify_sorts_a_store_directory(tmp_path):
             "lock",
             "shard_0000.safetensors",
             "shard_0001.safetensors",
-            layout.REWRITE_PREFIX + "shard_0000.safetensors",
+            store_files.REWRITE_PREFIX + "shard_0000.safetensors",
         ]
     )
     assert files.temporary == [_io.TEMP_PREFIX + "dir", _io.TEMP_PREFIX + "index.json.1.0"]
@@ -254,17 +256,17 @@ def test_classify_sorts_a_store_directory(tmp_path):
     assert files.orphans == [_io.TEMP_PREFIX + "index.json.1.0", "shard_0007.safetensors"]
     assert files.foreign == [_io.TEMP_PREFIX + "dir", "notes.txt", "shard_0009.safetensors"]
     # without a commit, every shard and temporary file is an orphan
-    bare = layout.classify(root)
+    bare = store_files.classify(root)
     assert bare.orphans == sorted(
         [
             _io.TEMP_PREFIX + "index.json.1.0",
-            layout.REWRITE_PREFIX + "shard_0000.safetensors",
+            store_files.REWRITE_PREFIX + "shard_0000.safetensors",
             "shard_0000.safetensors",
             "shard_0001.safetensors",
             "shard_0007.safetensors",
         ]
     )
-    assert layout.shard_names(root) == [
+    assert store_files.shard_names(root) == [
         "shard_0000.safetensors",
         "shard_0001.safetensors",
         "shard_0007.safetensors",
@@ -275,19 +277,19 @@ def test_classify_sorts_a_store_directory(tmp_path):
 def test_resolve_follows_a_pending_rename_until_it_is_done(tmp_path):
     root = tmp_path / "s"
     _directory(root)
-    temp = layout.REWRITE_PREFIX + "shard_0000.safetensors"
+    temp = store_files.REWRITE_PREFIX + "shard_0000.safetensors"
     pending = Pending(renames=[(temp, "shard_0000.safetensors")])
-    assert layout.resolve(root, "shard_0000.safetensors", pending) == root / temp
-    assert layout.resolve(root, "shard_0001.safetensors", pending) == root / "shard_0001.safetensors"
+    assert store_files.resolve(root, "shard_0000.safetensors", pending) == root / temp
+    assert store_files.resolve(root, "shard_0001.safetensors", pending) == root / "shard_0001.safetensors"
     (root / temp).unlink()
-    assert layout.resolve(root, "shard_0000.safetensors", pending) == root / "shard_0000.safetensors"
+    assert store_files.resolve(root, "shard_0000.safetensors", pending) == root / "shard_0000.safetensors"
 
 
 def test_directory_bytes_leaves_out_the_lock_owner_record_and_links(tmp_path):
     root = tmp_path / "s"
     _directory(root)
     regular = [p for p in root.iterdir() if p.is_file() and not p.is_symlink() and p.name != "lock"]
-    assert layout.directory_bytes(root) == 5 * len(regular) == 5 * 8
+    assert store_files.directory_bytes(root) == 5 * len(regular) == 5 * 8
 
 
 # ---- index.json ------------------------------------------------------------------------

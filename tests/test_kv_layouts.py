@@ -6,7 +6,7 @@ layouts").
 Every row of the docs' tables is one case below: its file is built, imported
 into a store of embed_dim = kv_heads x head_dim, and every entry's rows,
 layer and meta are checked exactly against a numpy reference of the
-flattening written here, independently of hmem/store/layouts.py.
+flattening written here, independently of hmem/store/kv_layouts.py.
 """
 
 from __future__ import annotations

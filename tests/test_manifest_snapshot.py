@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hmem import Store
-from hmem.formats import layout, manifest
+from hmem.formats import manifest, store_files
 from hmem.formats.manifest import Pending
 
 EMBED, HDC = 16, 256
@@ -57,7 +57,7 @@ def test_lists_given_are_kept_as_tuples(tmp_path):
     mf = _store_with_pending_updates(tmp_path / "s")
     again = dataclasses.replace(mf, shards=list(mf.shards))
     assert again.shards == mf.shards and isinstance(again.shards, tuple)
-    temp = layout.REWRITE_PREFIX + "shard_0000.safetensors"
+    temp = store_files.REWRITE_PREFIX + "shard_0000.safetensors"
     pending = Pending(renames=[(temp, "shard_0000.safetensors")], deletes=["shard_0001.safetensors"])
     assert pending.renames == ((temp, "shard_0000.safetensors"),)
     assert pending.deletes == ("shard_0001.safetensors",)

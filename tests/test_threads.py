@@ -466,7 +466,7 @@ def test_a_put_runs_beside_a_query_under_way_and_an_eviction_waits_for_it(tmp_pa
     rows = [rng.standard_normal((2, 8)).astype(np.float32) for _ in range(40)]
     with hmem.Store.create(tmp_path / "s", embed_dim=8, hdc_dim=512) as store:
         store.put_many((r, r + 1) for r in rows[:20])
-        layer = store._state.index.layers[0]  # the view a query takes first (hmem/store/search.py)
+        layer = store._state.search_index.layers[0]  # the view a query takes first (hmem/store/search.py)
         in_query, done = threading.Event(), threading.Event()
         seen: list[int] = []
 

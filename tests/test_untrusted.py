@@ -59,13 +59,13 @@ from typer.testing import CliRunner
 import hmem
 from hmem.cli.app import app
 from hmem.formats import records, stamp
-from hmem.formats.layout import REWRITE_PREFIX
 
 # A format test: index.json's checksum is recomputed exactly as hmem does
 # (the CRC-32C of the canonical JSON of the document without its checksum,
 # docs/format.md), so that a crafted document passes it as an attacker's would.
 from hmem.formats.manifest import _checksum
 from hmem.formats.records import EVICTED, UPDATE_DTYPE
+from hmem.formats.store_files import REWRITE_PREFIX
 
 D, HDC = 16, 256
 SIG_BYTES = HDC // 8

@@ -30,10 +30,10 @@ from hmem import _io, validation
 from hmem._version import __version__
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, Hint, NotAStoreError, UnsupportedFormatError, storage_error
-from hmem.formats.layout import INDEX_FILE, REWRITE_PREFIX, files_without_index, name_problem, record_bytes
 from hmem.formats.records import UPDATE_DTYPE
 from hmem.formats.shard_file import INDEX_ROW_BYTES
 from hmem.formats.sources import SourcesInfo
+from hmem.formats.store_files import INDEX_FILE, REWRITE_PREFIX, files_without_index, name_problem, record_bytes
 from hmem.kernels import checksum as checksum_kernels
 
 FORMAT_NAME = "hmem-store"

@@ -30,7 +30,7 @@ import numpy as np
 from hmem import memory, threads
 from hmem.kernels import checksum as checksum_kernels
 
-POOLED_FILE = "pooled.bin"  # the store directory's files are listed in hmem/formats/layout.py
+POOLED_FILE = "pooled.bin"  # the store directory's files are listed in hmem/formats/store_files.py
 CHECKSUM_OFFSET = 8
 HEADER_BYTES = 12
 

@@ -38,7 +38,7 @@ from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, Hint, storage_error
 from hmem.kernels import checksum as checksum_kernels
 
-ENTRIES_FILE = "entries.bin"  # the store directory's files are listed in hmem/formats/layout.py
+ENTRIES_FILE = "entries.bin"  # the store directory's files are listed in hmem/formats/store_files.py
 HEADER_BYTES = 40
 CHECKSUM_OFFSET = 36
 MUTABLE_OFFSET = 28  # access_count, shard_idx, checksum

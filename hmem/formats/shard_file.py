@@ -48,9 +48,9 @@ import numpy as np
 from hmem import _io, file_reads
 from hmem.errors import CorruptStoreError, Hint
 from hmem.formats import safetensors
-from hmem.formats.layout import SHARD_NAME as SHARD_NAME  # named in layout
-from hmem.formats.layout import shard_file as shard_file
 from hmem.formats.safetensors import bytes_view
+from hmem.formats.store_files import SHARD_NAME as SHARD_NAME  # named in store_files
+from hmem.formats.store_files import shard_file as shard_file
 from hmem.kernels import checksum as checksum_kernels
 from hmem.kernels import header_text
 
@@ -160,7 +160,7 @@ def file_bytes_bound(entries: int, tensors: int, data_bytes: int) -> int:
     return data_bytes + HEADER_FIXED_BYTES + HEADER_BYTES_PER_TENSOR * tensors + INDEX_ROW_BYTES * entries
 
 
-def tensor_layout(
+def tensor_spec(
     kind: str, n_tokens: int, embed_dim: int, storage: str, pooled_keys: int = 1
 ) -> tuple[np.dtype, tuple[int, ...]]:
     """dtype and shape of one tensor of an entry in a store of this
@@ -342,7 +342,7 @@ class ShardIndex:
                 offset = row[2 + column]
                 if offset < 0:
                     continue
-                dtype, shape = tensor_layout(kind, n_tokens, embed_dim, storage, pooled_keys)
+                dtype, shape = tensor_spec(kind, n_tokens, embed_dim, storage, pooled_keys)
                 begin, crc = start + offset, row[7 + column]
                 found[(entry_id, kind)] = (dtype, shape, begin, begin + math.prod(shape) * dtype.itemsize, crc)
         return found

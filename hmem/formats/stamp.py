@@ -32,8 +32,8 @@ import numpy as np
 from hmem import _io, file_reads
 from hmem.errors import HmemError
 from hmem.formats import records
-from hmem.formats.layout import ENTRIES_FILE, STAMP_FILE, record_bytes
 from hmem.formats.manifest import MAX_COUNT, MAX_RECORDS, Manifest
+from hmem.formats.store_files import ENTRIES_FILE, STAMP_FILE, record_bytes
 from hmem.kernels import checksum as checksum_kernels
 
 MAGIC = b"HMEMSTMP"

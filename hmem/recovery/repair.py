@@ -49,11 +49,11 @@ import numpy as np
 from hmem import _io, file_reads, validation
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError, UnsafeFileError, UnsupportedFormatError
-from hmem.formats import layout, manifest, pooled, records, shard_file, stamp
+from hmem.formats import manifest, pooled, records, shard_file, stamp, store_files
 from hmem.formats import sources as source_registry
-from hmem.formats.layout import ENTRIES_FILE
 from hmem.formats.manifest import Manifest, Pending
 from hmem.formats.records import EVICTED
+from hmem.formats.store_files import ENTRIES_FILE
 from hmem.kernels import checksum as checksum_kernels
 from hmem.recovery.verify import ERROR, Finding, config_from_shards, signatures_agree, verify
 from hmem.store import lock, rewrite, storage
@@ -64,8 +64,8 @@ LOST_FOUND = "lost+found"  # inside the store: shards repair will not serve and 
 # The pooled keys repair computes again from the keys, written beside the
 # store's files for the rewrite to copy (a temporary file: removed after the
 # commit, or by the next writer).
-SCRATCH_FILE = layout.REWRITE_PREFIX + "repair.pooled"
-SOURCES_TEMP = layout.REWRITE_PREFIX + source_registry.SOURCES_FILE
+SCRATCH_FILE = store_files.REWRITE_PREFIX + "repair.pooled"
+SOURCES_TEMP = store_files.REWRITE_PREFIX + source_registry.SOURCES_FILE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +122,8 @@ def repair(
         pass  # damage: verify reports it below
     writer = None if dry_run else lock.WriterLock(root, wait_seconds=lock_wait)
     try:
-        rewrite.refuse_unsafe(root, layout.classify(root))  # the fixed files; verify finds linked shards
-        before = layout.directory_bytes(root)
+        rewrite.refuse_unsafe(root, store_files.classify(root))  # the fixed files; verify finds linked shards
+        before = store_files.directory_bytes(root)
         report = verify(root, full=True)
         errors = tuple(f for f in report.findings if f.severity == ERROR)
         if not errors:
@@ -142,7 +142,7 @@ def repair(
                 (),
                 report.shards,
                 before,
-                before if dry_run else layout.directory_bytes(root),
+                before if dry_run else store_files.directory_bytes(root),
                 time.perf_counter() - started,
                 dry_run=dry_run,
             )
@@ -183,7 +183,7 @@ def repair(
         if dry_run:  # what the rewrite below would make: shards and bytes of the kept entries
             shards_after = len(rewrite.pack(plan.sizes, base.config.shard_max_bytes))
             bytes_after = int(plan.sizes.sum()) + len(plan.kept) * (
-                layout.record_bytes(base.config) + pooled.row_bytes(base.config.pooled_width)
+                store_files.record_bytes(base.config) + pooled.row_bytes(base.config.pooled_width)
             )
         else:
             _quarantine(root, plan.quarantine)
@@ -198,7 +198,7 @@ def repair(
             if plan.scratch:
                 _io.write_file(root / SCRATCH_FILE, [b"".join(plan.scratch)])
             # every shard and temporary file: the rewrite replaces them
-            deletes = [name for name in layout.classify(root).orphans if name not in {n for _, n in renames}]
+            deletes = [name for name in store_files.classify(root).orphans if name not in {n for _, n in renames}]
             config_json = json.dumps(base.config.to_dict(), sort_keys=True)
             mf, _ = rewrite.rewrite(
                 root,
@@ -211,7 +211,7 @@ def repair(
                 crash_prefix="repair",
                 more_renames=renames,
             )
-            shards_after, bytes_after = len(mf.shards), layout.directory_bytes(root)
+            shards_after, bytes_after = len(mf.shards), store_files.directory_bytes(root)
         return RepairReport(
             str(root),
             "rewritten",
@@ -271,7 +271,7 @@ def _names_its_shards(root: Path, mf: Manifest) -> bool:
     matches none of them)."""
     seen = False
     for info in mf.shards:
-        path = layout.resolve(root, info.file, mf.pending)
+        path = store_files.resolve(root, info.file, mf.pending)
         try:
             uid = shard_file.uid_of(shard_file.shard_metadata(path))
         except (OSError, HmemError, ValueError):
@@ -393,7 +393,7 @@ class _Salvage:
             return None
 
     def path(self, idx: int) -> Path:
-        return self.root / layout.shard_file(idx)
+        return self.root / store_files.shard_file(idx)
 
     def tensors(self, scan: shard_file.ShardScan, idx: int, entry_id: int, n_tokens: int | None):
         """The entry's tensor sources (each checked against its CRC-32C; a
@@ -415,7 +415,7 @@ class _Salvage:
                     problem = f"tensor {kind}_{entry_id} is not in {file.name}"
                 else:
                     dtype, shape, start, end, crc = spec
-                    want = shard_file.tensor_layout(
+                    want = shard_file.tensor_spec(
                         kind, n_tokens, config.embed_dim, config.storage_dtype, config.signatures_per_entry
                     )
                     if (dtype, tuple(shape)) != want:
@@ -443,7 +443,7 @@ class _Salvage:
         put computes it (bit-exact in an f32 store; from the stored rows in
         a narrower one)."""
         width = self.config.pooled_width
-        dtype, shape = shard_file.tensor_layout(
+        dtype, shape = shard_file.tensor_spec(
             "p", n_tokens, self.config.embed_dim, self.config.storage_dtype, self.config.signatures_per_entry
         )
         rows = self.rows(found, n_tokens)
@@ -535,7 +535,7 @@ class _Salvage:
 def _salvage(root: Path, base: Manifest, rebuilt: bool, layer: int, importance: float) -> _Plan:
     """The records to keep, why others go, and where the kept tensors lie."""
     config: StoreConfig = base.config
-    size = layout.record_bytes(config)
+    size = store_files.record_bytes(config)
     path = root / ENTRIES_FILE
     available = path.stat().st_size // size if path.exists() else 0
     # records in holes are not there: a sparse entries.bin claims any count for free (docs/security.md)
@@ -568,7 +568,7 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool, layer: int, importance: 
     # without a trusted index.json: the shard files found, by the numbers their names carry; sized by
     # the files really there, never by the highest number a name claims (docs/security.md)
     shard_ids = (
-        sorted({i for name in layout.shard_names(root) if (i := layout.shard_index(name)) is not None})
+        sorted({i for name in store_files.shard_names(root) if (i := store_files.shard_index(name)) is not None})
         if rebuilt
         else range(len(base.shards))
     )
@@ -609,7 +609,7 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool, layer: int, importance: 
     for idx in shard_ids:
         scan = scans[idx]
         mine = sorted(by_shard.get(idx, []))
-        name = layout.shard_file(idx)
+        name = store_files.shard_file(idx)
         if scan is None:
             for entry_id in mine:
                 dropped.append((entry_id, f"its shard {name} is missing or unreadable"))
@@ -701,7 +701,7 @@ def _salvage(root: Path, base: Manifest, rebuilt: bool, layer: int, importance: 
         )
     for entry_id, pos in recorded.items():
         if int(loaded["shard_idx"][pos]) not in scans:
-            dropped.append((entry_id, f"its shard {layout.shard_file(int(loaded['shard_idx'][pos]))} is missing"))
+            dropped.append((entry_id, f"its shard {store_files.shard_file(int(loaded['shard_idx'][pos]))} is missing"))
             dropped_bytes += entry_bytes(int(loaded["n_tokens"][pos]))
     for entry_id in [e for e in keep if not 0 <= e < manifest.MAX_COUNT]:
         # an id no next_entry_id can lie above (crafted): the store would be refused

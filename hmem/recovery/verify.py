@@ -27,10 +27,10 @@ import numpy as np
 from hmem import _io, validation
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, HmemError, InvalidArgumentError, NotAStoreError, UnsupportedFormatError
-from hmem.formats import layout, manifest, pooled, records, shard_file, stamp
+from hmem.formats import manifest, pooled, records, shard_file, stamp, store_files
 from hmem.formats import sources as source_registry
-from hmem.formats.layout import ENTRIES_FILE
 from hmem.formats.records import EVICTED
+from hmem.formats.store_files import ENTRIES_FILE
 from hmem.kernels import checksum as checksum_kernels
 from hmem.store.projection import Projector
 
@@ -126,8 +126,8 @@ def verify(
     root = Path(validation.store_directory(path))  # "" and a file refused, as for every command
     if (
         not root.is_dir()
-        or not any((root / name).exists() for name in (layout.INDEX_FILE, ENTRIES_FILE))
-        and not layout.shard_names(root)
+        or not any((root / name).exists() for name in (store_files.INDEX_FILE, ENTRIES_FILE))
+        and not store_files.shard_names(root)
     ):
         raise NotAStoreError(f"{root} holds no hmem store", hint="check the path")
     if not full and (subset is not None or max_seconds is not None):
@@ -141,7 +141,7 @@ def verify(
         subset = (k, n)
     out = _Collector()
     mf = _check_index(root, out)
-    files = layout.classify(root, mf.shards if mf else (), mf.pending if mf else None)
+    files = store_files.classify(root, mf.shards if mf else (), mf.pending if mf else None)
     for name in files.unsafe:  # never read: docs/security.md
         out.add(
             "file.unsafe",
@@ -157,7 +157,7 @@ def verify(
     if mf is not None:
         evidence = stamp.stale_evidence(root, mf)
         if evidence is not None:
-            out.add("index.stale", ERROR, layout.INDEX_FILE, evidence, "an index.json as new as the store's files")
+            out.add("index.stale", ERROR, store_files.INDEX_FILE, evidence, "an index.json as new as the store's files")
         loaded = _check_records(root, mf, out, stale=evidence is not None)
         _check_sources(root, mf, out)
         _check_pooled(root, mf, loaded, out)
@@ -182,7 +182,7 @@ def verify(
 
 
 def _check_index(root: Path, out: _Collector) -> manifest.Manifest | None:
-    name = layout.INDEX_FILE
+    name = store_files.INDEX_FILE
     try:
         mf = manifest.load(root)
     except NotAStoreError as exc:
@@ -252,8 +252,8 @@ def _check_pooled(root: Path, mf: manifest.Manifest, loaded: np.ndarray, out: _C
 
 
 def _check_records(root: Path, mf: manifest.Manifest, out: _Collector, *, stale: bool) -> np.ndarray:
-    path = layout.resolve(root, ENTRIES_FILE, mf.pending)
-    size = layout.record_bytes(mf.config)
+    path = store_files.resolve(root, ENTRIES_FILE, mf.pending)
+    size = store_files.record_bytes(mf.config)
     committed = mf.record_count * size
     if _unsafe(path):
         return records.empty(0, mf.config)  # file.unsafe
@@ -327,7 +327,7 @@ def _check_shards(
     live = loaded["shard_idx"] != EVICTED
     live[records.damaged(loaded)] = False  # a damaged record's fields mean nothing
     for idx, info in enumerate(mf.shards):
-        path = layout.resolve(root, info.file, mf.pending)
+        path = store_files.resolve(root, info.file, mf.pending)
         if _unsafe(path):
             continue  # file.unsafe
         if not path.exists():
@@ -402,7 +402,7 @@ def _unsafe(path: Path) -> bool:
 
 
 def _check_directory(root: Path, mf: manifest.Manifest, out: _Collector, *, stale: bool) -> None:
-    files = layout.classify(root, mf.shards, mf.pending)
+    files = store_files.classify(root, mf.shards, mf.pending)
     orphan = _NEWER_NOTE if stale else _ORPHAN_NOTE
     notes = {
         **dict.fromkeys(files.temporary, _TEMP_NOTE),
@@ -434,7 +434,7 @@ def _check_tensors(
             continue
         info = mf.shards[idx]
         rows = np.flatnonzero(good & (loaded["shard_idx"] == idx))
-        with open(_io.open_regular(layout.resolve(root, info.file, mf.pending)), "rb") as f:
+        with open(_io.open_regular(store_files.resolve(root, info.file, mf.pending)), "rb") as f:
             # scan.size: what the quick check read (a sparse shard: up to its first hole)
             data = mmap.mmap(f.fileno(), scan.size, access=mmap.ACCESS_READ) if scan.size else b""
         for pos in rows.tolist():
@@ -446,7 +446,7 @@ def _check_tensors(
                 if spec is None:
                     continue  # reported by the quick check
                 dtype, shape, start, end, crc = spec
-                want_dtype, want_shape = shard_file.tensor_layout(
+                want_dtype, want_shape = shard_file.tensor_spec(
                     kind, n_tokens, mf.config.embed_dim, mf.config.storage_dtype, mf.config.signatures_per_entry
                 )
                 name = f"{kind}_{entry_id}"
@@ -526,7 +526,7 @@ def _check_pooled_key(
 def config_from_shards(root: Path) -> StoreConfig | None:
     """The store config a shard's metadata carries (for rebuilding a lost
     index.json), or None."""
-    for path in (root / name for name in layout.shard_names(root)):
+    for path in (root / name for name in store_files.shard_names(root)):
         try:
             return StoreConfig.from_dict(json.loads(shard_file.store_config_text(path)))
         except (KeyError, TypeError, ValueError, RecursionError, HmemError, OSError):  # any text: docs/security.md

@@ -4,7 +4,7 @@
 ``put_cache`` takes a transformers cache (a DynamicCache, or the legacy
 tuple of per-layer (key, value) tensors of [batch, kv_heads, tokens,
 head_dim]) and stores each layer's rows, heads flattened into the row
-(hmem/store/layouts.py), each batch row and each chunk of `chunk_tokens` as
+(hmem/store/kv_layouts.py), each batch row and each chunk of `chunk_tokens` as
 its own entry, all in one batch: every entry goes in, or none does.  Layers
 that hold no K/V (the mamba layers of a hybrid model) are left out.  An
 entry's meta "tokens" is its range in the sequence: a sliding-window layer
@@ -29,7 +29,7 @@ import numpy as np
 
 from hmem import validation
 from hmem.errors import InvalidArgumentError, InvalidTensorError
-from hmem.store import layouts
+from hmem.store import kv_layouts
 from hmem.store.prepare import Entry
 from hmem.store.storage import Bf16Rows
 from hmem.store.tensors import bf16_words, to_numpy
@@ -53,7 +53,7 @@ def put_cache(
     without K/V (mamba) are left out, a sliding-window layer stores the
     tokens it holds.  All or nothing; returns the new ids per layer, in
     order (`hmem.cache_tensors` turns entries back).  Store.put_cache."""
-    pairs = layouts.layer_pairs(cache)
+    pairs = kv_layouts.layer_pairs(cache)
     held = [layer for layer, pair in enumerate(pairs) if pair is not None]
     chosen = held if layers is None else [validation.layer_index(x, "layers") for x in layers]
     for layer in chosen:
@@ -76,17 +76,18 @@ def put_cache(
             keys, values = (to_numpy(t, f"layer {layer} {what}") for t, what in zip(pair[:2], ("keys", "values")))
         if keys.shape != values.shape:
             raise InvalidTensorError(f"layer {layer}: keys {list(keys.shape)} and values {list(values.shape)} differ")
-        key_views = layouts.token_major(keys, "bhtd", f"layer {layer} keys")
-        value_views = layouts.token_major(values, "bhtd", f"layer {layer} values")
+        key_views = kv_layouts.token_major(keys, "bhtd", f"layer {layer} keys")
+        value_views = kv_layouts.token_major(values, "bhtd", f"layer {layer} values")
         for batch, (k, v) in enumerate(zip(key_views, value_views)):
             if not k.shape[0]:
                 continue  # an empty layer (no tokens cached) stores nothing
-            for ck, cv in zip(layouts.chunks(k, chunk_tokens, batch), layouts.chunks(v, chunk_tokens, batch)):
+            for ck, cv in zip(kv_layouts.chunks(k, chunk_tokens, batch), kv_layouts.chunks(v, chunk_tokens, batch)):
                 meta = {"batch": batch, "chunk": ck.chunk, "tokens": [pair.start + ck.start, pair.start + ck.stop]}
                 if words:
                     entries.append(Entry(Bf16Rows(ck.view), Bf16Rows(cv.view), layer, importance, meta))
                 else:
-                    entries.append(Entry(layouts.matrix(ck.view), layouts.matrix(cv.view), layer, importance, meta))
+                    k_rows, v_rows = kv_layouts.matrix(ck.view), kv_layouts.matrix(cv.view)
+                    entries.append(Entry(k_rows, v_rows, layer, importance, meta))
                 owners.append(layer)
     ids = store.put_many(entries)
     out: dict[int, list[int]] = {layer: [] for layer in chosen}
@@ -118,7 +119,7 @@ def cache_tensors(
         pair = []
         for side in (0, 1):
             rows = np.concatenate([p[side] for p in parts]) if len(parts) > 1 else np.asarray(parts[0][side])
-            heads = layouts.to_heads(np.asarray(rows, dtype=np.float32), num_kv_heads)[None]
+            heads = kv_layouts.to_heads(np.asarray(rows, dtype=np.float32), num_kv_heads)[None]
             pair.append(_framework(np.ascontiguousarray(heads), framework, dtype, device))
         out.append((pair[0], pair[1]))
     return out

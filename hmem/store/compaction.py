@@ -34,10 +34,10 @@ import numpy as np
 
 from hmem import _io
 from hmem.errors import CorruptStoreError, Hint, HmemError
-from hmem.formats import layout, manifest, records, shard_file, stamp
-from hmem.formats.layout import ENTRIES_FILE, POOLED_FILE
+from hmem.formats import manifest, records, shard_file, stamp, store_files
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.formats.records import EVICTED
+from hmem.formats.store_files import ENTRIES_FILE, POOLED_FILE
 from hmem.kernels import checksum as checksum_kernels
 from hmem.store import rewrite, shard_builder
 from hmem.store.reading import EntryReader
@@ -78,7 +78,7 @@ class Compaction:
     def orphans(self) -> list[str]:
         """Files of the store directory that hmem made and no commit names."""
         state = self.state
-        return layout.classify(state.path, state.shards, state.committed.pending).orphans
+        return store_files.classify(state.path, state.shards, state.committed.pending).orphans
 
     # ---- planning ----------------------------------------------------------------------
 
@@ -92,7 +92,7 @@ class Compaction:
             dead = state.builder_dead
             shards.append(
                 ShardInfo(
-                    file=layout.shard_file(b.index),
+                    file=store_files.shard_file(b.index),
                     bytes=b.file_bytes_bound(),
                     uid=b.uid,
                     entries=b.entries,
@@ -303,7 +303,7 @@ class Compaction:
         # the last live shard takes this index: a second name for its file
         # (no byte copied), the old name deleted after the commit
         moved = state.shards[last]
-        temp = TEMP_PREFIX + layout.shard_file(index)
+        temp = TEMP_PREFIX + store_files.shard_file(index)
         source = state.path / moved.file
         linked = False
         if _local_file(state, moved):
@@ -322,10 +322,10 @@ class Compaction:
         _io.crash_point("compact.shard_written")
         advanced(0)
         shards = list(state.shards[:last])
-        shards[index] = dataclasses.replace(moved, file=layout.shard_file(index))
+        shards[index] = dataclasses.replace(moved, file=store_files.shard_file(index))
         self._commit_step(
             shards,
-            Pending(renames=((temp, layout.shard_file(index)),), deletes=(moved.file, *gone)),
+            Pending(renames=((temp, store_files.shard_file(index)),), deletes=(moved.file, *gone)),
             moved=(last, index),
         )
 
@@ -341,7 +341,7 @@ class Compaction:
             tensors, meta = self._sources(int(pos))()
             row = state.records[pos]
             builder.add_lent_entry(int(row["entry_id"]), int(row["n_tokens"]), tensors, meta)
-        name = layout.shard_file(index)
+        name = store_files.shard_file(index)
         temp = TEMP_PREFIX + name
         size, index_crc = builder.seal(state.path / temp)
         _io.crash_point("compact.shard_written")
@@ -481,7 +481,7 @@ class Compaction:
             reader = self.reader.shard(int(row["shard_idx"]))
             found = {}
             for kind in kinds:
-                dtype, shape = shard_file.tensor_layout(
+                dtype, shape = shard_file.tensor_spec(
                     kind,
                     int(row["n_tokens"]),
                     state.config.embed_dim,

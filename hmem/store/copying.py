@@ -20,7 +20,7 @@ from typing import Any
 
 from hmem import _io, file_reads, validation
 from hmem.errors import CorruptStoreError, Hint, StoreExistsError
-from hmem.formats import layout, manifest
+from hmem.formats import manifest, store_files
 from hmem.formats.manifest import Manifest, Pending
 from hmem.object_store import is_url
 from hmem.store.object_link import ObjectLink, committed_sizes
@@ -128,7 +128,7 @@ def _write(directory: Path, committed: Manifest, destination: Any, options: dict
     for info in committed.shards:
         _io.write_file(root / info.file, [_io.FileRange(directory / info.file, 0, info.bytes)])
     for name, size in sizes.items():
-        if size or name == layout.ENTRIES_FILE:
+        if size or name == store_files.ENTRIES_FILE:
             _io.write_file(root / name, [_io.FileRange(directory / name, 0, size)])
     # index.json last: until it exists the directory holds no store
     manifest.write(root, dataclasses.replace(committed, pending=Pending()))  # every step was done at the source

@@ -12,7 +12,7 @@ from pathlib import Path
 from hmem import _io
 from hmem.config import StoreConfig
 from hmem.errors import CorruptStoreError, Hint, StoreExistsError
-from hmem.formats import layout, manifest, records, stamp
+from hmem.formats import manifest, records, stamp, store_files
 from hmem.formats.manifest import Manifest
 from hmem.store import lock, rewrite
 from hmem.store.projection import Projector
@@ -22,7 +22,7 @@ from hmem.store.state import StoreState, load_records
 def create_directory(root: Path, config: StoreConfig) -> StoreState:
     """Make a new store in the missing or empty directory `root` and take
     its lock: the writer's state of an empty store."""
-    if (root / layout.INDEX_FILE).exists():
+    if (root / store_files.INDEX_FILE).exists():
         raise StoreExistsError(f"{root} already holds an hmem store", hint="open it instead")
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise StoreExistsError(f"{root} exists and is not an empty directory", hint="choose a new path for the store")
@@ -30,7 +30,7 @@ def create_directory(root: Path, config: StoreConfig) -> StoreState:
     writer = lock.WriterLock(root)
     try:
         projection = Projector(config.embed_dim, config.hdc_dim, config.seed).describe()
-        _io.write_file(root / layout.ENTRIES_FILE, [])
+        _io.write_file(root / store_files.ENTRIES_FILE, [])
         mf, data = manifest.write(root, Manifest(config=config, projection=projection))
     except BaseException:
         writer.release()
@@ -73,6 +73,6 @@ def open_writer(root: Path, verify_reads: bool, lock_wait: float) -> StoreState:
 def _directory_files(root: Path) -> tuple[int, int]:
     """How many files a store directory holds and their bytes (the lock aside)."""
     files = sum(
-        1 for entry in os.scandir(root) if entry.name != layout.LOCK_FILE and entry.is_file(follow_symlinks=False)
+        1 for entry in os.scandir(root) if entry.name != store_files.LOCK_FILE and entry.is_file(follow_symlinks=False)
     )
-    return files, layout.directory_bytes(root)
+    return files, store_files.directory_bytes(root)

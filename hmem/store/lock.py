@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hmem import _io
 from hmem.errors import Hint, HmemError, StoreLockedError
-from hmem.formats.layout import LOCK_FILE
+from hmem.formats.store_files import LOCK_FILE
 
 _POLL_SECONDS = 0.05
 

@@ -42,8 +42,8 @@ from hmem.errors import (
     StoreExistsError,
     StoreLockedError,
 )
-from hmem.formats import layout, pooled, shard_file
 from hmem.formats import objects as fmt
+from hmem.formats import pooled, shard_file, store_files
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.object_store import ConditionFailed, ObjectClient, ObjectMissing
 from hmem.store.lease import LeaseHolder
@@ -290,9 +290,9 @@ class ObjectLink:
         _io.make_dir(directory)
         # the working copy's first files: copies of what the objects hold,
         # gone with the process if it stops (no fsync; its own commits have theirs)
-        _io.write_cache_file(directory / layout.INDEX_FILE, mf.index)
+        _io.write_cache_file(directory / store_files.INDEX_FILE, mf.index)
         for name, content in zip(fmt.STATE_FILES, files):
-            if content or name == layout.ENTRIES_FILE:
+            if content or name == store_files.ENTRIES_FILE:
                 _io.write_cache_file(directory / name, content)
         if keep_known:
             self.fetcher.remote = {**self.fetcher.remote, **mf.shards}
@@ -475,7 +475,7 @@ class ObjectLink:
         if old is not None:
             retired += [{"key": s["key"], "since": now} for uid, s in old.shards.items() if uid not in named]
         # state: the bytes of the small files this local commit changed, or all of them
-        record_size = layout.record_bytes(committed.config)
+        record_size = store_files.record_bytes(committed.config)
         changed = _updated_positions(written, generation)
         whole = (
             old is None
@@ -809,13 +809,15 @@ def committed_sizes(directory: Path, committed: Manifest) -> dict[str, int]:
     file may hold more past them (what a failed flush left); pooled.bin may
     hold fewer rows (a store an older hmem wrote)."""
     try:
-        pooled_bytes = (directory / layout.POOLED_FILE).stat().st_size
+        pooled_bytes = (directory / store_files.POOLED_FILE).stat().st_size
     except FileNotFoundError:
         pooled_bytes = 0
     return {
-        layout.ENTRIES_FILE: committed.record_count * layout.record_bytes(committed.config),
-        layout.POOLED_FILE: min(pooled_bytes, committed.record_count * pooled.row_bytes(committed.config.pooled_width)),
-        layout.SOURCES_FILE: committed.sources.bytes,
+        store_files.ENTRIES_FILE: committed.record_count * store_files.record_bytes(committed.config),
+        store_files.POOLED_FILE: min(
+            pooled_bytes, committed.record_count * pooled.row_bytes(committed.config.pooled_width)
+        ),
+        store_files.SOURCES_FILE: committed.sources.bytes,
     }
 
 

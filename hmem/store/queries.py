@@ -17,7 +17,7 @@ import numpy as np
 
 from hmem import validation
 from hmem.errors import CorruptStoreError, InvalidArgumentError
-from hmem.formats import layout
+from hmem.formats import store_files
 from hmem.store.projection import similarity, span_bounds
 from hmem.store.reading import EntryReader
 from hmem.store.results import QueryResult, QueryResults, SkippedEntry, as_framework
@@ -113,9 +113,10 @@ class Queries:
                     shortlists, [mean for _, mean in prepared], k, rerank, check, span_tokens
                 )
         elif len(prepared) == 1:
-            shortlists = [state.index.search(layer, prepared[0][0], k * factor, search)]
+            shortlists = [state.search_index.search(layer, prepared[0][0], k * factor, search)]
         else:
-            shortlists = state.index.search_many(layer, np.stack([sig for sig, _ in prepared]), k * factor, search)
+            signatures = np.stack([sig for sig, _ in prepared])
+            shortlists = state.search_index.search_many(layer, signatures, k * factor, search)
             pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check, span_tokens)
         answers = [
             self._answer(
@@ -149,7 +150,7 @@ class Queries:
         "auto" chose, for QueryResults.search."""
         if search == "spans":
             return "spans"
-        index = self.state.index.layers.get(layer)
+        index = self.state.search_index.layers.get(layer)
         return "two-stage" if index is not None and index.two_stage(search, n) else "full"
 
     def _read_ahead(
@@ -322,11 +323,11 @@ class Queries:
         state = self.state
         wanted = n + (len(skipped) if skipped else 0)
         if search == "spans" and rerank:
-            positions, dists = state.index.search_spans(layer, signature, SPAN_SHORTLIST * wanted, whole=wanted)
+            positions, dists = state.search_index.search_spans(layer, signature, SPAN_SHORTLIST * wanted, whole=wanted)
         elif search == "spans":
-            positions, dists = state.index.search_spans(layer, signature, wanted)
+            positions, dists = state.search_index.search_spans(layer, signature, wanted)
         else:
-            positions, dists = state.index.search(layer, signature, wanted, search)
+            positions, dists = state.search_index.search(layer, signature, wanted, search)
         if skipped:
             keep = ~np.isin(positions, np.fromiter(skipped, dtype=np.int64, count=len(skipped)))
             positions, dists = positions[keep], dists[keep]
@@ -378,7 +379,7 @@ class Queries:
         row = self.state.records[pos]
         entry_id, shard_idx = int(row["entry_id"]), int(row["shard_idx"])
         shards = self.state.shards
-        shard = shards[shard_idx].file if shard_idx < len(shards) else layout.shard_file(shard_idx)
+        shard = shards[shard_idx].file if shard_idx < len(shards) else store_files.shard_file(shard_idx)
         reason = exc.message.removeprefix(f"entry {entry_id}: ")  # the entry is named beside it
         return SkippedEntry(entry_id, shard, reason)
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from hmem import validation
 from hmem.errors import CorruptStoreError, EntryNotFoundError, Hint, HmemError, StoreChangedError
-from hmem.formats import layout, shard_file, stamp
+from hmem.formats import shard_file, stamp, store_files
 from hmem.formats.records import EVICTED
 from hmem.store import storage as storage_codec
 from hmem.store.results import EntryInfo, StoredEntry, StoredKV, StoreHealth
@@ -152,7 +152,7 @@ class EntryReader:
                 entry_id, shard_idx = int(row["entry_id"]), int(row["shard_idx"])
                 reader = self.shard(shard_idx)
                 for kind in kinds:
-                    dtype, shape = shard_file.tensor_layout(
+                    dtype, shape = shard_file.tensor_spec(
                         kind,
                         int(row["n_tokens"]),
                         state.config.embed_dim,
@@ -175,7 +175,7 @@ class EntryReader:
             # The open shard's memory is reused after it is sealed: copy.
             return builder.get(entry_id, kind).copy()
         reader = self.shard(shard_idx)
-        dtype, shape = shard_file.tensor_layout(
+        dtype, shape = shard_file.tensor_spec(
             kind,
             int(row["n_tokens"]),
             state.config.embed_dim,
@@ -214,7 +214,7 @@ class EntryReader:
         mapped = state.cache.mapped(shard_idx, info.uid)
         if mapped is not None:  # most reads: no path to make
             return mapped
-        path = layout.resolve(state.path, info.file, state.committed.pending)
+        path = store_files.resolve(state.path, info.file, state.committed.pending)
         try:
             try:
                 return state.cache.get(shard_idx, path, info)
@@ -276,15 +276,15 @@ class EntryReader:
         # evicted entries have shard_idx EVICTED; np.isin costs ~20 ms at its first call, so only when needed
         unreachable = int(np.count_nonzero(np.isin(shard_of, bad_shards))) if bad_shards else 0
         need = state.committed_n * state.record_size
-        size = self._file_size(layout.ENTRIES_FILE)
+        size = self._file_size(store_files.ENTRIES_FILE)
         entries_problem = ""
         if size is None:
-            entries_problem = f"{layout.ENTRIES_FILE} is missing"
+            entries_problem = f"{store_files.ENTRIES_FILE} is missing"
         elif size == _NOT_REGULAR:
-            entries_problem = f"{layout.ENTRIES_FILE} is not a regular file (a symbolic link or the like)"
+            entries_problem = f"{store_files.ENTRIES_FILE} is not a regular file (a symbolic link or the like)"
         elif size < need:
             entries_problem = (
-                f"{layout.ENTRIES_FILE} is {size} bytes, shorter than its {state.committed_n} "
+                f"{store_files.ENTRIES_FILE} is {size} bytes, shorter than its {state.committed_n} "
                 f"committed records ({need} bytes)"
             )
         if entries_problem:
@@ -322,7 +322,7 @@ class EntryReader:
         _NOT_REGULAR for a link or anything but a regular file: never
         followed, so no size of a file outside the store is ever shown."""
         state = self.state
-        for path in dict.fromkeys((layout.resolve(state.path, name, state.committed.pending), state.path / name)):
+        for path in dict.fromkeys((store_files.resolve(state.path, name, state.committed.pending), state.path / name)):
             try:
                 st = os.lstat(path)
             except OSError:  # missing, or the path is no longer usable

@@ -22,9 +22,9 @@ import numpy as np
 
 from hmem import _io
 from hmem.errors import CorruptStoreError, Hint, UnsafeFileError
-from hmem.formats import layout, manifest, pooled, records, shard_file, stamp
-from hmem.formats.layout import ENTRIES_FILE, POOLED_FILE
+from hmem.formats import manifest, pooled, records, shard_file, stamp, store_files
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
+from hmem.formats.store_files import ENTRIES_FILE, POOLED_FILE
 from hmem.kernels import checksum as checksum_kernels
 from hmem.store import shard_builder
 
@@ -33,7 +33,7 @@ TensorSources = dict[str, tuple[np.dtype, tuple[int, ...], _io.FileRange, int]]
 # An entry's tensor sources and its metadata (JSON, or None), carried over as they are.
 EntrySource = tuple[TensorSources, str | None]
 
-TEMP_PREFIX = layout.REWRITE_PREFIX
+TEMP_PREFIX = store_files.REWRITE_PREFIX
 
 
 def pack(sizes: np.ndarray, limit: int) -> list[int]:
@@ -83,7 +83,7 @@ def rewrite(
             tensors, meta = sources[i]()
             builder.add_lent_entry(int(kept["entry_id"][i]), int(kept["n_tokens"][i]), tensors, meta)
             pooled_keys.append((tensors["p"][2], tensors["p"][3]))
-        name = layout.shard_file(j)
+        name = store_files.shard_file(j)
         size, index_crc = builder.seal(root / (TEMP_PREFIX + name))
         new_shards.append(
             ShardInfo(file=name, bytes=size, uid=builder.uid, entries=builder.entries, index_crc=index_crc)
@@ -151,14 +151,14 @@ def finish_pending(root: Path, mf: Manifest) -> None:
         # must hold them all as data before any is written in place, or a
         # claimed record_count would grow it (docs/security.md)
         records.require_present(root / ENTRIES_FILE, mf.record_count, mf.config)
-        size = layout.record_bytes(mf.config)
+        size = store_files.record_bytes(mf.config)
         _io.write_pieces(
             root / ENTRIES_FILE, records.update_pieces(updates[updates["position"] < mf.record_count], size)
         )
     _io.unlink_many([root / name for name in mf.pending.deletes])
 
 
-def refuse_unsafe(root: Path, files: layout.DirectoryFiles) -> None:
+def refuse_unsafe(root: Path, files: store_files.DirectoryFiles) -> None:
     """Refuse (UnsafeFileError) a store where a file the commit names is a
     link or not a regular file, or where entries.bin, commit.stamp,
     pooled.bin or sources.jsonl, which are written in place, has other
@@ -170,7 +170,7 @@ def refuse_unsafe(root: Path, files: layout.DirectoryFiles) -> None:
             "like); hmem writes no store whose own files are links",
             hint=Hint.VERIFY,
         )
-    for name in (ENTRIES_FILE, layout.STAMP_FILE, POOLED_FILE, layout.SOURCES_FILE):
+    for name in (ENTRIES_FILE, store_files.STAMP_FILE, POOLED_FILE, store_files.SOURCES_FILE):
         if name in files.committed and os.lstat(root / name).st_nlink > 1:
             raise UnsafeFileError(
                 f"{name} in {root} has other names (hard links); hmem writes no file in place that another name shares",
@@ -183,13 +183,13 @@ def remove_leftovers(root: Path, mf: Manifest) -> None:
     files, shards the commit does not name at indices it would use next,
     and records (and pooled.bin rows) past the committed count; first,
     refuse_unsafe."""
-    files = layout.classify(root, mf.shards, mf.pending)
+    files = store_files.classify(root, mf.shards, mf.pending)
     refuse_unsafe(root, files)
     for name in files.orphans:  # regular files only: a link or directory is never hmem's
-        if name in files.temporary or (layout.shard_index(name) or 0) >= len(mf.shards):
+        if name in files.temporary or (store_files.shard_index(name) or 0) >= len(mf.shards):
             _io.unlink(root / name)
     for name, row in (
-        (ENTRIES_FILE, layout.record_bytes(mf.config)),
+        (ENTRIES_FILE, store_files.record_bytes(mf.config)),
         (POOLED_FILE, pooled.row_bytes(mf.config.pooled_width)),
     ):
         # rows past the commit: no reader ever reads them (nor has them mapped in use)

@@ -52,7 +52,7 @@ from hmem.errors import (
     StoreClosedError,
     UnsupportedFormatError,
 )
-from hmem.formats import layout, manifest, pooled, records, shard_file
+from hmem.formats import manifest, pooled, records, shard_file, store_files
 from hmem.formats.manifest import MAX_FILE_BYTES, Manifest, Pending, ShardInfo
 from hmem.formats.records import EVICTED
 from hmem.store import lock
@@ -110,7 +110,7 @@ class StoreState:
                 f"{path} was written with projection {committed.projection}, which this hmem cannot reproduce",
                 hint="use the hmem release that wrote it",
             )
-        self.record_size = layout.record_bytes(cfg)
+        self.record_size = store_files.record_bytes(cfg)
         # what an entry takes on disk outside its shard: its record and its row of pooled.bin
         self.entry_overhead = self.record_size + pooled.row_bytes(cfg.pooled_width)
         self.config_json = json.dumps(cfg.to_dict(), sort_keys=True)
@@ -148,9 +148,10 @@ class StoreState:
         # committed, then sealed since; never changed in place (eviction replaces one), so shared with commits
         self.shards = list(committed.shards)
         self.shards_committed = len(self.shards)
-        self.index = SearchIndex(self.config.signature_bytes, self.config.spans, self.config.span_signature_bytes)
+        cfg = self.config
+        self.search_index = SearchIndex(cfg.signature_bytes, cfg.spans, cfg.span_signature_bytes)
         # each layer's signatures are copied into its matrix at its first query (LayerIndex.defer)
-        self.index.load(self.records[: self.n])
+        self.search_index.load(self.records[: self.n])
 
     # ---- transitions: each keeps its part of the state consistent, here only --------
     # (no other module assigns a StoreState's attributes: tests/test_layering.py)
@@ -264,7 +265,7 @@ class StoreState:
         a committed record changed is in `dirty` for the next flush."""
         if not len(victims):
             return
-        self.index.remove(self.records, victims)
+        self.search_index.remove(self.records, victims)
         rows = self.records[victims]
         sizes = self.entry_file_bytes(rows["n_tokens"].astype(np.int64))
         open_index = self.builder.index if self.builder is not None else -1
@@ -324,14 +325,14 @@ class StoreState:
         """Bytes the store takes: the files of its directory; on object
         storage, whose working copy holds no shard it did not make, also
         the committed shards that live only there (hmem/store/object_link.py)."""
-        total = layout.directory_bytes(self.path)
+        total = store_files.directory_bytes(self.path)
         fetcher = self.cache.fetcher
         if fetcher is not None:
             total += sum(info.bytes for info in self.shards if fetcher.remote_bytes(info.uid) is not None)
         return total
 
     def live_count(self) -> int:
-        return sum(self.index.layer_counts().values())
+        return sum(self.search_index.layer_counts().values())
 
     def entry_file_bytes(self, n_tokens: Any) -> Any:
         """Bytes an entry of n_tokens takes in a shard, header entries and
@@ -421,8 +422,8 @@ def load_records(
     reads as an evicted one (records.set_aside) and (position, entry id or
     None) goes into `skipped`.  A reader follows a pending rename of
     entries.bin (`follow_renames`)."""
-    name = layout.ENTRIES_FILE
-    path = layout.resolve(root, name, committed.pending) if follow_renames else root / name
+    name = store_files.ENTRIES_FILE
+    path = store_files.resolve(root, name, committed.pending) if follow_renames else root / name
     try:
         loaded, bad = records.read_checked(path, committed.record_count, committed.config)
     except (CorruptStoreError, FileNotFoundError):

@@ -16,8 +16,8 @@ from typing import Any
 
 from hmem import validation
 from hmem.config import StoreConfig
-from hmem.formats.layout import is_store
 from hmem.formats.sources import ImportedSource
+from hmem.formats.store_files import is_store
 from hmem.store import bridge, caches, listing, opening, prepare
 from hmem.store.compaction import MIN_DEAD_SHARE
 from hmem.store.listing import ENTRY_SORTS, EntryListing

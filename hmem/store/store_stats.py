@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from hmem import kernels
-from hmem.formats import layout, manifest, shard_file
+from hmem.formats import manifest, shard_file, store_files
 from hmem.store.results import ShardStats, StoreStats
 from hmem.store.session import Session
 
@@ -22,7 +22,7 @@ def store_stats(session: Session) -> StoreStats:
     live = state.live_positions()
     rows = state.records[: state.n]
     n_tokens = rows["n_tokens"][live].astype(np.int64)
-    files = layout.classify(state.path, state.shards, state.committed.pending)
+    files = store_files.classify(state.path, state.shards, state.committed.pending)
     return StoreStats(
         path=placement.location,
         format_version=manifest.FORMAT_VERSION,
@@ -31,7 +31,7 @@ def store_stats(session: Session) -> StoreStats:
         entries=len(live),
         evicted=state.n - len(live),
         unflushed=state.n - state.committed_n,
-        layers=state.index.layer_counts(),
+        layers=state.search_index.layer_counts(),
         shards=[
             ShardStats(i, s.file, s.bytes, s.entries, s.dead_entries, s.dead_bytes, i < state.shards_committed)
             for i, s in enumerate(state.shards)

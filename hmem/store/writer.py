@@ -34,7 +34,7 @@ import numpy as np
 
 from hmem import _io, memory
 from hmem.errors import CorruptStoreError
-from hmem.formats import layout, manifest, pooled, records, shard_file, stamp
+from hmem.formats import manifest, pooled, records, shard_file, stamp, store_files
 from hmem.formats import sources as source_registry
 from hmem.formats.manifest import Manifest, Pending, ShardInfo
 from hmem.formats.sources import SourcesInfo
@@ -78,7 +78,8 @@ class Writer:
             self.seal_open_shard(background=True)
             plan = self._plan_shards(sizes)
         builder = state.builder
-        undo = (len(state.shards), builder, builder.mark() if builder is not None else None, _index_mark(state.index))
+        mark = builder.mark() if builder is not None else None
+        undo = (len(state.shards), builder, mark, _index_mark(state.search_index))
         try:
             shard_of = np.zeros(count, dtype=np.uint32)
             for n, (lo, hi, _) in enumerate(plan):
@@ -104,7 +105,7 @@ class Writer:
             rows["signature"] = batch.signatures
             if state.config.spans:
                 rows["spans"] = batch.spans
-            state.index.add_records(state.records, np.arange(start, start + count, dtype=np.int64))
+            state.search_index.add_records(state.records, np.arange(start, start + count, dtype=np.int64))
             state.admit_batch(count, batch.pooled)  # the batch is in (its keys taken back below if not)
         except BaseException:
             if state.n == start:
@@ -154,14 +155,14 @@ class Writer:
         if sealing is not None and sealing.builder.index >= shards_mark:
             sealing.wait()  # a shard of the batch: its file goes below with the others
             state.seal_settled()
-        _index_rollback(state.index, index_mark)
+        _index_rollback(state.search_index, index_mark)
         if builder is not None and builder_mark is not None:
             builder.rollback(builder_mark)
         sealed = len(state.shards)
         state.unseal(shards_mark, builder)
         # Files of the shards sealed for the batch, and of one whose seal was cut short.
         try:
-            _io.unlink_many([state.path / layout.shard_file(i) for i in range(shards_mark, sealed + 1)])
+            _io.unlink_many([state.path / store_files.shard_file(i) for i in range(shards_mark, sealed + 1)])
         except OSError:
             pass  # nothing names them: the next writer removes them
 
@@ -219,7 +220,7 @@ class Writer:
         b = state.builder
         if b is None or not b.entries:
             return
-        name = layout.shard_file(b.index)
+        name = store_files.shard_file(b.index)
         sealing = None
         if background:
             sealing = SealInFlight(b, state.path / name)
@@ -304,7 +305,7 @@ class Writer:
             records.seal(touched)
             state.records["checksum"][dirty] = touched["checksum"]
             changed = records.updates_for(state.records, dirty)
-        entries_path = state.path / layout.ENTRIES_FILE
+        entries_path = state.path / store_files.ENTRIES_FILE
         if new:
             _io.write_at(entries_path, start * state.record_size, self._sealed_records(start, end), create=True)
             # over whatever rows a failed flush left past the commit: a

@@ -26,7 +26,7 @@ from typing import Any
 from hmem import _io, validation
 from hmem.errors import BadFileError, InvalidArgumentError
 from hmem.formats.sources import ImportedSource
-from hmem.store import layouts
+from hmem.store import kv_layouts
 from hmem.store.store import Entry, Store
 from hmem.transfer.kv_import import KvFile, entries_of, find_files
 
@@ -140,7 +140,7 @@ def import_files(
     if importance is not None:
         importance = validation.importance(importance)
     if layout is not None:
-        layout = validation.choice(layout, "layout", layouts.LAYOUTS)
+        layout = validation.choice(layout, "layout", kv_layouts.LAYOUTS)
     if chunk_tokens is not None:
         chunk_tokens = validation.integer(chunk_tokens, "chunk_tokens", low=1)
     again = validation.flag(again, "again")

@@ -19,7 +19,7 @@ from hmem import _io, validation
 from hmem.config import STORAGE_DTYPES
 from hmem.errors import EntryNotFoundError, InvalidArgumentError, storage_error
 from hmem.formats import safetensors
-from hmem.store import layouts
+from hmem.store import kv_layouts
 
 if TYPE_CHECKING:
     from hmem.store.store import Store
@@ -178,7 +178,7 @@ def export_results(
                 raise InvalidArgumentError(
                     f"rows of {rows.shape[1]} values do not split into kv_heads={heads} heads of equal size"
                 )
-            tensors[f"past_key_values.{layer}.{kind}"] = np.ascontiguousarray(layouts.to_heads(rows, heads)[None])
+            tensors[f"past_key_values.{layer}.{kind}"] = np.ascontiguousarray(kv_layouts.to_heads(rows, heads)[None])
     meta.update(kv_heads=str(heads), entry_tokens=json.dumps([int(np.shape(r.keys)[0]) for r in results]))
     return _write(Path(path), tensors, meta)
 

@@ -8,7 +8,7 @@ come from the naming conventions (hmem/transfer/kv_names.py, names matched
 case-insensitively), the caller's ``layout``, or the tensor's shape and the
 store's embed_dim; a shape two layouts fit with nothing to say which is
 refused (AmbiguousLayoutError), never guessed.  Heads are flattened into
-rows [tokens, kv_heads x head_dim] (hmem/store/layouts.py); each batch row
+rows [tokens, kv_heads x head_dim] (hmem/store/kv_layouts.py); each batch row
 is its own entry, and with ``chunk_tokens`` each run of that many tokens;
 each entry's meta records its source file, token range, chunk and batch row.
 
@@ -36,8 +36,8 @@ import numpy as np
 from hmem import validation
 from hmem.errors import BadFileError, InvalidArgumentError, InvalidTensorError
 from hmem.formats import safetensors, shard_file
-from hmem.formats.layout import is_store
-from hmem.store import layouts
+from hmem.formats.store_files import is_store
+from hmem.store import kv_layouts
 from hmem.store.storage import Bf16Rows
 from hmem.store.store import Entry
 from hmem.transfer import kv_names
@@ -168,7 +168,7 @@ class KvFile:
     def array(self, name: str) -> np.ndarray:
         """The tensor as a float array (a view for F32/F16/F64, a float32 copy for BF16)."""
         raw, bf16 = self.raw(name)
-        return layouts.matrix(raw.reshape(-1), bf16_words=True).reshape(raw.shape) if bf16 else raw
+        return kv_layouts.matrix(raw.reshape(-1), bf16_words=True).reshape(raw.shape) if bf16 else raw
 
     def data(self) -> Any:
         """The file's bytes (memory-mapped)."""
@@ -252,7 +252,7 @@ def entries_of(
             name = pair["kv"]
             array, bf16 = f.raw(name)
             kv_names.layout_of(name, array.shape, convention, layout, embed_dim)
-            for index, (k, v) in enumerate(layouts.split_l2thd(array, f"tensor {name!r}")):
+            for index, (k, v) in enumerate(kv_layouts.split_l2thd(array, f"tensor {name!r}")):
                 yield from _cut(k, v, bf16, index, imp, source, chunk_tokens, 0, 1, words)
             continue
         (k, k_bf16), (v, v_bf16) = f.raw(pair["k"]), f.raw(pair["v"])
@@ -264,8 +264,8 @@ def entries_of(
             k, v = (f.array(pair["k"]), f.array(pair["v"]))
             k_bf16 = False
         chosen = kv_names.layout_of(pair["k"], k.shape, convention, layout, embed_dim)
-        key_views = layouts.token_major(k, chosen, f"tensor {pair['k']!r}")
-        value_views = layouts.token_major(v, chosen, f"tensor {pair['v']!r}")
+        key_views = kv_layouts.token_major(k, chosen, f"tensor {pair['k']!r}")
+        value_views = kv_layouts.token_major(v, chosen, f"tensor {pair['v']!r}")
         entry_layer = number if convention in kv_names.CARRIES_LAYER else default_layer
         for batch, (key_view, value_view) in enumerate(zip(key_views, value_views)):
             yield from _cut(
@@ -287,7 +287,7 @@ def _cut(
 ) -> Iterator[Entry]:
     """The entries of one sequence (token-major views): one, or one per chunk
     of `chunk_tokens`."""
-    for ck, cv in zip(layouts.chunks(keys, chunk_tokens, batch), layouts.chunks(values, chunk_tokens, batch)):
+    for ck, cv in zip(kv_layouts.chunks(keys, chunk_tokens, batch), kv_layouts.chunks(values, chunk_tokens, batch)):
         meta: dict[str, Any] = {"source": source, "tokens": [ck.start, ck.stop]}
         if chunk_tokens is not None:
             meta["chunk"] = ck.chunk
@@ -297,8 +297,8 @@ def _cut(
             yield Entry(Bf16Rows(ck.view), Bf16Rows(cv.view), layer, importance, meta)
         else:
             yield Entry(
-                layouts.matrix(ck.view, bf16_words=bf16),
-                layouts.matrix(cv.view, bf16_words=bf16),
+                kv_layouts.matrix(ck.view, bf16_words=bf16),
+                kv_layouts.matrix(cv.view, bf16_words=bf16),
                 layer,
                 importance,
                 meta,

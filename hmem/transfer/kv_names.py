@@ -20,7 +20,7 @@ Where a pair's role word stands (``k`` above), any of ``k``, ``key``,
 conventions (hf, hf-tuple, model-layers) say their 4-D tensors are
 [batch, kv_heads, tokens, head_dim] (bhtd), as transformers keeps a cache
 layer; every other layout comes from the store's embed_dim or the caller
-(hmem/store/layouts.py).
+(hmem/store/kv_layouts.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import re
 from typing import NamedTuple
 
 from hmem.errors import AmbiguousLayoutError, BadFileError, InvalidArgumentError, InvalidTensorError
-from hmem.store import layouts
+from hmem.store import kv_layouts
 
 _KEY_WORDS = ("k", "key", "keys", "k_cache", "key_cache")
 _VALUE_WORDS = ("v", "value", "values", "v_cache", "value_cache")
@@ -144,12 +144,12 @@ def layout_of(name: str, shape: tuple[int, ...], convention: str, given: str | N
         if given not in (None, "l2thd"):
             raise InvalidArgumentError(
                 f"tensor {name!r} holds every layer's keys and values: its layout is "
-                f"l2thd {layouts.SHAPES['l2thd']}, not {given}"
+                f"l2thd {kv_layouts.SHAPES['l2thd']}, not {given}"
             )
-        if embed_dim is not None and rank == 5 and layouts.row_width(shape, "l2thd") != embed_dim:
+        if embed_dim is not None and rank == 5 and kv_layouts.row_width(shape, "l2thd") != embed_dim:
             raise InvalidTensorError(
-                f"tensor {name!r} has shape {list(shape)}: as l2thd {layouts.SHAPES['l2thd']} "
-                f"its rows hold {layouts.row_width(shape, 'l2thd')} values; the store's "
+                f"tensor {name!r} has shape {list(shape)}: as l2thd {kv_layouts.SHAPES['l2thd']} "
+                f"its rows hold {kv_layouts.row_width(shape, 'l2thd')} values; the store's "
                 f"embed_dim is {embed_dim}"
             )
         return "l2thd"
@@ -165,8 +165,8 @@ def layout_of(name: str, shape: tuple[int, ...], convention: str, given: str | N
     else:
         chosen, why = SAYS_LAYOUT.get((convention, rank)), f"as its naming convention {convention} says"
     if chosen is not None:
-        if embed_dim is not None and rank == layouts.RANKS[chosen]:
-            width = layouts.row_width(shape, chosen)
+        if embed_dim is not None and rank == kv_layouts.RANKS[chosen]:
+            width = kv_layouts.row_width(shape, chosen)
             if width != embed_dim and chosen == "td":
                 raise InvalidTensorError(
                     f"tensor {name!r} has rows of {width} values; the store's embed_dim is {embed_dim}"
@@ -174,36 +174,36 @@ def layout_of(name: str, shape: tuple[int, ...], convention: str, given: str | N
             if width != embed_dim:
                 raise InvalidTensorError(
                     f"tensor {name!r} has shape {list(shape)}: as {chosen} "
-                    f"{layouts.SHAPES[chosen]} ({why}) its rows hold {width} values; the "
+                    f"{kv_layouts.SHAPES[chosen]} ({why}) its rows hold {width} values; the "
                     f"store's embed_dim is {embed_dim}"
                 )
         return chosen
     if rank not in (3, 4):
         raise InvalidTensorError(
             f"tensor {name!r} has shape {list(shape)}: K/V tensors must have shape "
-            f"{layouts.SHAPES['td']} (td), 3 dimensions (thd, htd) or 4 (bhtd, bthd); "
-            f"one tensor of 5, {layouts.SHAPES['l2thd']}, is named kv"
+            f"{kv_layouts.SHAPES['td']} (td), 3 dimensions (thd, htd) or 4 (bhtd, bthd); "
+            f"one tensor of 5, {kv_layouts.SHAPES['l2thd']}, is named kv"
         )
-    candidates = [x for x in layouts.LAYOUTS if layouts.RANKS[x] == rank]
+    candidates = [x for x in kv_layouts.LAYOUTS if kv_layouts.RANKS[x] == rank]
     if embed_dim is None:
         raise InvalidArgumentError(
             f"tensor {name!r} has shape {list(shape)}: give its layout "
             f"({' or '.join(candidates)}) or the store's embed_dim"
         )
-    fits = layouts.fitting(shape, embed_dim)
+    fits = kv_layouts.fitting(shape, embed_dim)
     if not fits:
         a, b = candidates
         raise InvalidTensorError(
             f"tensor {name!r} has shape {list(shape)}, which makes no rows of the store's "
-            f"embed_dim {embed_dim}: as {a} {layouts.SHAPES[a]} its rows hold "
-            f"{layouts.row_width(shape, a)} values, as {b} {layouts.SHAPES[b]} "
-            f"{layouts.row_width(shape, b)}"
+            f"embed_dim {embed_dim}: as {a} {kv_layouts.SHAPES[a]} its rows hold "
+            f"{kv_layouts.row_width(shape, a)} values, as {b} {kv_layouts.SHAPES[b]} "
+            f"{kv_layouts.row_width(shape, b)}"
         )
     if len(fits) > 1:
         heads = shape[1] if rank == 3 else shape[2]
         raise AmbiguousLayoutError(
             f"tensor {name!r} has shape {list(shape)}: it reads as "
-            + " and as ".join(f"{x} {layouts.SHAPES[x]}" for x in fits)
+            + " and as ".join(f"{x} {kv_layouts.SHAPES[x]}" for x in fits)
             + f" ({heads} heads, {heads} tokens) and no naming convention says which",
             layouts=fits,
             hint="give layout=" + " or layout=".join(repr(x) for x in fits),
