@@ -107,6 +107,7 @@ ENGINE = "hmem.store"
 # Engine modules that may import a backend: opening chooses one from the location
 # given, copying copies a store from one place to another.
 BACKEND_CHOOSERS = {"hmem.store.opening", "hmem.store.copying"}
+FACADE_MAX_LINES = 400
 STATE_MODULE_FILE = "hmem/store/state.py"
 # Assignments to a StoreState's attributes still made outside hmem/store/state.py, as
 # {path: {attribute, ...}}: each is a state change to move into a StoreState method.
@@ -765,6 +766,14 @@ def test_the_engine_never_imports_a_backend(imports):
     # the rule is not vacuous: the backend modules exist, and the chooser does import one
     edges = {(i.source, i.target) for i in imports}
     assert ("hmem.store.opening", "hmem.store.object_opening") in edges
+
+
+def test_the_facade_stays_a_facade(sources):
+    """docs/architecture.md, rule 10: the Store facade checks, locks and
+    delegates; what it grows goes to the component that owns it."""
+    [facade] = [f for f in sources if f.path == "hmem/store/store.py"]
+    lines = facade.text.count("\n")
+    assert lines <= FACADE_MAX_LINES, f"hmem/store/store.py is {lines} lines, the rule is at most {FACADE_MAX_LINES}"
 
 
 def test_the_cli_uses_only_the_public_api(imports):
