@@ -226,11 +226,11 @@ def install_trace(latency_ms: float = 0.0) -> None:
     get, get_range = object_store.ObjectClient.get, object_store.ObjectClient.get_range
     delay = latency_ms / 1000
 
-    def traced_get(self, key):
+    def traced_get(self, key, **options):
         TRACE.append((key, None))
         if delay:
             time.sleep(delay)
-        return get(self, key)
+        return get(self, key, **options)
 
     def traced_get_range(self, key, start, end):
         TRACE.append((key, start))

@@ -1,6 +1,5 @@
 """Making and opening stores: the arguments of Store.create and Store.open
-checked, the place chosen from the location, and a store directory made or
-opened as a StoreState.
+checked and the place chosen from the location.
 
 This is the one module of the engine that chooses where a store's bytes
 live: a directory is opened here, and a URL is handed to the object-storage
