@@ -346,7 +346,7 @@ class Store:
             return plan
 
     def plan_compaction(self, *, min_dead_share: float = MIN_DEAD_SHARE, repack: bool = False) -> CompactionPlan:
-        """What compact() (with the same options) would do and gain, without changing anything."""
+        """What compact() (same options) would do and free at least (index.json shrinks too); changes nothing."""
         with self._session.planning() as parts:
             plan = parts.compaction.plan(
                 validation.share(min_dead_share, "min_dead_share"), repack=validation.flag(repack, "repack")
