@@ -8,8 +8,9 @@ imported by the tests.
 Its real engine (LMCacheEngine, its storage manager and backends) stores
 the K/V of a tiny random Llama (transformers, bf16) for a few requests
 with a shared prefix, one tagged and one shorter than a chunk, into a
-local_disk directory (OUT_DIR/local_disk) and an fs connector directory
-(OUT_DIR/fs).  The only stand-in is the GPU connector vLLM would give,
+local_disk directory (OUT_DIR/local_disk), an fs connector directory
+(OUT_DIR/fs) and a layerwise local_disk directory (OUT_DIR/layerwise: a
+file per layer of each chunk).  The only stand-in is the GPU connector vLLM would give,
 here a copy between a dense CPU tensor [2, layers, tokens, hidden] and
 LMCache's memory objects.  It waits until every file LMCache's lookups
 report is on disk, and writes OUT_DIR/oracle.json: per request its
@@ -28,7 +29,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
 import torch
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface, VLLMPagedMemLayerwiseGPUConnector
 from lmcache.v1.metadata import LMCacheMetadata
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -61,6 +62,29 @@ class CPUConnector(GPUConnectorInterface):
             self.to_gpu(obj, start, end, **kwargs)
 
 
+class CPULayerwiseConnector(VLLMPagedMemLayerwiseGPUConnector):
+    """The same, one layer at a time, as LMCache's layerwise mode asks of
+    it: each layer's memory objects are [T, 2, H].  A subclass of vLLM's
+    layerwise connector only because LMCache checks for one; none of its
+    GPU set-up runs."""
+
+    def __init__(self):
+        self.kvcaches = None
+        self.use_mla = False
+        self.num_layers = LAYERS
+
+    def get_shape(self, num_tokens):
+        return torch.Size([num_tokens, 2, HIDDEN])
+
+    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
+        kv = kwargs["kv"]
+        for layer in range(LAYERS):
+            for obj, start, end in zip(memory_objs[layer], starts, ends):
+                obj.tensor.copy_(kv[:, layer, start:end, :].permute(1, 0, 2))
+            yield
+        yield
+
+
 def requests():
     draw = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, VOCAB, (512,), generator=draw).tolist()
@@ -84,8 +108,8 @@ def model_kv(model, tokens):
 
 def engine(kind, directory):
     settings = {"chunk_size": CHUNK, "local_cpu": False, "max_local_cpu_size": 0.25, "lmcache_instance_id": kind}
-    if kind == "local_disk":
-        settings.update(local_disk=f"file://{directory}/", max_local_disk_size=0.5)
+    if kind in ("local_disk", "layerwise"):
+        settings.update(local_disk=f"file://{directory}/", max_local_disk_size=0.5, use_layerwise=kind == "layerwise")
     else:
         settings.update(remote_storage_plugins=["fs"], extra_config={"remote_storage_plugin.fs.base_path": directory})
     metadata = LMCacheMetadata(
@@ -99,7 +123,8 @@ def engine(kind, directory):
         chunk_size=CHUNK,
     )
     config = LMCacheEngineConfig.from_defaults(**settings)
-    made = LMCacheEngineBuilder.get_or_create(kind, config, metadata, CPUConnector(), lambda t, r: None, lambda o, r: o)
+    connector = CPULayerwiseConnector() if kind == "layerwise" else CPUConnector()
+    made = LMCacheEngineBuilder.get_or_create(kind, config, metadata, connector, lambda t, r: None, lambda o, r: o)
     made.post_init()
     return made
 
@@ -107,24 +132,34 @@ def engine(kind, directory):
 def write(kind, directory, model, reqs):
     os.makedirs(directory, exist_ok=True)
     cache = engine(kind, directory)
-    suffix = ".pt" if kind == "local_disk" else ".data"
-    separator = "-" if kind == "local_disk" else "-SEP-"
+    suffix = ".data" if kind == "fs" else ".pt"
+    separator = "-SEP-" if kind == "fs" else "-"
+    layerwise = kind == "layerwise"
     out = {"requests": [], "files": {}}
     for req in reqs:
         kv = model_kv(model, req["tokens"])
         configs = req["tags"] or None
         hashes = [h for _, _, h in cache.token_database.process_tokens(req["tokens"], make_key=False)]
-        keys = [
-            k.to_string() for _, _, k in cache.token_database.process_tokens(req["tokens"], request_configs=configs)
-        ]
-        cache.store(req["tokens"], kv=kv, req_id=req["name"], **({"request_configs": configs} if configs else {}))
+        chunk_keys = [k for _, _, k in cache.token_database.process_tokens(req["tokens"], request_configs=configs)]
+        extra = {"request_configs": configs} if configs else {}
+        if layerwise:  # a key, and a file, per layer of each chunk
+            keys = [layer_key.to_string() for k in chunk_keys for layer_key in k.split_layers(LAYERS)]
+            for _ in cache.store_layer(req["tokens"], kv=kv, req_id=req["name"], sync=True, **extra):
+                pass
+        else:
+            keys = [k.to_string() for k in chunk_keys]
+            cache.store(req["tokens"], kv=kv, req_id=req["name"], **extra)
         names = [key.replace("/", separator) + suffix for key in keys]
         sizes = {}
         for number, name in enumerate(names):
-            chunk = kv[:, :, number * CHUNK : (number + 1) * CHUNK, :].contiguous()
-            data = chunk.view(torch.uint16).numpy().tobytes()
-            out["files"].setdefault(name, {"sha256": hashlib.sha256(data).hexdigest(), "shape": list(chunk.shape)})
-            sizes[name] = len(data) + (0 if kind == "local_disk" else 28)  # fs: a header of 7 int32 words
+            if layerwise:  # [T, 2, H] of one layer
+                chunk_number, layer = divmod(number, LAYERS)
+                part = kv[:, layer, chunk_number * CHUNK : (chunk_number + 1) * CHUNK, :].permute(1, 0, 2)
+            else:  # [2, L, T, H]
+                part = kv[:, :, number * CHUNK : (number + 1) * CHUNK, :]
+            data = part.contiguous().view(torch.uint16).numpy().tobytes()
+            out["files"].setdefault(name, {"sha256": hashlib.sha256(data).hexdigest(), "shape": list(part.shape)})
+            sizes[name] = len(data) + (28 if kind == "fs" else 0)  # fs: a header of 7 int32 words
 
         def landed():
             # local_disk writes the final file in place: whole once it has its size
@@ -164,7 +199,9 @@ def main(out_dir):
         "hidden": HIDDEN,
         "chunk_size": CHUNK,
         "kv_dtype": "bfloat16",
-        "caches": {kind: write(kind, os.path.join(out_dir, kind), model, reqs) for kind in ("local_disk", "fs")},
+        "caches": {
+            kind: write(kind, os.path.join(out_dir, kind), model, reqs) for kind in ("local_disk", "fs", "layerwise")
+        },
     }
     with open(os.path.join(out_dir, "oracle.json"), "w") as f:
         json.dump(oracle, f)

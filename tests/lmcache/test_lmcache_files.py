@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import subprocess
@@ -32,7 +33,7 @@ def written(tmp_path_factory) -> tuple[Path, dict]:
     return out, json.loads((out / "oracle.json").read_text())
 
 
-@pytest.fixture(params=["local_disk", "fs"])
+@pytest.fixture(params=["local_disk", "fs", "layerwise"])
 def cache(request, written) -> tuple[str, Path, dict, dict]:
     out, oracle = written
     return request.param, out / request.param, oracle["caches"][request.param], oracle
@@ -48,9 +49,12 @@ def test_every_file_names_a_key_lmcache_made(cache):
         assert {key.text for key in found.values() if key is not None} == keys
     else:  # each "/" of the model name is a "-" for good
         assert {key.text for key in found.values() if key is not None} == {k.replace("/", "-") for k in keys}
+    layers = set(range(oracle["layers"])) if kind == "layerwise" else {None}
     for key in found.values():
         assert key is not None
-        assert (key.world_size, key.worker_id, key.kv_dtype, key.layer) == (1, 0, "bfloat16", None)
+        assert (key.world_size, key.worker_id, key.kv_dtype) == (1, 0, "bfloat16")
+        assert key.layer in layers
+    assert {key.layer for key in found.values() if key is not None} == layers
     assert any(key is not None and key.chunk_hash < 0 for key in found.values())  # a negative hash, as printed
     tagged = {key.tags for key in found.values() if key is not None and key.tags}
     assert tagged == {(("user", "alice"),)}
@@ -65,6 +69,14 @@ def test_chunk_hashes_are_lmcaches(written):
         assert req["lookup"] == len(req["chunk_hashes"]) * oracle["chunk_size"]
 
 
+def test_a_layerwise_chunk_is_a_key_per_layer(written):
+    _, oracle = written
+    for req in oracle["caches"]["layerwise"]["requests"]:
+        keys = [lmcache.ChunkKey.parse(k) for k in req["keys"]]
+        expected = [(h, layer) for h in req["chunk_hashes"] for layer in range(oracle["layers"])]
+        assert [(k.chunk_hash, k.layer) for k in keys if k is not None] == expected, req["name"]
+
+
 def test_a_prompt_shorter_than_a_chunk_stores_nothing(written):
     _, oracle = written
     [short] = [r for r in oracle["caches"]["fs"]["requests"] if r["name"] == "short"]
@@ -74,15 +86,18 @@ def test_a_prompt_shorter_than_a_chunk_stores_nothing(written):
 
 def test_each_chunk_holds_its_kv(cache):
     kind, directory, made, oracle = cache
-    shape = (2, oracle["layers"], oracle["chunk_size"], oracle["hidden"])
-    data_bytes = 2 * shape[0] * shape[1] * shape[2] * shape[3]  # bf16
+    if kind == "layerwise":  # one layer: [tokens, 2, hidden]
+        shape: tuple[int, ...] = (oracle["chunk_size"], 2, oracle["hidden"])
+    else:  # the whole chunk: [2, layers, tokens, hidden]
+        shape = (2, oracle["layers"], oracle["chunk_size"], oracle["hidden"])
+    data_bytes = 2 * math.prod(shape)  # bf16
     for name, expected in made["files"].items():
         raw = (directory / name).read_bytes()
         if kind == "fs":
             header = lmcache.read_fs_header(raw[:64], len(raw), name)
             assert header == lmcache.FsHeader(data_bytes, "KV_2LTD", (("bfloat16", shape),))
             raw = raw[header.header_bytes :]
-        assert len(raw) == data_bytes
+        assert len(raw) == data_bytes and tuple(expected["shape"]) == shape
         assert hashlib.sha256(raw).hexdigest() == expected["sha256"], name
 
 
@@ -94,6 +109,11 @@ def test_keys_print_as_lmcache_prints_them(written):
             assert key is not None and key.text == text
             assert key.fs_name() in oracle["caches"]["fs"]["files"]
             assert key.local_disk_name() in oracle["caches"]["local_disk"]["files"]
+    for req in oracle["caches"]["layerwise"]["requests"]:
+        for text in req["keys"]:
+            key = lmcache.ChunkKey.parse(text)
+            assert key is not None and key.text == text and key.layer is not None
+            assert key.local_disk_name() in oracle["caches"]["layerwise"]["files"]
 
 
 @pytest.mark.parametrize(
