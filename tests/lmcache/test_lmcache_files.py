@@ -7,30 +7,15 @@ the K/V each chunk holds are the oracle."""
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import struct
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from hmem.errors import CorruptStoreError
 from hmem.formats import lmcache
-
-WRITER = Path(__file__).with_name("lmcache_writer.py")
-
-
-@pytest.fixture(scope="session")
-def written(tmp_path_factory) -> tuple[Path, dict]:
-    python = os.environ.get("HMEM_LMCACHE_PYTHON")
-    if not python:
-        pytest.skip("HMEM_LMCACHE_PYTHON names no interpreter with LMCache 0.5.6 (.ci/run makes one)")
-    out = tmp_path_factory.mktemp("lmcache")
-    run = subprocess.run([python, str(WRITER), str(out)], capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return out, json.loads((out / "oracle.json").read_text())
 
 
 @pytest.fixture(params=["local_disk", "fs", "layerwise"])
