@@ -113,7 +113,7 @@ def test_without_json_stdout_stays_empty():
     "args, fragment",
     [
         (["query", "s", "--query", "q.npy", "--layer", "x", "--json"], "'--layer'"),  # a bad option value
-        (["prefix-hit", "-w", "-1", "-g", "0", "--json"], "Missing option"),
+        (["prefix-hit", "-c", "many", "-w", "-1", "--json"], "'--chunks'"),  # not an integer
         (["stats", "s", "--no-such-flag", "--json"], "No such option"),
         (["init", "s", "--embed-dim", "4", "--max-open-shards", "many", "--json"], "--max-open-shards"),
     ],
@@ -308,7 +308,10 @@ def test_a_directory_without_store_files_is_still_sent_to_init():
     (Path("empty") / "notes.txt").write_text("x")
     result = run("stats", "empty")
     assert result.exit_code == ExitCode.NOT_A_STORE
-    assert result.stderr.strip() == "error: empty holds no hmem store (no index.json) (create one with 'hmem init')"
+    assert result.stderr.strip() == (
+        "error: empty holds no hmem store (no index.json) and no LMCache cache: none of its 1 entries is named as "
+        "LMCache names a chunk (model@world@worker@hash@dtype.pt or .data) (create one with 'hmem init')"
+    )
 
 
 # ---- 3b, 3f, 3g. prefix-hit input ---------------------------------------------------------

@@ -202,7 +202,7 @@ def test_rows_of_zero_chunks():
         (("-c", "5", "-w", "-1", "--bitmap-file", "/nonexistent/x"), "--bitmap-file"),
         (("-c", "-1", "-w", "-1", "-g", "0"), "--chunks"),
         (("-c", "5", "-r", "0", "-w", "-1", "-g", "0"), "--ranks"),
-        (("-w", "-1", "-g", "0"), "Missing option"),
+        (("-w", "-1", "-g", "0"), "give --chunks and --windows"),
         (("-c", "5", "-w", "-1", "-g", "0", "--layout", "diagonal"), "--layout"),
         (("-c", "5", "-w", "-1,2", "--row", "0-3"), "1 --row option(s) for 2 windows"),
         (("-c", "5", "-r", "2", "-w", "-1,2", "--row", "0", "--row", "1"), "give 4 --row"),

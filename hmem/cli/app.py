@@ -231,10 +231,13 @@ def help_text(docstring: str) -> str:
 
 
 def version_text() -> str:
+    from hmem.lmcache import LMCACHE_VERSION
+
     remote = hmem.OBJECT_FORMAT_VERSION  # the object-store format's module is imported here only
     return (
         f"hmem {__version__} (store format {FORMAT_VERSION}: reads {FORMAT_VERSION}, writes {FORMAT_VERSION}; "
-        f"object-store format {remote}: reads {remote}, writes {remote}; {kernel_info()})"
+        f"object-store format {remote}: reads {remote}, writes {remote}; "
+        f"LMCache {LMCACHE_VERSION} caches: reads local_disk, fs and multiprocess, writes fs; {kernel_info()})"
     )
 
 

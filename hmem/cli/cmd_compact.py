@@ -7,9 +7,10 @@ from typing import Annotated, Any
 import typer
 
 from hmem import MIN_DEAD_SHARE, InvalidArgumentError, Store
-from hmem.cli import signals
+from hmem.cli import lmcache_clean_view, signals
 from hmem.cli.compact_run import stoppable_compaction
-from hmem.cli.options import DryRunOption, JsonOption, LockWaitOption, QuietOption, StoreArgument
+from hmem.cli.lmcache_target import cache_at
+from hmem.cli.options import DryRunOption, JsonOption, LockWaitOption, QuietOption, StoreArgument, YesOption
 from hmem.cli.output import Output, human_bytes, human_duration
 
 
@@ -44,6 +45,61 @@ def compact(
             "for a copy of the live data).",
         ),
     ] = False,
+    debris_older_than: Annotated[
+        str | None,
+        typer.Option(
+            "--debris-older-than",
+            metavar="AGE",
+            help="An LMCache cache: delete the .tmp files of fs writes never finished once older than AGE "
+            "(such as 30m, 2h, 1d; default 1h).",
+            show_default=False,
+        ),
+    ] = None,
+    restarted_at: Annotated[
+        str | None,
+        typer.Option(
+            "--restarted-at",
+            metavar="TIME",
+            help="An LMCache cache: when LMCache last started (unix time or 2026-12-04T07:00:00Z): delete the "
+            "local_disk files written before it, which it never reads.",
+            show_default=False,
+        ),
+    ] = None,
+    tokens: Annotated[
+        str | None,
+        typer.Option(
+            "--tokens",
+            metavar="FILE",
+            help="An LMCache cache: requests' token ids (JSON, as for prefix-hit): delete the chunks stored after "
+            "a hole in their prefixes, which no lookup reaches (with --model or --settings).",
+            show_default=False,
+        ),
+    ] = None,
+    settings: Annotated[
+        str | None,
+        typer.Option(
+            "--settings",
+            metavar="FILE",
+            help="An LMCache cache: the deployment's settings for --tokens (JSON, as for prefix-hit).",
+            show_default=False,
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", help="An LMCache cache: the model name vLLM was given, for --tokens.", show_default=False
+        ),
+    ] = None,
+    chunk_size: Annotated[
+        int | None,
+        typer.Option(
+            "--chunk-size",
+            min=1,
+            help="An LMCache cache: the deployment's chunk size, for --tokens.",
+            show_default=False,
+        ),
+    ] = None,
+    yes: YesOption = False,
     dry_run: DryRunOption = False,
     lock_wait: LockWaitOption = 0.0,
     json_output: JsonOption = False,
@@ -54,7 +110,42 @@ def compact(
     Only shards with at least --min-dead % evicted bytes are touched, one
     commit each: the extra disk needed is one shard. Entry ids and query
     results do not change; the store never grows.
+
+    On an LMCache cache directory: deletes .tmp debris older than
+    --debris-older-than, local_disk files written before --restarted-at,
+    and with --tokens (and --model or --settings) the chunks stored after a hole. The
+    plan is shown first; nothing is deleted unless confirmed (--yes, or a
+    yes at the terminal).
     """
+    cache = cache_at(store)
+    if cache is not None:  # an LMCache cache directory: debris, stale and unreachable files
+        lmcache_clean_view.refuse_for_cache("compact", **{"--repack": repack})
+        lmcache_clean_view.compact(
+            cache,
+            debris_older_than=debris_older_than,
+            restarted_at=restarted_at,
+            tokens=tokens,
+            settings=settings,
+            model=model,
+            chunk_size=chunk_size,
+            dry_run=dry_run,
+            yes=yes,
+            json_output=json_output,
+            quiet=quiet,
+        )
+        return
+    lmcache_clean_view.refuse_for_store(
+        "compact",
+        **{
+            "--debris-older-than": debris_older_than,
+            "--restarted-at": restarted_at,
+            "--tokens": tokens,
+            "--settings": settings,
+            "--model": model,
+            "--chunk-size": chunk_size,
+            "--yes": yes,
+        },
+    )
     out = Output(json_mode=json_output, quiet=quiet)
     for option, value in (("--threshold", threshold), ("--min-dead", min_dead)):
         if not 0.0 <= value <= 100.0:  # the option's range lets NaN through

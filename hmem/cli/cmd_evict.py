@@ -7,8 +7,9 @@ from typing import Annotated, Any
 import typer
 
 from hmem import InvalidArgumentError, Store
-from hmem.cli import signals
+from hmem.cli import lmcache_clean_view, signals
 from hmem.cli.compact_run import compact_advice
+from hmem.cli.lmcache_target import cache_at
 from hmem.cli.options import DryRunOption, JsonOption, LockWaitOption, QuietOption, StoreArgument, YesOption
 from hmem.cli.output import Output, human_bytes
 from hmem.cli.prompts import confirm_change
@@ -22,6 +23,26 @@ def evict(
     keep: Annotated[
         float | None, typer.Option("--keep", min=0.0, max=1.0, help="Keep this share of the live entries (0-1).")
     ] = None,
+    max_bytes: Annotated[
+        str | None,
+        typer.Option(
+            "--max-bytes",
+            metavar="SIZE",
+            help="An LMCache cache: delete the least recently used chunks until the chunks take at most SIZE "
+            "(such as 10GiB).",
+            show_default=False,
+        ),
+    ] = None,
+    by: Annotated[
+        str | None,
+        typer.Option(
+            "--by",
+            metavar="atime|mtime",
+            help="An LMCache cache: read least recent use from the files' atime (default; see docs/lmcache.md "
+            "on noatime mounts) or mtime (when LMCache wrote them).",
+            show_default=False,
+        ),
+    ] = None,
     dry_run: DryRunOption = False,
     yes: YesOption = False,
     lock_wait: LockWaitOption = 0.0,
@@ -32,7 +53,20 @@ def evict(
 
     Ties go to the older entry, then the lower id. Their bytes are freed by
     the next 'hmem compact'.
+
+    On an LMCache cache directory: --max-bytes SIZE deletes its least
+    recently used chunk files (--by atime or mtime) until the chunks take at
+    most SIZE. The plan is shown first; nothing is deleted unless confirmed
+    (--yes, or a yes at the terminal).
     """
+    cache = cache_at(store)
+    if cache is not None:  # an LMCache cache directory: a byte cap by least recent use
+        lmcache_clean_view.refuse_for_cache("evict", **{"--target": target, "--keep": keep})
+        lmcache_clean_view.evict(
+            cache, max_bytes=max_bytes, by=by, dry_run=dry_run, yes=yes, json_output=json_output, quiet=quiet
+        )
+        return
+    lmcache_clean_view.refuse_for_store("evict", **{"--max-bytes": max_bytes, "--by": by})
     out = Output(json_mode=json_output, quiet=quiet)
     if (target is None) == (keep is None):
         raise InvalidArgumentError("give exactly one of --target N or --keep SHARE")

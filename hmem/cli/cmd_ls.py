@@ -14,7 +14,7 @@ import typer
 from hmem import ENTRY_SORTS, EntryListing, InvalidArgumentError, Store
 from hmem.cli.entry_view import JSON_FIELDS, SORT_WORDS, entry_cells, json_template
 from hmem.cli.health_view import SkipDamagedRecordsOption, report_damaged_records
-from hmem.cli.options import JsonOption, QuietOption, StoreArgument
+from hmem.cli.options import ChunkSizeOption, JsonOption, KVShapeOption, ModelConfigOption, QuietOption, StoreArgument
 from hmem.cli.output import Output, literal
 
 # Rows of the human table when --limit is not given: a table is for reading,
@@ -25,7 +25,8 @@ SHOWN = 100
 def ls(
     store: StoreArgument,
     layer: Annotated[
-        int | None, typer.Option("--layer", "-l", min=0, help="List only this layer's entries.", show_default=False)
+        int | None,
+        typer.Option("--layer", "-l", min=0, help="List only this layer's entries (or chunks).", show_default=False),
     ] = None,
     sort: Annotated[
         str,
@@ -35,7 +36,8 @@ def ls(
             metavar="ORDER",
             help="id (ascending), score (eviction order: next to be evicted first), "
             "accesses (most accessed first), age (oldest first) or size (largest first); other ties go to the lower "
-            "id.",
+            "id. An LMCache cache's chunks: name (the default), size (largest first), mtime (least recently "
+            "written first) or atime (least recently read first).",
         ),
     ] = "id",
     limit: Annotated[
@@ -57,14 +59,82 @@ def ls(
     ] = False,
     quiet: QuietOption = False,
     skip_damaged: SkipDamagedRecordsOption = False,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", metavar="NAME", help="An LMCache cache: list only this model's chunks.", show_default=False
+        ),
+    ] = None,
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size", min=1, help="An LMCache cache: only chunks of this world size.", show_default=False
+        ),
+    ] = None,
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            "--rank", min=0, help="An LMCache cache: only chunks of this rank (worker id).", show_default=False
+        ),
+    ] = None,
+    tag: Annotated[
+        str | None,
+        typer.Option(
+            "--tag",
+            metavar="NAME%VALUE",
+            help="An LMCache cache: only chunks with this tag (none: untagged ones).",
+            show_default=False,
+        ),
+    ] = None,
+    kv_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help="An LMCache cache: only chunks of this KV dtype (bfloat16...).",
+            show_default=False,
+        ),
+    ] = None,
+    kv_shape: KVShapeOption = None,
+    model_config: ModelConfigOption = None,
+    chunk_size: ChunkSizeOption = 256,
 ) -> None:
     """List the entries of a store, one row each.
 
     Each row: id, layer, tokens, importance, accesses, eviction score, age,
     shard and bytes in the shard.
 
+    Of an LMCache cache directory: one row per chunk file, its key's
+    fields, tokens, size and age; --model, --world-size, --rank, --tag,
+    --layer and --dtype select chunks.
+
     Only reads: takes no lock and counts no access.
     """
+    from hmem.cli.lmcache_target import cache_at
+
+    if json_output and jsonl:
+        raise InvalidArgumentError("give --json or --jsonl, not both")
+    cache = cache_at(store, kv_shape_text=kv_shape, model_config=model_config, chunk_size=chunk_size)
+    if cache is not None:
+        from hmem.cli import lmcache_view
+
+        lmcache_view.ls(
+            cache,
+            model=model,
+            world_size=world_size,
+            rank=rank,
+            tag=tag,
+            layer=layer,
+            kv_dtype=kv_dtype,
+            sort=sort,
+            limit=limit,
+            json_output=json_output,
+            jsonl=jsonl,
+            quiet=quiet,
+        )
+        return
+    if any(x is not None for x in (model, world_size, rank, tag, kv_dtype)):
+        raise InvalidArgumentError("--model, --world-size, --rank, --tag and --dtype select an LMCache cache's chunks")
     if sort not in ENTRY_SORTS:
         raise InvalidArgumentError(f"--sort must be one of {', '.join(ENTRY_SORTS)}, got {sort!r}")
     if json_output and jsonl:

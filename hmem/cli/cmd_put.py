@@ -10,8 +10,17 @@ from typing import Annotated
 import typer
 
 from hmem import LAYOUTS, InvalidArgumentError, Store, find_kv_files, import_files, is_store, is_store_url
-from hmem.cli import signals
-from hmem.cli.options import STORE_ENV, DryRunOption, JsonOption, LockWaitOption, QuietOption
+from hmem.cli import lmcache_transfer_view, signals
+from hmem.cli.options import (
+    STORE_ENV,
+    ChunkSizeOption,
+    DryRunOption,
+    JsonOption,
+    KVShapeOption,
+    LockWaitOption,
+    ModelConfigOption,
+    QuietOption,
+)
 from hmem.cli.output import Output
 from hmem.cli.put_report import report as _report
 from hmem.cli.put_report import report_not_started
@@ -50,7 +59,7 @@ def put(
         typer.Argument(
             metavar="[STORE] FILES...",
             help="The store (may be left out when HMEM_STORE is set), then safetensors files or directories "
-            "searched for *.safetensors.",
+            "searched for *.safetensors, or LMCache cache directories.",
             show_default=False,
         ),
     ],
@@ -93,8 +102,33 @@ def put(
     lock_wait: LockWaitOption = 0.0,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
+    kv_shape: KVShapeOption = None,
+    model_config: ModelConfigOption = None,
+    chunk_size: ChunkSizeOption = 256,
+    tokens: Annotated[
+        str | None,
+        typer.Option(
+            "--tokens",
+            metavar="FILE",
+            help="With an LMCache cache: JSON token ids of the requests (as hmem prefix-hit --tokens), to "
+            "record each chunk's token range within its request.",
+            show_default=False,
+        ),
+    ] = None,
+    hash_seed: Annotated[
+        str | None,
+        typer.Option(
+            "--hash-seed",
+            help="With --tokens: the PYTHONHASHSEED the deployment ran with (vLLM derives NONE_HASH from it).",
+            show_default=False,
+        ),
+    ] = None,
+    none_hash: Annotated[
+        int | None,
+        typer.Option("--none-hash", help="With --tokens: NONE_HASH itself (0 outside vLLM).", show_default=False),
+    ] = None,
 ) -> None:
-    """Import K/V safetensors files; bad files are reported and skipped.
+    """Import K/V safetensors files or LMCache caches; bad files are reported and skipped.
 
     Tensor names (case-insensitive): 'keys'/'values' or 'k'/'v' (one pair),
     'layer.{i}.k', 'past_key_values.{i}.key' or '.{i}.0',
@@ -105,7 +139,10 @@ def put(
     else __metadata__ 'layer', else 0; importance from --importance, else
     __metadata__ 'importance', else 1. A file whose content the store already
     imported is not imported again (unless --again), so re-running an import
-    stores exactly what is missing. Skipped files are named on stderr
+    stores exactly what is missing. An LMCache cache directory (docs/lmcache.md)
+    is imported as one entry per layer per chunk, the LMCache key in each
+    entry's meta (local_disk files need --kv-shape or --model-config).
+    Skipped files are named on stderr
     with the reason; the exit code is then 3 (partial), or 1 when every
     file was skipped. See docs/cli.md, "Naming conventions and layouts".
     """
@@ -113,6 +150,29 @@ def put(
     if layout is not None and layout not in LAYOUTS:
         raise InvalidArgumentError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     store, inputs = _store_and_inputs(paths)
+    if lmcache_transfer_view.any_cache(inputs):
+        if layer is not None or layout is not None or chunk_tokens is not None:
+            raise InvalidArgumentError("--layer, --layout and --chunk-tokens apply to safetensors files, not caches")
+        code = lmcache_transfer_view.put_caches(
+            out,
+            store,
+            inputs,
+            kv_shape_text=kv_shape,
+            model_config=model_config,
+            chunk_size=chunk_size,
+            tokens=tokens,
+            hash_seed=hash_seed,
+            none_hash=none_hash,
+            importance=importance,
+            again=again,
+            dry_run=dry_run,
+            lock_wait=lock_wait,
+        )
+        if code:
+            raise typer.Exit(code)
+        return
+    if tokens is not None or hash_seed is not None or none_hash is not None:
+        raise InvalidArgumentError("--tokens, --hash-seed and --none-hash apply to LMCache caches")
     files: list[Path] = []
     try:
         files = find_kv_files(inputs, store=None if is_store_url(store) else store)

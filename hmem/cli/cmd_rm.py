@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
 from hmem import Store
-from hmem.cli import signals
+from hmem.cli import lmcache_clean_view, signals
 from hmem.cli.compact_run import compact_advice
 from hmem.cli.entry_args import EntryIdsArgument, store_and_ids
 from hmem.cli.exit_codes import ExitCode
 from hmem.cli.ids import id_ranges
+from hmem.cli.lmcache_target import cache_at
 from hmem.cli.notes import problem
 from hmem.cli.options import DryRunOption, JsonOption, LockWaitOption, QuietOption, YesOption
 from hmem.cli.output import Output, human_bytes
@@ -20,6 +21,48 @@ from hmem.cli.prompts import confirm_change
 
 def rm(
     args: EntryIdsArgument,
+    model: Annotated[
+        str | None,
+        typer.Option("--model", help="An LMCache cache: delete the chunks of this model.", show_default=False),
+    ] = None,
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size", min=1, help="An LMCache cache: delete the chunks of this world size.", show_default=False
+        ),
+    ] = None,
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            "--rank", min=0, help="An LMCache cache: delete the chunks of this rank (worker id).", show_default=False
+        ),
+    ] = None,
+    tag: Annotated[
+        str | None,
+        typer.Option(
+            "--tag",
+            metavar="NAME%VALUE",
+            help="An LMCache cache: delete the chunks with this tag (as in the file names), or 'none': untagged ones.",
+            show_default=False,
+        ),
+    ] = None,
+    kv_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="An LMCache cache: delete the chunks of this KV dtype (bfloat16, half...).",
+            show_default=False,
+        ),
+    ] = None,
+    layer: Annotated[
+        int | None,
+        typer.Option(
+            "--layer",
+            min=0,
+            help="An LMCache cache: delete this layer's files of a layerwise cache.",
+            show_default=False,
+        ),
+    ] = None,
     dry_run: DryRunOption = False,
     yes: YesOption = False,
     lock_wait: LockWaitOption = 0.0,
@@ -32,7 +75,40 @@ def rm(
     with every one deleted). Ids that name no entry are reported on stderr
     and the others are deleted; the exit code is then 3 (partial), or 1
     when none of the ids names an entry.
+
+    On an LMCache cache directory: deletes the files named (file names or
+    keys) and the chunks that --model, --world-size, --rank, --tag, --dtype
+    and --layer select (all given must match). The plan is shown first;
+    nothing is deleted unless confirmed (--yes, or a yes at the terminal).
     """
+    cache = cache_at(args[0]) if args else None
+    if cache is not None:  # an LMCache cache directory: the files named, or the chunks selected
+        lmcache_clean_view.rm(
+            cache,
+            args[1:],
+            model=model,
+            world_size=world_size,
+            rank=rank,
+            tag=tag,
+            kv_dtype=kv_dtype,
+            layer=layer,
+            dry_run=dry_run,
+            yes=yes,
+            json_output=json_output,
+            quiet=quiet,
+        )
+        return
+    lmcache_clean_view.refuse_for_store(
+        "rm",
+        **{
+            "--model": model,
+            "--world-size": world_size,
+            "--rank": rank,
+            "--tag": tag,
+            "--dtype": kv_dtype,
+            "--layer": layer,
+        },
+    )
     out = Output(json_mode=json_output, quiet=quiet)
     store, entry_ids = store_and_ids(args, one=False)
     opened = Store.open(store, read_only=dry_run, lock_wait=lock_wait)  # a signal stops the lock wait at once

@@ -12,7 +12,7 @@ from hmem import EntryNotFoundError, Store, StoredKV
 from hmem.cli.entry_args import EntryIdArgument, store_and_ids
 from hmem.cli.entry_view import age, entry_json, not_found, utc_time
 from hmem.cli.health_view import SkipDamagedRecordsOption, refuse_damaged, report_damaged_records
-from hmem.cli.options import JsonOption, QuietOption
+from hmem.cli.options import ChunkSizeOption, JsonOption, KVShapeOption, ModelConfigOption, QuietOption
 from hmem.cli.output import Output, human_bytes, literal
 
 
@@ -21,6 +21,9 @@ def show(
     json_output: JsonOption = False,
     quiet: QuietOption = False,
     skip_damaged: SkipDamagedRecordsOption = False,
+    kv_shape: KVShapeOption = None,
+    model_config: ModelConfigOption = None,
+    chunk_size: ChunkSizeOption = 256,
 ) -> None:
     """Show one entry: its metadata and a summary of its keys and values.
 
@@ -31,7 +34,22 @@ def show(
 
     Only reads: takes no lock and counts no access. An id the store does
     not hold exits with code 1.
+
+    Of an LMCache cache directory (hmem show CACHE CHUNK, the chunk given
+    by its file name, key, or hash when one file has it; a negative hash
+    after "--", as in hmem show CACHE -- -1f2e): the key's fields,
+    the header, the shape and where it comes from, and the first values of
+    each layer's K and V.
     """
+    if len(args) == 2:
+        from hmem.cli.lmcache_target import cache_at
+
+        cache = cache_at(args[0], kv_shape_text=kv_shape, model_config=model_config, chunk_size=chunk_size)
+        if cache is not None:
+            from hmem.cli import lmcache_view
+
+            lmcache_view.show(cache, args[1], json_output=json_output, quiet=quiet)
+            return
     out = Output(json_mode=json_output, quiet=quiet)
     store, (entry_id,) = store_and_ids(args, one=True)
     with Store.open(store, read_only=True, on_damage="skip" if skip_damaged else "raise") as s:

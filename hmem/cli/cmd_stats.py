@@ -8,7 +8,7 @@ import typer
 
 from hmem import Store
 from hmem.cli.health_view import health_line
-from hmem.cli.options import JsonOption, QuietOption, StoreArgument
+from hmem.cli.options import ChunkSizeOption, JsonOption, KVShapeOption, ModelConfigOption, QuietOption, StoreArgument
 from hmem.cli.output import Output, human_bytes
 
 SHARD_ROWS = 20
@@ -21,11 +21,26 @@ def stats(
     ] = False,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
+    kv_shape: KVShapeOption = None,
+    model_config: ModelConfigOption = None,
+    chunk_size: ChunkSizeOption = 256,
 ) -> None:
     """Show what a store holds: entries, layers, shards, bytes, health.
 
     Also what compaction would free, and whether every shard file is there
-    with its recorded size (the health line)."""
+    with its recorded size (the health line).
+
+    Of an LMCache cache directory: its chunk files per model, world size,
+    rank, dtype, tags and layer, the .tmp debris, files that are no chunk,
+    and the K/V shape and where it comes from."""
+    from hmem.cli.lmcache_target import cache_at
+
+    cache = cache_at(store, kv_shape_text=kv_shape, model_config=model_config, chunk_size=chunk_size)
+    if cache is not None:
+        from hmem.cli import lmcache_view
+
+        lmcache_view.stats(cache, json_output=json_output, quiet=quiet)
+        return
     out = Output(json_mode=json_output, quiet=quiet)
     with Store.open(store, read_only=True) as s:
         st = s.stats()

@@ -8,7 +8,16 @@ import typer
 
 from hmem import InvalidArgumentError, is_store_url, repair, verify
 from hmem.cli.exit_codes import ExitCode
-from hmem.cli.options import JsonOption, LockWaitOption, QuietOption, StoreArgument, YesOption
+from hmem.cli.options import (
+    ChunkSizeOption,
+    JsonOption,
+    KVShapeOption,
+    LockWaitOption,
+    ModelConfigOption,
+    QuietOption,
+    StoreArgument,
+    YesOption,
+)
 from hmem.cli.output import Output, human_bytes, human_duration, styled
 from hmem.cli.prompts import confirm
 
@@ -101,13 +110,40 @@ def verify_command(
     lock_wait: LockWaitOption = 0.0,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
+    deep: Annotated[
+        bool, typer.Option("--deep", help="An LMCache cache: also read every chunk's K/V (as --full does).")
+    ] = False,
+    kv_shape: KVShapeOption = None,
+    model_config: ModelConfigOption = None,
+    chunk_size: ChunkSizeOption = 256,
 ) -> None:
     """Check a store's files and checksums; exit 4 when problems are found.
 
     The quick check reads index.json, every record and every shard's header
     and index; --full also reads every tensor. Nothing is written unless
     --repair is given (which shows its plan and asks first, or --yes).
+
+    Of an LMCache cache directory: each fs header against its file's size
+    and key, each file's size against the K/V shape, names that are no
+    chunk, .tmp debris, links and unreadable files; --deep (or --full) also
+    reads every chunk for all-zero or non-finite K/V. Exit 4 when a finding
+    is an error; nothing is ever written.
     """
+    from hmem.cli.lmcache_target import cache_at
+
+    cache = cache_at(store, kv_shape_text=kv_shape, model_config=model_config, chunk_size=chunk_size)
+    if cache is not None:
+        from hmem.cli import lmcache_view
+
+        if do_repair or dry_run or subset is not None or max_seconds is not None:
+            raise InvalidArgumentError(
+                "--repair, --dry-run, --subset and --max-seconds are for an hmem store; an LMCache cache is "
+                "only checked (its files are LMCache's: nothing is rewritten)"
+            )
+        lmcache_view.verify(cache, deep=deep or full, max_findings=max_findings, json_output=json_output, quiet=quiet)
+        return
+    if deep:
+        raise InvalidArgumentError("--deep checks an LMCache cache; a store's full check is --full")
     out = Output(json_mode=json_output, quiet=quiet)
     if not full and (subset is not None or max_seconds is not None):
         raise InvalidArgumentError("--subset and --max-seconds bound the full check: give them with --full")

@@ -50,3 +50,29 @@ def plain_flags(command: Any, ctx: Any) -> None:
     for param in params:
         if getattr(param, "is_flag", False) and param.metavar is None:
             param.metavar = ""
+
+
+# LMCache caches (docs/lmcache.md): what a read of one needs beyond its files
+KVShapeOption = Annotated[
+    str | None,
+    typer.Option(
+        "--kv-shape",
+        metavar="LAYERS,HIDDEN",
+        help="An LMCache cache's K/V per chunk and rank (hidden = kv heads x head dim), for local_disk and "
+        "multiprocess files, which carry no shape. Add ',mla' for MLA models.",
+        show_default=False,
+    ),
+]
+ModelConfigOption = Annotated[
+    str | None,
+    typer.Option(
+        "--model-config",
+        metavar="PATH",
+        help="An LMCache cache's model: its config.json (or the directory holding it), for the K/V shape.",
+        show_default=False,
+    ),
+]
+ChunkSizeOption = Annotated[
+    int,
+    typer.Option("--chunk-size", min=1, help="An LMCache cache's chunk size in tokens (its chunk_size setting)."),
+]

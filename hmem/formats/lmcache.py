@@ -18,7 +18,12 @@ What LMCache writes (docs/lmcache.md has the whole picture):
   finished;
 - chunk hashes (the in-process engine, Python's built-in hash, outside
   vLLM): ``h_i = hash((h_{i-1}, tuple(chunk_i), ()))`` from ``h_-1 = 0``,
-  full chunks only.
+  full chunks only;
+- multiprocess mode (``lmcache server``): objects named
+  ``<model with "/" -> "-SEP-">@0x<kv rank, 8 hex digits>@<object group,
+  hex>@<chunk hash, hex>[@<salt>].data``, raw bytes without a header,
+  chunk hashes by blake3: ``h_i = blake3(h_{i-1} || tokens as big-endian
+  uint32)`` from ``h_-1 = blake3(8 zero bytes || 4 zero bytes)``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import Sequence
 
 from hmem.errors import CorruptStoreError, Hint
 
+LMCACHE_VERSION = "0.5.6"  # the release whose files this module reads and writes
 LOCAL_DISK_SUFFIX = ".pt"
 FS_SUFFIX = ".data"
 FS_TEMP_SUFFIX = ".tmp"  # an fs write not yet renamed: debris once its writer is gone
@@ -67,7 +73,10 @@ MEMORY_FORMATS = {
     8: "HS_TD",
 }
 
-_HASH = re.compile(r"-?[0-9a-f]+")  # f"{hash:x}": lower-case hex, a minus sign for a negative hash
+_HASH = re.compile(r"-?[0-9a-f]+")
+_HEX = re.compile(r"[0-9a-f]+")
+_BYTES_HEX = re.compile(r"(?:[0-9a-f]{2})+")
+_KV_RANK = re.compile(r"0x[0-9a-f]{8}")  # f"{hash:x}": lower-case hex, a minus sign for a negative hash
 # native int32 words, as LMCache packs them (no byte order given)
 _GROUP = struct.Struct("=5i")  # dtype code, then a shape padded to 4 dimensions
 _LENGTH_AND_FORMAT = struct.Struct("=2i")
@@ -190,6 +199,111 @@ def read_fs_header(head: bytes, file_size: int, name: str) -> FsHeader:
     if total != length:
         raise bad(f"its shapes hold {total} bytes, its header says {length}")
     return FsHeader(length, MEMORY_FORMATS[fmt], tuple(groups))
+
+
+def fs_header_bytes(memory_format: str, groups: Sequence[tuple[str, Sequence[int]]]) -> bytes:
+    """The header LMCache's fs connector writes before a chunk's bytes:
+    native int32 words, the data's length, the memory format's code, then
+    per group (kv dtype name, shape of at most four dimensions) its dtype
+    code and its shape padded to four dimensions with zeros (read back by
+    ``read_fs_header``).  ValueError for a format, dtype or shape the
+    header cannot carry."""
+    formats = {name: code for code, name in MEMORY_FORMATS.items()}
+    codes = {name: code for code, name in FS_DTYPE_CODES.items()}
+    if memory_format not in formats:
+        raise ValueError(f"memory format {memory_format!r} is none LMCache writes")
+    words: list[bytes] = []
+    length = 0
+    for kv_dtype, shape in groups:
+        if kv_dtype not in codes:
+            raise ValueError(f"dtype {kv_dtype!r} has no fs header code")
+        dims = [int(n) for n in shape]
+        if not 0 < len(dims) <= 4 or min(dims) <= 0:
+            raise ValueError(f"shape {dims} is not 1 to 4 positive dimensions")
+        elements = 1
+        for n in dims:
+            elements *= n
+        length += elements * KV_DTYPE_BYTES[kv_dtype]
+        words.append(_GROUP.pack(codes[kv_dtype], *dims, *[0] * (4 - len(dims))))
+    if not words:
+        raise ValueError("a header holds at least one group")
+    return _LENGTH_AND_FORMAT.pack(length, formats[memory_format]) + b"".join(words)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectName:
+    """One object of a multiprocess-mode (``lmcache server``) L2 fs cache:
+    a chunk of one object group (the layers of one attention kind of a
+    hybrid model) for one kv rank."""
+
+    model: str
+    kv_rank: int  # (world_size << 24) | (global_rank << 16) | (local_world_size << 8) | local_rank
+    group: int
+    chunk_hash: str  # lower-case hex of the hash's bytes
+    salt: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.kv_rank >> 24
+
+    @property
+    def rank(self) -> int:
+        return (self.kv_rank >> 16) & 0xFF
+
+    @property
+    def text(self) -> str:
+        parts = [self.model.replace("/", FS_SEPARATOR), f"{self.kv_rank:#010x}", f"{self.group:x}", self.chunk_hash]
+        if self.salt:
+            parts.append(self.salt)
+        return "@".join(parts)
+
+    def file_name(self) -> str:
+        return self.text + FS_SUFFIX
+
+    @classmethod
+    def parse(cls, name: str) -> ObjectName | None:
+        """The object a file name gives, or None when it names none."""
+        if not name.endswith(FS_SUFFIX):
+            return None
+        parts = name[: -len(FS_SUFFIX)].split("@")
+        if len(parts) not in (4, 5) or not parts[0]:
+            return None
+        model, rank, group, chunk_hash, *salt = parts
+        if (
+            _KV_RANK.fullmatch(rank) is None
+            or _HEX.fullmatch(group) is None
+            or _BYTES_HEX.fullmatch(chunk_hash) is None
+        ):
+            return None
+        if salt and not salt[0]:
+            return None
+        return cls(model.replace(FS_SEPARATOR, "/"), int(rank, 16), int(group, 16), chunk_hash, salt[0] if salt else "")
+
+
+def kv_rank(world_size: int, rank: int) -> int:
+    """The kv rank multiprocess mode names a rank's objects by (its server
+    takes the local world and rank to be the global ones)."""
+    return (world_size << 24) | (rank << 16) | (world_size << 8) | rank
+
+
+def blake3_chunk_hashes(tokens: Sequence[int], chunk_size: int = 256) -> list[bytes]:
+    """The hash of each full chunk of `tokens` as multiprocess mode computes
+    it (blake3, its default): each over the previous hash's 32 bytes and
+    the chunk's tokens as big-endian uint32.  Needs the blake3 package
+    (``pip install 'hmem[lmcache]'``)."""
+    try:
+        import blake3
+    except ImportError as exc:
+        raise RuntimeError(
+            "multiprocess-mode chunk hashes need the blake3 package: pip install 'hmem[lmcache]'"
+        ) from exc
+    previous = blake3.blake3(bytes(12)).digest()  # the hash of (0 as 8 bytes, one token 0)
+    hashes: list[bytes] = []
+    for start in range(0, len(tokens) - len(tokens) % chunk_size, chunk_size):
+        chunk = tokens[start : start + chunk_size]
+        previous = blake3.blake3(previous + struct.pack(f">{len(chunk)}I", *chunk)).digest()
+        hashes.append(previous)
+    return hashes
 
 
 def chunk_hashes(tokens: Sequence[int], chunk_size: int = 256, *, none_hash: int = 0) -> list[int]:

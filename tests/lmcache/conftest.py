@@ -37,5 +37,3 @@ def written(tmp_path_factory) -> tuple[Path, dict]:
             run = subprocess.run([python, str(WRITER), str(out)], capture_output=True, text=True, timeout=900)
             assert run.returncode == 0, run.stderr[-4000:]
     return out, json.loads((out / "oracle.json").read_text())
-
-

@@ -1,0 +1,626 @@
+"""An LMCache cache directory, read from its files alone: what it holds
+(``stats``), each chunk (``chunk``, ``read``), and what is wrong with it
+(``verify``).  LMCache itself is never imported.
+
+A directory is one of LMCache's caches when at least one of its files is
+named as LMCache names a chunk (hmem/lmcache/listing.py); it may hold the
+chunks of several models, world sizes, ranks, dtypes, tags and layers, and
+even of several backends (local_disk ``.pt`` beside fs ``.data``): each
+file is read as what its name makes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from hmem import file_reads
+from hmem.errors import CorruptStoreError, EntryNotFoundError, Hint, NotAStoreError, storage_error
+from hmem.formats import lmcache as fmt
+from hmem.formats.store_files import files_without_index, is_store
+from hmem.lmcache.geometry import KVShape
+from hmem.lmcache.listing import (
+    CHUNK_KINDS,
+    DEBRIS,
+    FOREIGN,
+    FS,
+    KINDS,
+    LOCAL_DISK,
+    MP,
+    OTHER,
+    CacheListing,
+    list_cache,
+)
+
+# numpy's type for each KV dtype's elements: bfloat16 as its 16-bit words
+# (numpy has no bfloat16), fp8 as bytes
+NUMPY_DTYPES = {
+    "half": "<f2",
+    "bfloat16": "<u2",
+    "float": "<f4",
+    "double": "<f8",
+    "int8": "i1",
+    "uint8": "u1",
+    "int16": "<i2",
+    "int32": "<i4",
+    "int64": "<i8",
+    "bool": "?",
+    "fp8_e4m3fn": "u1",
+    "fp8_e4m3fnuz": "u1",
+    "fp8_e5m2": "u1",
+    "fp8_e5m2fnuz": "u1",
+}
+_HEAD_BYTES = 8 + 20 * 4  # an fs header of up to four groups, read in one go
+
+
+def directory_kind(path: str | os.PathLike[str]) -> str:
+    """What a path given to a command that takes a store or a cache is:
+    ``store`` (an hmem store, a directory holding a store's files without
+    its index, or no directory at all: the store's own checks say what is
+    wrong), ``cache`` (an LMCache cache), or ``neither``."""
+    p = Path(path)
+    if not p.is_dir() or is_store(p) or files_without_index(p):
+        return "store"
+    return "cache" if is_cache(p) else "neither"
+
+
+def is_cache(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a directory holding at least one file named as an
+    LMCache chunk (and is not an hmem store)."""
+    p = Path(path)
+    if not p.is_dir() or is_store(p):
+        return False
+    try:
+        with os.scandir(p) as entries:  # names only, up to the first chunk: no stat, no whole listing
+            return any(fmt.key_of_file(e.name) is not None or fmt.ObjectName.parse(e.name) is not None for e in entries)
+    except OSError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkInfo:
+    """One chunk file: its key's fields, its size and times, and its shape
+    when known (``shape_source`` says from what)."""
+
+    name: str
+    kind: str  # "local_disk", "fs" or "mp"
+    key: str  # the key (in-process) or object name (mp) the file name spells
+    model: str
+    world_size: int
+    rank: int
+    chunk_hash: str
+    kv_dtype: str
+    layer: int | None
+    tags: str
+    group: int | None
+    size: int
+    mtime: float
+    atime: float
+    shape: tuple[int, ...] | None
+    memory_format: str | None
+    shape_source: str
+
+    @property
+    def tokens(self) -> int | None:
+        if self.shape is None:
+            return None
+        if self.memory_format == "KV_T2D":
+            return self.shape[0]
+        return self.shape[2] if len(self.shape) == 4 else self.shape[1]
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["shape"] = list(self.shape) if self.shape is not None else None
+        out["tokens"] = self.tokens
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupStats:
+    """The chunks of one (backend, model, world size, rank, dtype, tags,
+    layer, object group)."""
+
+    kind: str
+    model: str
+    world_size: int
+    rank: int
+    kv_dtype: str
+    tags: str
+    layer: int | None
+    group: int | None
+    chunks: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStats:
+    path: str
+    kinds: tuple[str, ...]  # the backends whose chunks the directory holds
+    chunks: int
+    bytes: int
+    groups: tuple[GroupStats, ...]
+    debris: tuple[str, ...]  # .tmp files: writes never renamed (or in flight)
+    debris_bytes: int
+    foreign: tuple[str, ...]  # regular files whose name is no chunk
+    other: tuple[str, ...]  # directories, links, special files (never entered)
+    kv_shape: dict | None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One problem `verify` found: the file, what is wrong, and how bad
+    (``error``: LMCache would serve or fail on it; ``warning``: not a chunk
+    LMCache reads, or a doubt)."""
+
+    name: str
+    problem: str
+    detail: str
+    severity: str = "error"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheVerifyReport:
+    path: str
+    files: int
+    chunks_checked: int
+    bytes_read: int
+    deep: bool
+    findings: tuple[Finding, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["ok"] = self.ok
+        return out
+
+
+class CacheDirectory:
+    """An LMCache cache directory as its files are when it is opened (call
+    ``reload`` to list it again).  ``kv_shape`` gives the shape of chunks
+    whose files do not carry one (local_disk, mp)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, kv_shape: KVShape | None = None, chunk_size: int = 256):
+        self.path = Path(path)
+        self.chunk_size = chunk_size
+        self._given_shape = kv_shape
+        self.reload()
+
+    def reload(self) -> None:
+        """List the directory again."""
+        try:
+            self.listing: CacheListing = list_cache(self.path)
+        except OSError as exc:
+            raise storage_error(exc, "list", self.path, writing=False) from exc
+        self.kv_shape = self._given_shape or self._inferred_shape()
+
+    # ---- what the directory holds ---------------------------------------------------------
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        present = np.unique(self.listing.kind[self.listing.kind <= MP])
+        return tuple(KINDS[int(k)] for k in present)
+
+    @property
+    def layerwise(self) -> bool:
+        return bool((self.listing.layer >= 0).any())
+
+    def _inferred_shape(self) -> KVShape | None:
+        """A layerwise local_disk cache's shape from its files: layers from
+        the layer numbers, hidden from the size of a full chunk's layer
+        file ([chunk_size, 2, hidden])."""
+        ls = self.listing
+        rows = (ls.kind == LOCAL_DISK) & (ls.layer >= 0)
+        if not rows.any():
+            return None
+        sizes = ls.size[rows]
+        values, counts = np.unique(sizes, return_counts=True)
+        full = int(values[np.argmax(counts)])
+        itemsizes = {fmt.KV_DTYPE_BYTES[d] for d in np.unique(ls.kv_dtype[rows]).tolist()}
+        if len(itemsizes) != 1:
+            return None
+        per_token = 2 * self.chunk_size * itemsizes.pop()
+        if full % per_token:
+            return None
+        layers = int(ls.layer[rows].max()) + 1
+        return KVShape(
+            layers,
+            full // per_token,
+            source=f"inferred from the layerwise files: {layers} layers, "
+            f"{full} bytes a full chunk's layer at chunk size {self.chunk_size}",
+        )
+
+    def stats(self) -> CacheStats:
+        ls = self.listing
+        chunk = ls.kind <= MP
+        label = np.char.add(ls.kind[chunk].astype(str), "\0")
+        for column in (ls.model, ls.world_size, ls.rank, ls.kv_dtype, ls.tags, ls.layer, ls.group):
+            label = np.char.add(np.char.add(label, column[chunk].astype(str)), "\0")
+        labels, first, inverse = np.unique(label, return_index=True, return_inverse=True)
+        counts = np.bincount(inverse, minlength=len(labels))
+        sizes = np.bincount(inverse, weights=ls.size[chunk], minlength=len(labels))
+        rows = np.flatnonzero(chunk)[first]
+        groups = tuple(
+            GroupStats(
+                kind=KINDS[int(ls.kind[r])],
+                model=str(ls.model[r]),
+                world_size=int(ls.world_size[r]),
+                rank=int(ls.rank[r]),
+                kv_dtype=str(ls.kv_dtype[r]),
+                tags=str(ls.tags[r]),
+                layer=int(ls.layer[r]) if ls.layer[r] >= 0 else None,
+                group=int(ls.group[r]) if ls.group[r] >= 0 else None,
+                chunks=int(c),
+                bytes=int(b),
+            )
+            for r, c, b in zip(rows.tolist(), counts.tolist(), sizes.tolist())
+        )
+        debris = ls.kind == DEBRIS
+        return CacheStats(
+            path=str(self.path),
+            kinds=self.kinds,
+            chunks=int(chunk.sum()),
+            bytes=int(ls.size[chunk].sum()),
+            groups=groups,
+            debris=tuple(ls.name[debris].tolist()),
+            debris_bytes=int(ls.size[debris].sum()),
+            foreign=tuple(ls.name[ls.kind == FOREIGN].tolist()),
+            other=tuple(ls.name[ls.kind == OTHER].tolist()),
+            kv_shape=self.kv_shape.to_dict() if self.kv_shape else None,
+        )
+
+    # ---- chunks ---------------------------------------------------------------------------
+
+    def select(
+        self,
+        *,
+        model: str | None = None,
+        world_size: int | None = None,
+        rank: int | None = None,
+        kv_dtype: str | None = None,
+        tag: str | None = None,
+        layer: int | None = None,
+        kind: str | None = None,
+    ) -> np.ndarray:
+        """The rows of the chunks that match every given field (`tag`:
+        ``name%value``, or ``none`` for untagged chunks; `model` matches a
+        local_disk file's model with each "/" as "-")."""
+        ls = self.listing
+        mask = ls.kind <= MP
+        if kind is not None:
+            mask &= ls.kind == KINDS.index(kind)
+        if model is not None:
+            local = ls.kind == LOCAL_DISK
+            mask &= np.where(local, ls.model == model.replace("/", "-"), ls.model == model)
+        for column, value in ((ls.world_size, world_size), (ls.rank, rank), (ls.layer, layer)):
+            if value is not None:
+                mask &= column == value
+        if kv_dtype is not None:
+            mask &= ls.kv_dtype == kv_dtype
+        if tag is not None:
+            if tag == "none":
+                mask &= ls.tags == ""
+            else:
+                tagged = np.char.add(np.char.add("@", ls.tags.astype(str)), "@")
+                mask &= np.char.find(tagged, f"@{tag}@") >= 0
+        return np.flatnonzero(mask)
+
+    def row_of(self, name_or_key: str) -> int:
+        """The row of a chunk given by its file name or its key."""
+        ls = self.listing
+        candidates = [name_or_key]
+        if not name_or_key.endswith((fmt.LOCAL_DISK_SUFFIX, fmt.FS_SUFFIX)):
+            key = fmt.ChunkKey.parse(name_or_key)
+            if key is not None:
+                candidates = [key.fs_name(), key.local_disk_name()]
+            else:
+                candidates = [name_or_key.replace("/", fmt.FS_SEPARATOR) + fmt.FS_SUFFIX]
+        for candidate in candidates:
+            at = int(np.searchsorted(ls.name.astype(str), candidate))
+            if at < len(ls) and ls.name[at] == candidate and ls.kind[at] <= MP:
+                return at
+        raise EntryNotFoundError(f"no chunk {name_or_key!r} in {self.path}")
+
+    def chunks(self, rows: np.ndarray | None = None) -> Iterator[ChunkInfo]:
+        """ChunkInfo of the given rows (all chunks by default), without
+        reading any file: shapes of fs files come from ``chunk``."""
+        if rows is None:
+            rows = np.flatnonzero(self.listing.kind <= MP)
+        for row in rows.tolist():
+            yield self._info(row, None)
+
+    def chunk(self, row: int) -> ChunkInfo:
+        """One chunk, an fs chunk's header read."""
+        header = self._header(row) if self.listing.kind[row] == FS else None
+        return self._info(row, header)
+
+    def _info(self, row: int, header: fmt.FsHeader | None) -> ChunkInfo:
+        ls = self.listing
+        kind = int(ls.kind[row])
+        name = str(ls.name[row])
+        shape, memory_format, source = self._shape(row, header)
+        if kind == MP:
+            key = name[: -len(fmt.FS_SUFFIX)]
+        else:
+            key = name[: -len(fmt.FS_SUFFIX if kind == FS else fmt.LOCAL_DISK_SUFFIX)].replace(fmt.FS_SEPARATOR, "/")
+        return ChunkInfo(
+            name=name,
+            kind=KINDS[kind],
+            key=key,
+            model=str(ls.model[row]),
+            world_size=int(ls.world_size[row]),
+            rank=int(ls.rank[row]),
+            chunk_hash=str(ls.chunk_hash[row]),
+            kv_dtype=str(ls.kv_dtype[row]) or (header.groups[0][0] if header else ""),  # mp names carry none
+            layer=int(ls.layer[row]) if ls.layer[row] >= 0 else None,
+            tags=str(ls.tags[row]),
+            group=int(ls.group[row]) if ls.group[row] >= 0 else None,
+            size=int(ls.size[row]),
+            mtime=int(ls.mtime_ns[row]) / 1e9,
+            atime=int(ls.atime_ns[row]) / 1e9,
+            shape=shape,
+            memory_format=memory_format,
+            shape_source=source,
+        )
+
+    def _header(self, row: int) -> fmt.FsHeader:
+        path = self.listing.path(row)
+        with _open(path) as f:
+            head = f.read(_HEAD_BYTES)
+            size = os.fstat(f.fileno()).st_size
+            if len(head) >= 8 and size > _HEAD_BYTES:  # more groups than one read holds
+                groups = (size - 8 - int.from_bytes(head[:4], "little", signed=True)) // 20
+                if 0 < groups and 8 + 20 * groups > len(head):
+                    head += f.read(8 + 20 * groups - len(head))
+        return fmt.read_fs_header(head, size, path.name)
+
+    def _shape(self, row: int, header: fmt.FsHeader | None) -> tuple[tuple[int, ...] | None, str | None, str]:
+        """(shape, memory format, where the shape comes from) of a chunk."""
+        ls = self.listing
+        if header is not None:
+            if len(header.groups) == 1:
+                return header.groups[0][1], header.memory_format, "the file's header"
+            return None, header.memory_format, f"the file's header: {len(header.groups)} groups"
+        if ls.kind[row] == FS:
+            return None, None, "the file's header (not read)"
+        dtype = str(ls.kv_dtype[row])
+        if self.kv_shape is None or (ls.kind[row] == MP and not dtype):
+            return None, None, "unknown: the file holds bytes only (give --kv-shape or --model-config)"
+        shape = self.kv_shape
+        hidden = shape.hidden_for(int(ls.world_size[row]))
+        size = int(ls.size[row])
+        itemsize = fmt.KV_DTYPE_BYTES[dtype]
+        if ls.layer[row] >= 0:  # one layer: [tokens, 2, hidden] ([tokens, hidden] under MLA)
+            per_token = shape.planes * hidden * itemsize
+            dims: tuple[int, ...] = (shape.planes, hidden) if not shape.mla else (hidden,)
+            tokens, rest = divmod(size, per_token)
+            if rest or not tokens:
+                return None, None, f"{size} bytes fit no whole token of {shape.source}"
+            return (tokens, *dims), ("KV_T2D" if not shape.mla else "KV_MLA_FMT"), shape.source
+        per_token = shape.planes * shape.layers * hidden * itemsize
+        tokens, rest = divmod(size, per_token)
+        if rest or not tokens:
+            return None, None, f"{size} bytes fit no whole token of {shape.source}"
+        return (
+            (shape.planes, shape.layers, tokens, hidden),
+            "KV_2LTD" if not shape.mla else "KV_MLA_FMT",
+            shape.source,
+        )
+
+    def read(self, row: int) -> tuple[ChunkInfo, np.ndarray]:
+        """A chunk's K/V as an array of its shape (bfloat16 as uint16
+        words, fp8 as bytes).  CorruptStoreError when the file does not
+        hold what its name and header say; ValueError-free."""
+        info = self.chunk(row)
+        if info.shape is None:
+            raise CorruptStoreError(f"{info.name}: its shape is {info.shape_source}")
+        dtype = np.dtype(NUMPY_DTYPES[info.kv_dtype])
+        offset = info.size - int(np.prod(info.shape)) * dtype.itemsize
+        path = self.listing.path(row)
+        with _open(path) as f:
+            f.seek(offset)
+            data = f.read()
+        if len(data) != info.size - offset:
+            raise CorruptStoreError(f"{info.name}: changed while it was read (LMCache may be writing it)")
+        return info, np.frombuffer(data, dtype=dtype).reshape(info.shape)
+
+    # ---- verify ---------------------------------------------------------------------------
+
+    def verify(self, *, deep: bool = False) -> CacheVerifyReport:
+        """Check every chunk file against its name, header and the K/V shape:
+        an fs header against the file's size and the key's dtype; a file's
+        size against the shape (a chunk holds whole tokens, at most a
+        chunk's worth); names that are no chunk; files that cannot be read.
+        `deep` also reads every chunk's bytes: a chunk of zeros only (space
+        allocated, data never written) and non-finite values are findings."""
+        ls = self.listing
+        findings: list[Finding] = []
+        bytes_read = 0
+        for row in np.flatnonzero(ls.kind == FOREIGN).tolist():
+            findings.append(Finding(str(ls.name[row]), "not a chunk", _why_not_a_chunk(str(ls.name[row])), "warning"))
+        for row in np.flatnonzero(ls.kind == DEBRIS).tolist():
+            findings.append(
+                Finding(str(ls.name[row]), "debris", "an fs write never renamed into place (or in flight)", "warning")
+            )
+        for row in np.flatnonzero(ls.kind == OTHER).tolist():
+            findings.append(
+                Finding(str(ls.name[row]), "not a regular file", "a directory, link or device: not read", "warning")
+            )
+        rows = np.flatnonzero(ls.kind <= MP)
+        if self.kv_shape is None and ((ls.kind[rows] == LOCAL_DISK) | (ls.kind[rows] == MP)).any():
+            findings.append(
+                Finding(
+                    "",
+                    "shape unknown",
+                    "local_disk and multiprocess files hold bytes only: sizes were compared with each "
+                    "other, not with a shape (give --kv-shape LAYERS,HIDDEN or --model-config PATH)",
+                    "warning",
+                )
+            )
+            findings += self._odd_sizes(rows)
+        for row in rows.tolist():
+            name = str(ls.name[row])
+            try:
+                header = self._header(row) if ls.kind[row] == FS else None
+                info = self._info(row, header)
+            except CorruptStoreError as exc:
+                findings.append(Finding(name, "bad header", exc.message))
+                continue
+            except OSError as exc:
+                findings.append(
+                    Finding(name, "unreadable", str(storage_error(exc, "read", ls.path(row), writing=False)))
+                )
+                continue
+            findings += self._check(info, header)
+            if deep and info.shape is not None:
+                try:
+                    _, data = self.read(row)
+                except (OSError, CorruptStoreError) as exc:
+                    findings.append(Finding(name, "unreadable", str(exc)))
+                    continue
+                bytes_read += data.nbytes
+                findings += _check_values(info, data)
+        return CacheVerifyReport(str(self.path), len(ls), len(rows), bytes_read, deep, tuple(findings))
+
+    def _check(self, info: ChunkInfo, header: fmt.FsHeader | None) -> list[Finding]:
+        out = []
+        if header is not None:
+            dtypes = sorted({d for d, _ in header.groups})
+            if info.kv_dtype not in dtypes:
+                out.append(Finding(info.name, "dtype differs", f"its key says {info.kv_dtype}, its header {dtypes}"))
+            want = "KV_T2D" if info.layer is not None else "KV_2LTD"
+            if header.memory_format not in (want, "KV_MLA_FMT", "KV_2TD"):
+                what = "layer" if info.layer is not None else "chunk"
+                out.append(Finding(info.name, "format differs", f"{header.memory_format} for a {what} key"))
+        if info.shape is None:
+            if info.kind != "fs" and self.kv_shape is not None:
+                out.append(Finding(info.name, "size fits no shape", info.shape_source))
+            return out
+        tokens = info.tokens or 0
+        if tokens > self.chunk_size:
+            out.append(
+                Finding(info.name, "too many tokens", f"{tokens} tokens, a chunk holds at most {self.chunk_size}")
+            )
+        elif tokens < self.chunk_size:
+            out.append(
+                Finding(
+                    info.name,
+                    "partial chunk",
+                    f"{tokens} of {self.chunk_size} tokens: a partial last chunk (save_unfull_chunk) "
+                    "or a file cut short",
+                    "warning",
+                )
+            )
+        if info.kind == "fs" and self.kv_shape is not None and info.memory_format == "KV_2LTD":
+            expect = (self.kv_shape.planes, self.kv_shape.layers, tokens, self.kv_shape.hidden_for(info.world_size))
+            if info.shape != expect:
+                out.append(Finding(info.name, "shape differs", f"header {list(info.shape)}, model {list(expect)}"))
+        return out
+
+    def _odd_sizes(self, rows: np.ndarray) -> list[Finding]:
+        """Without a shape: local_disk and mp files whose size is not the
+        most common one of their (model, world, rank, dtype, layer or group)."""
+        ls = self.listing
+        rows = rows[(ls.kind[rows] == LOCAL_DISK) | (ls.kind[rows] == MP)]
+        if not len(rows):
+            return []
+        label = np.char.add(ls.model[rows].astype(str), "\0")
+        for column in (ls.world_size, ls.rank, ls.kv_dtype, ls.layer >= 0, ls.group):
+            label = np.char.add(np.char.add(label, column[rows].astype(str)), "\0")
+        out = []
+        _, inverse = np.unique(label, return_inverse=True)
+        for g in np.unique(inverse).tolist():
+            members = rows[inverse == g]
+            values, counts = np.unique(ls.size[members], return_counts=True)
+            common = int(values[np.argmax(counts)])
+            for row in members[ls.size[members] != common].tolist():
+                out.append(
+                    Finding(
+                        str(ls.name[row]),
+                        "size differs",
+                        f"{int(ls.size[row])} bytes where its kind's chunks hold {common}: a partial last "
+                        "chunk or a file cut short",
+                        "warning" if int(ls.size[row]) < common else "error",
+                    )
+                )
+        return out
+
+
+def _open(path: Path) -> BinaryIO:
+    """A chunk file to read: a regular file, never through a link."""
+    return os.fdopen(file_reads.open_regular(path), "rb")
+
+
+def _why_not_a_chunk(name: str) -> str:
+    if name.endswith((fmt.FS_SUFFIX, fmt.LOCAL_DISK_SUFFIX)):
+        parts = name.rsplit(".", 1)[0].split("@")
+        if len(parts) >= 5 and parts[4] not in fmt.KV_DTYPE_BYTES:
+            return f"dtype {parts[4]!r} is none LMCache writes"
+        return "its name parses as no LMCache key (model@world@worker@hash@dtype[@layer][@tag%value])"
+    return "neither a .pt, .data nor .tmp file"
+
+
+def _check_values(info: ChunkInfo, data: np.ndarray) -> list[Finding]:
+    flat = data.reshape(-1)
+    if not flat.any():
+        return [Finding(info.name, "all zeros", "every byte is 0: space allocated, K/V never written")]
+    if info.kv_dtype == "bfloat16":  # exponent all ones: inf or NaN
+        bad = int(np.count_nonzero((flat & 0x7F80) == 0x7F80))
+    elif flat.dtype.kind == "f":
+        bad = int(flat.size - np.count_nonzero(np.isfinite(flat)))
+    else:
+        bad = 0
+    if bad:
+        return [Finding(info.name, "non-finite values", f"{bad} of {flat.size} values are inf or NaN")]
+    return []
+
+
+def open_cache(
+    path: str | os.PathLike[str], *, kv_shape: KVShape | None = None, chunk_size: int = 256
+) -> CacheDirectory:
+    """Open the LMCache cache in directory `path`.  NotAStoreError when it
+    is no directory, an hmem store, or holds no file named as a chunk."""
+    p = Path(path)
+    if not p.is_dir():
+        raise NotAStoreError(f"{p} is not a directory")
+    if is_store(p):
+        raise NotAStoreError(f"{p} is an hmem store, not an LMCache cache")
+    cache = CacheDirectory(p, kv_shape=kv_shape, chunk_size=chunk_size)
+    if not (cache.listing.kind <= MP).any() and not (cache.listing.kind == DEBRIS).any():
+        raise NotAStoreError(
+            f"{p} holds no hmem store (no index.json) and no LMCache cache: "
+            + (f"none of its {len(cache.listing)} entries is" if len(cache.listing) else "it is empty, no file")
+            + " named as LMCache names a chunk (model@world@worker@hash@dtype.pt or .data)",
+            hint=Hint.CREATE,
+        )
+    return cache
+
+
+__all__ = [
+    "CHUNK_KINDS",
+    "FS",
+    "LOCAL_DISK",
+    "MP",
+    "CacheDirectory",
+    "CacheStats",
+    "CacheVerifyReport",
+    "ChunkInfo",
+    "Finding",
+    "GroupStats",
+    "directory_kind",
+    "is_cache",
+    "open_cache",
+]
