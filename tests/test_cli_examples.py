@@ -1,6 +1,7 @@
-"""The examples of docs/cli.md run, and print what the page shows.
+"""The examples of docs/cli.md and docs/lmcache.md run, and print what
+the pages show.
 
-Every fenced block of docs/cli.md says in its info string what it is:
+Every fenced block of these pages says in its info string what it is:
 
 - ```` ```console ````: a shell transcript, run by this test.  A line
   starting with ``$ `` is a command (continued on the next line while it
@@ -11,9 +12,10 @@ Every fenced block of docs/cli.md says in its info string what it is:
 - ```` ```console session=NAME ````: the same, in the scratch directory of
   session NAME, which SESSIONS below prepares (the stores and input files
   the example needs); the blocks of one session run in the order of the
-  page, each seeing what the ones before it did.
+  page, each seeing what the ones before it did.  Session ``lmcache``
+  holds the caches LMCache 0.5.6 itself wrote (tests/data/lmcache).
 - ```` ```LANG file=NAME ````: a file the examples use (``peek.py``), written
-  into every scratch directory before its commands run.
+  into every scratch directory (of either page) before its commands run.
 - ```` ```LANG skip: REASON ````: not run, for the reason given (it needs an
   object store, a Ctrl-C at a chosen moment, or it is no transcript).
 
@@ -37,11 +39,13 @@ import json
 import os
 import re
 import shlex
+import shutil
 import struct
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +57,8 @@ import hmem
 from hmem.cli.app import app
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI_MD = ROOT / "docs" / "cli.md"
+PAGE_NAMES = ("docs/cli.md", "docs/lmcache.md")
+LMCACHE_DATA = ROOT / "tests" / "data" / "lmcache"
 
 # The terminal the examples were shown on: no colour, 100 columns, and none
 # of the caller's settings that change what hmem prints.
@@ -72,13 +77,14 @@ ENV = {
 
 @dataclass
 class Command:
-    line: int  # in docs/cli.md
+    line: int  # in its page
     text: str
     shown: list[str]
 
 
 @dataclass
 class Block:
+    page: str  # docs/cli.md
     line: int
     section: str  # the heading above it
     language: str  # "" when the fence names none
@@ -99,7 +105,7 @@ class Block:
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.S | re.M)
 
 
-def blocks(text: str) -> list[Block]:
+def blocks(text: str, page: str = "docs/cli.md") -> list[Block]:
     found = []
     section, searched_to = "", 0
     for match in FENCE.finditer(text):
@@ -112,7 +118,7 @@ def blocks(text: str) -> list[Block]:
         marks = {} if skip is not None else dict(mark.partition("=")[::2] for mark in rest.split())
         indent = len(match["indent"])
         body = "".join(row[indent:] for row in match["body"].splitlines(keepends=True))
-        block = Block(line, section, language, marks, skip, body)
+        block = Block(page, line, section, language, marks, skip, body)
         if language == "console" and skip is None:
             block.commands = _commands(body, line + 1)
         found.append(block)
@@ -147,18 +153,21 @@ def _complete(command: str) -> bool:
     return True
 
 
-PAGE = blocks(CLI_MD.read_text(encoding="utf-8"))
+PAGE = [block for name in PAGE_NAMES for block in blocks((ROOT / name).read_text(encoding="utf-8"), name)]
 
 
 def _sessions() -> dict[str, list[Block]]:
     """Blocks to run, by session; a block without one is a session alone,
-    named after its section (hmem-prefix-hit-2: the second of that section)."""
+    named after its section (hmem-prefix-hit-2: the second of that section;
+    of a page other than docs/cli.md, after the page too: lmcache-...)."""
     sessions: dict[str, list[Block]] = {}
     for block in PAGE:
         if block.language == "console" and block.skip is None:
             name = block.session
             if name is None:
                 slug = re.sub(r"[^a-z0-9]+", "-", block.section.lower()).strip("-")
+                if block.page != PAGE_NAMES[0]:
+                    slug = f"{Path(block.page).stem}-{slug}"
                 name = next(f"{slug}-{n}" for n in range(1, len(PAGE) + 1) if f"{slug}-{n}" not in sessions)
             sessions.setdefault(name, []).append(block)
     return sessions
@@ -478,6 +487,34 @@ def flip_bit(shard: Path, tensor: str) -> None:
     shard.write_bytes(bytes(data))
 
 
+def setup_lmcache(stack: contextlib.ExitStack) -> None:
+    """The caches LMCache 0.5.6 wrote (tests/data/lmcache: chunks of 16
+    tokens, 2 layers, hidden 8, bf16), copied as new files; its requests
+    as token files: requests.json (a, b, c, a-tagged, short, with their
+    tags and multiprocess-mode salts) and each alone (a.json, ...).  The
+    restarted local_disk cache gets the files' times LMCache left, moved so
+    that its restart is at 2026-12-01T12:00:00Z (git keeps no times)."""
+    oracle = json.loads((LMCACHE_DATA / "oracle.json").read_text())
+    for cache in sorted(p for p in LMCACHE_DATA.iterdir() if p.is_dir()):
+        shutil.copytree(cache, cache.name, copy_function=shutil.copyfile)
+    salts = {r["name"]: r["cache_salt"] for r in oracle["mp"]["requests"]}
+    requests = []
+    for r in oracle["caches"]["local_disk"]["requests"]:
+        request: dict = {"name": r["name"], "tokens": r["tokens"]}
+        if r["tags"]:
+            request["tags"] = {k.removeprefix("lmcache.tag."): v for k, v in r["tags"].items()}
+        if salts.get(r["name"]):
+            request["salt"] = salts[r["name"]]
+        requests.append(request)
+        Path(f"{r['name']}.json").write_text(json.dumps([request]))
+    Path("requests.json").write_text(json.dumps(requests))
+    restart = oracle["restart"]
+    restarted_at = int(datetime(2026, 12, 1, 12, tzinfo=timezone.utc).timestamp()) * 10**9
+    for name, facts in restart["files"].items():
+        mtime = restarted_at + facts["mtime_ns"] - restart["restarted_at_ns"]
+        os.utime(Path("local_disk_restarted") / name, ns=(mtime, mtime))
+
+
 SESSIONS: dict[str, Callable[[contextlib.ExitStack], None]] = {
     "init": setup_init,
     "put": setup_put,
@@ -491,6 +528,7 @@ SESSIONS: dict[str, Callable[[contextlib.ExitStack], None]] = {
     "locked": setup_locked,
     "verify": setup_verify,
     "verify-flipped": setup_verify_flipped,
+    "lmcache": setup_lmcache,
 }
 
 
@@ -500,7 +538,7 @@ SESSIONS: dict[str, Callable[[contextlib.ExitStack], None]] = {
 def test_every_block_is_run_or_says_why_not():
     sessions_used = set()
     for block in PAGE:
-        where = f"docs/cli.md:{block.line}"
+        where = f"{block.page}:{block.line}"
         assert block.language, f"{where}: a code block without a language (see {__name__}'s docstring)"
         if block.skip is not None:
             assert block.skip, f"{where}: 'skip:' without a reason"
@@ -540,7 +578,7 @@ def test_the_examples_print_what_the_page_shows(session, scratch):
             actual, code = run(command.text, code)
             if not matches(command.shown, actual):
                 pytest.fail(
-                    f"docs/cli.md:{command.line}: `{command.text}` printed (exit code {code}):\n{actual}\n"
+                    f"{block.page}:{command.line}: `{command.text}` printed (exit code {code}):\n{actual}\n"
                     "where the page shows:\n" + "\n".join(command.shown),
                     pytrace=False,
                 )

@@ -116,9 +116,9 @@ def ls(
         raise InvalidArgumentError("give --json or --jsonl, not both")
     cache = cache_at(store, kv_shape_text=kv_shape, model_config=model_config, chunk_size=chunk_size)
     if cache is not None:
-        from hmem.cli import lmcache_view
+        from hmem.cli import lmcache_ls_view
 
-        lmcache_view.ls(
+        lmcache_ls_view.ls(
             cache,
             model=model,
             world_size=world_size,

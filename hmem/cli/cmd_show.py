@@ -46,9 +46,9 @@ def show(
 
         cache = cache_at(args[0], kv_shape_text=kv_shape, model_config=model_config, chunk_size=chunk_size)
         if cache is not None:
-            from hmem.cli import lmcache_view
+            from hmem.cli import lmcache_show_view
 
-            lmcache_view.show(cache, args[1], json_output=json_output, quiet=quiet)
+            lmcache_show_view.show(cache, args[1], json_output=json_output, quiet=quiet)
             return
     out = Output(json_mode=json_output, quiet=quiet)
     store, (entry_id,) = store_and_ids(args, one=True)

@@ -37,9 +37,9 @@ def stats(
 
     cache = cache_at(store, kv_shape_text=kv_shape, model_config=model_config, chunk_size=chunk_size)
     if cache is not None:
-        from hmem.cli import lmcache_view
+        from hmem.cli import lmcache_stats_view
 
-        lmcache_view.stats(cache, json_output=json_output, quiet=quiet)
+        lmcache_stats_view.stats(cache, json_output=json_output, quiet=quiet)
         return
     out = Output(json_mode=json_output, quiet=quiet)
     with Store.open(store, read_only=True) as s:

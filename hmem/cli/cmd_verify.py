@@ -133,14 +133,16 @@ def verify_command(
 
     cache = cache_at(store, kv_shape_text=kv_shape, model_config=model_config, chunk_size=chunk_size)
     if cache is not None:
-        from hmem.cli import lmcache_view
+        from hmem.cli import lmcache_verify_view
 
         if do_repair or dry_run or subset is not None or max_seconds is not None:
             raise InvalidArgumentError(
                 "--repair, --dry-run, --subset and --max-seconds are for an hmem store; an LMCache cache is "
                 "only checked (its files are LMCache's: nothing is rewritten)"
             )
-        lmcache_view.verify(cache, deep=deep or full, max_findings=max_findings, json_output=json_output, quiet=quiet)
+        lmcache_verify_view.verify(
+            cache, deep=deep or full, max_findings=max_findings, json_output=json_output, quiet=quiet
+        )
         return
     if deep:
         raise InvalidArgumentError("--deep checks an LMCache cache; a store's full check is --full")

@@ -2,7 +2,7 @@
 (docs/lmcache.md, "Import and export"): a cache's chunks into a store, a
 cache's chunks to a safetensors file or an fs connector cache, and a
 store's chunks imported from LMCache back to an fs connector cache.  The
-work is hmem/lmcache/transfer.py's; this formats it."""
+work is hmem/lmcache/importing.py's and exporting.py's; this formats it."""
 
 from __future__ import annotations
 

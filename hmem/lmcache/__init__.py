@@ -5,14 +5,15 @@ from hmem.formats.lmcache import LMCACHE_VERSION
 from hmem.lmcache.cache import (
     CacheDirectory,
     CacheStats,
-    CacheVerifyReport,
     ChunkInfo,
-    Finding,
     GroupStats,
     directory_kind,
     is_cache,
     open_cache,
 )
+from hmem.lmcache.checks import CacheVerifyReport, Finding
+from hmem.lmcache.chunk_table import CHUNK_SORTS, chunk_dicts, chunk_json_lines, sort_rows
+from hmem.lmcache.chunk_values import as_float32, non_finite_count, value_sample
 from hmem.lmcache.cleaning import (
     CleanPlan,
     CleanReport,
@@ -22,6 +23,14 @@ from hmem.lmcache.cleaning import (
     clean,
     plan_clean,
     unreachable_files,
+)
+from hmem.lmcache.exporting import (
+    SAFETENSORS_LAYOUTS,
+    ExportedChunk,
+    FsExportReport,
+    SafetensorsExport,
+    export_fs_cache,
+    export_safetensors,
 )
 from hmem.lmcache.geometry import KVShape, kv_shape_of_model, parse_kv_shape
 from hmem.lmcache.hit_explanation import (
@@ -36,20 +45,11 @@ from hmem.lmcache.hit_explanation import (
     parse_requests,
     read_requests,
 )
-from hmem.lmcache.transfer import (
-    SAFETENSORS_LAYOUTS,
-    CacheImportReport,
-    ChunkImport,
-    ExportedChunk,
-    FsExportReport,
-    SafetensorsExport,
-    export_fs_cache,
-    export_safetensors,
-    import_cache,
-)
+from hmem.lmcache.importing import CacheImportReport, ChunkImport, import_cache
 
 __all__ = [
     "CELL_MEANINGS",
+    "CHUNK_SORTS",
     "LMCACHE_VERSION",
     "HASH_ALGORITHMS",
     "Deployment",
@@ -78,6 +78,9 @@ __all__ = [
     "PlannedFile",
     "SafetensorsExport",
     "SkippedFile",
+    "as_float32",
+    "chunk_dicts",
+    "chunk_json_lines",
     "clean",
     "export_fs_cache",
     "export_safetensors",
@@ -85,8 +88,11 @@ __all__ = [
     "directory_kind",
     "is_cache",
     "kv_shape_of_model",
+    "non_finite_count",
     "open_cache",
     "parse_kv_shape",
     "plan_clean",
+    "sort_rows",
     "unreachable_files",
+    "value_sample",
 ]

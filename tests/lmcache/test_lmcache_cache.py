@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hmem.errors import CorruptStoreError, EntryNotFoundError, NotAStoreError
-from hmem.lmcache import CacheDirectory, KVShape, open_cache, parse_kv_shape
+from hmem.errors import CorruptStoreError, EntryNotFoundError, InvalidArgumentError, NotAStoreError
+from hmem.lmcache import CHUNK_SORTS, CacheDirectory, KVShape, open_cache, parse_kv_shape, sort_rows
 
 FIXTURES = Path(__file__).resolve().parent.parent / "data" / "lmcache"
 ORACLE = json.loads((FIXTURES / "oracle.json").read_text())
@@ -315,3 +315,52 @@ def test_a_directory_that_is_neither_a_store_nor_a_cache(tmp_path):
     with pytest.raises(NotAStoreError, match="not a directory"):
         open_cache(tmp_path / "notes.txt")
     assert sorted(os.listdir(tmp_path)) == ["empty", "notes.txt"] and not os.listdir(empty)
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "codes", "non_finite"),
+    [  # each format's inf and NaN codes among finite ones
+        ("fp8_e4m3fn", [0x7F, 0xFF, 0x38, 0x7E], 2),  # NaN at S.1111.111, no inf: 0x7E is 448
+        ("fp8_e5m2", [0x7C, 0xFE, 0x3C, 0x7B], 2),  # +inf and a NaN; 0x7B is 57344
+        ("fp8_e5m2fnuz", [0x80, 0x7C, 0x3C, 0xFF], 1),  # fnuz: NaN only at 0x80, no inf
+        ("fp8_e4m3fn", [0x38, 0x7E, 0xC0, 0x01], 0),
+    ],
+)
+def test_deep_verify_finds_non_finite_fp8_values(tmp_path, kv_dtype, codes, non_finite):
+    """fp8 chunks are bytes: deep verify decodes them by their format's
+    table, as show does, so an inf or NaN among them is a finding too."""
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    shape = (2, SHAPE.layers, CHUNK, SHAPE.hidden)
+    data = bytearray(math.prod(shape))
+    data[: len(codes)] = bytes(codes)
+    name = f"m@1@0@1f@{kv_dtype}"
+    if kv_dtype.endswith("fnuz"):  # no fs dtype code: a local_disk file, its shape given
+        (directory / f"{name}.pt").write_bytes(bytes(data))
+    else:
+        code = {"fp8_e4m3fn": 7, "fp8_e5m2": 8}[kv_dtype]
+        header = struct.pack("=7i", len(data), 1, code, *shape)  # length, KV_2LTD, dtype, shape
+        (directory / f"{name}.data").write_bytes(header + bytes(data))
+    cache = open_cache(directory, kv_shape=SHAPE, chunk_size=CHUNK)
+    assert cache.verify().findings == ()  # the values are read only when deep
+    report = cache.verify(deep=True)
+    found = [f for f in report.findings if f.problem == "non-finite values"]
+    if non_finite:
+        assert [(f.severity, f.detail) for f in found] == [
+            ("error", f"{non_finite} of {len(data)} values are inf or NaN")
+        ]
+        assert not report.ok
+    else:
+        assert found == [] and report.ok and report.findings == ()
+
+
+def test_sort_rows_orders_a_selection_and_refuses_an_unknown_order(tmp_path):
+    cache = opened(tmp_path, "local_disk")
+    rows = cache.select()
+    assert sort_rows(cache, rows, "name").tolist() == rows.tolist()
+    by_size = sort_rows(cache, rows, "size")
+    sizes = cache.listing.size[by_size].tolist()
+    assert sorted(by_size.tolist()) == rows.tolist() and sizes == sorted(sizes, reverse=True)
+    assert set(CHUNK_SORTS) == {"name", "size", "mtime", "atime"}
+    with pytest.raises(InvalidArgumentError):
+        sort_rows(cache, rows, "age")  # the CLI's alias, not the library's word

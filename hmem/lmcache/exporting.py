@@ -1,30 +1,8 @@
-"""LMCache chunks into hmem and back out (docs/lmcache.md, "Import and
-export"): ``import_cache`` puts a cache's chunks into a store as entries,
-``export_fs_cache`` writes chunks (of a cache, or imported into a store)
-as an LMCache ``fs`` connector cache that LMCache 0.5.6 reads bit-exactly,
-and ``export_safetensors`` writes a cache's chunks to a safetensors file.
-
-Import: one entry per layer per chunk: the layer's keys and values, rows
-[tokens, hidden] (bfloat16 chunks as their words, so a bf16 store keeps
-them bit-exact; half and float as they are).  A layerwise cache's file is
-one layer of one chunk: one entry.  An MLA chunk ([1, layers, tokens,
-latent]) has one latent per token and layer, not a key and a value: it is
-stored as the entry's keys and as its values both (an entry needs both),
-and written back once.  Each entry's meta (flat, as an entry's meta is):
-``source`` (the file name), ``tokens`` ([0, tokens]: the rows of the
-chunk), ``lmcache_key`` (the key text: model, world size, rank, chunk
-hash, dtype, layer and tags), ``lmcache_kind`` (local_disk, fs),
-``lmcache_chunk_hash``, ``lmcache_layer``, ``lmcache_memory_format``,
-``lmcache_shape`` (the file's), ``lmcache_mla`` for an MLA latent, and
-``lmcache_request_tokens`` (the chunk's token range within a request)
-when the requests' tokens are given: a file alone does not say which
-chunk of a request it is (its hash depends on every chunk before it),
-only how many tokens it holds.
-
-A chunk file is recorded in the store's import registry (its SHA-256, size
-and name): importing the same cache again adds nothing.  Files with the
-same bytes under other names (a tagged request's chunks hold the same K/V
-as the untagged ones) are other keys and are imported each.
+"""hmem's LMCache chunks back out (docs/lmcache.md, "Import and
+export"): ``export_fs_cache`` writes chunks (of a cache, or imported into a
+store by hmem/lmcache/importing.py) as an LMCache ``fs`` connector cache
+that LMCache 0.5.6 reads bit-exactly, and ``export_safetensors`` writes a
+cache's chunks to a safetensors file.
 
 Export to fs: each chunk becomes ``ChunkKey.fs_name()`` holding the fs
 header (``fs_header_bytes``) and the chunk's bytes [2, layers, tokens,
@@ -40,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,363 +32,33 @@ from hmem.formats import lmcache as fmt
 from hmem.formats import safetensors
 from hmem.formats.sources import ImportedSource
 from hmem.formats.store_files import is_store
-from hmem.lmcache.cache import NUMPY_DTYPES, CacheDirectory, ChunkInfo
-from hmem.lmcache.listing import MP
-from hmem.store.prepare import Entry
-from hmem.store.storage import Bf16Rows, from_bf16_words, to_bf16_words
+from hmem.lmcache.cache import NUMPY_DTYPES, CacheDirectory
+from hmem.lmcache.chunk_data import (
+    FLOAT_DTYPES,
+    ChunkFile,
+    chunk_rows,
+    fs_header,
+    key_text,
+    kv_layers,
+    read_chunk_file,
+)
+from hmem.store.storage import from_bf16_words, to_bf16_words
 
 if TYPE_CHECKING:
     from hmem.store.results import StoredKV
     from hmem.store.store import Store
 
 __all__ = [
-    "CacheImportReport",
-    "ChunkImport",
     "ExportedChunk",
     "FsExportReport",
     "SafetensorsExport",
     "export_fs_cache",
     "export_safetensors",
-    "import_cache",
 ]
 
-BATCH_BYTES = 16 << 20  # chunk files put together, up to this many bytes
-BATCH_FILES = 512  # or this many files
 SAFETENSORS_LAYOUTS = ("split", "model")
-# the K/V dtypes an entry can hold, and their safetensors names
-_FLOAT_DTYPES = {"half": "F16", "bfloat16": "BF16", "float": "F32", "double": "F64"}
+# the safetensors dtypes of a store's entries, and the K/V dtype each holds without loss
 _STORED_DTYPES = {"F16": "half", "BF16": "bfloat16", "F32": "float"}
-
-
-# ---- reading one chunk file ---------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Chunk:
-    info: ChunkInfo
-    data: bytes  # the whole file
-    array: np.ndarray  # its K/V, of info.shape (bfloat16 as words)
-
-    @property
-    def payload(self) -> memoryview:
-        """The K/V bytes (after an fs header)."""
-        return memoryview(self.data)[len(self.data) - self.array.nbytes :]
-
-
-def _read_chunk(cache: CacheDirectory, row: int) -> _Chunk:
-    """A chunk file read whole, its K/V viewed as its shape.  BadFileError
-    says why it cannot be (a multiprocess object, no shape known, a header
-    that lies, a file that changed while read)."""
-    if cache.listing.kind[row] == MP:
-        raise BadFileError("a multiprocess-mode object: its layout is its object group's, which the file does not give")
-    try:
-        info = cache.chunk(row)
-        if info.shape is None:
-            raise BadFileError(f"its shape is {info.shape_source}")
-        path = cache.listing.path(row)
-        with os.fdopen(file_reads.open_regular(path), "rb") as f:
-            data = f.read()
-    except BadFileError:
-        raise
-    except HmemError as exc:
-        raise BadFileError(exc.message, hint=exc.hint) from None
-    except OSError as exc:
-        raise BadFileError(str(storage_error(exc, "read", cache.listing.path(row), writing=False))) from None
-    if len(data) != info.size:
-        raise BadFileError("it changed while it was read (LMCache may be writing it)")
-    dtype = np.dtype(NUMPY_DTYPES[info.kv_dtype])
-    count = int(np.prod(info.shape))
-    if info.kind == "fs" and data[: len(data) - count * dtype.itemsize] != _header(info):
-        raise BadFileError("its header changed while it was read")
-    array = np.frombuffer(data, dtype=dtype, count=count, offset=len(data) - count * dtype.itemsize)
-    return _Chunk(info, data, array.reshape(info.shape))
-
-
-def _chunk_rows(cache: CacheDirectory, rows: Iterable[int] | np.ndarray | None) -> np.ndarray:
-    """The listing rows given (every chunk's by default), each checked to
-    be a chunk's (not debris, a foreign file or a directory)."""
-    chunks = np.flatnonzero(cache.listing.kind <= MP)
-    if rows is None:
-        return chunks
-    chosen = np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows, dtype=np.int64).reshape(-1)
-    bad = chosen[~np.isin(chosen, chunks)]
-    if len(bad):
-        raise InvalidArgumentError(f"row {int(bad[0])} of {cache.path} is not a chunk file (CacheDirectory.select)")
-    return chosen
-
-
-def _header(info: ChunkInfo) -> bytes:
-    assert info.shape is not None and info.memory_format is not None
-    return fmt.fs_header_bytes(info.memory_format, [(info.kv_dtype, info.shape)])
-
-
-def _layers(info: ChunkInfo, array: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """(layer, keys [tokens, hidden], values [tokens, hidden]) of a chunk:
-    views of `array`; an MLA latent is both keys and values."""
-    shape, form = array.shape, info.memory_format
-    if form == "KV_2LTD" and len(shape) == 4 and shape[0] == 2:
-        return [(layer, array[0, layer], array[1, layer]) for layer in range(shape[1])]
-    if form == "KV_MLA_FMT" and len(shape) == 4 and shape[0] == 1:
-        return [(layer, array[0, layer], array[0, layer]) for layer in range(shape[1])]
-    layer = info.layer if info.layer is not None else 0
-    if form == "KV_T2D" and len(shape) == 3 and shape[1] == 2:
-        return [(layer, array[:, 0], array[:, 1])]
-    if form == "KV_2TD" and len(shape) == 3 and shape[0] == 2:
-        return [(layer, array[0], array[1])]
-    if form == "KV_MLA_FMT" and len(shape) == 2:
-        return [(layer, array, array)]
-    raise BadFileError(f"memory format {form} of shape {list(shape)} holds no K/V hmem imports")
-
-
-# ---- import -------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkImport:
-    """One chunk file of an import: what it became, or why not."""
-
-    name: str  # the file's name
-    key: str  # the LMCache key its name spells
-    entries: tuple[int, ...] = ()  # ids stored (empty on a dry run, a skip, or imported before)
-    planned: int = 0  # entries found in the file
-    bytes: int = 0
-    skipped: str | None = None
-    hint: str | None = None
-    imported_before: ImportedSource | None = None
-    sha256: str | None = None
-    request_tokens: tuple[int, int] | None = None  # its token range within a request given, when found
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["entries"] = list(self.entries)
-        out["request_tokens"] = list(self.request_tokens) if self.request_tokens else None
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheImportReport:
-    cache: str
-    chunks: tuple[ChunkImport, ...]
-    dry_run: bool
-    not_started: tuple[str, ...] = ()  # files left when `should_stop` stopped the import
-
-    @property
-    def entries_added(self) -> int:
-        return sum(len(c.entries) for c in self.chunks)
-
-    @property
-    def entries_found(self) -> int:
-        return sum(c.planned for c in self.chunks if c.skipped is None)
-
-    @property
-    def imported(self) -> tuple[ChunkImport, ...]:
-        return tuple(c for c in self.chunks if c.skipped is None and c.imported_before is None)
-
-    @property
-    def skipped(self) -> tuple[ChunkImport, ...]:
-        return tuple(c for c in self.chunks if c.skipped is not None)
-
-    @property
-    def already_imported(self) -> tuple[ChunkImport, ...]:
-        return tuple(c for c in self.chunks if c.imported_before is not None)
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(c.bytes for c in self.chunks)
-
-    @property
-    def located(self) -> int:
-        """Chunks imported (or checked) whose token range the requests gave."""
-        return sum(c.request_tokens is not None for c in self.chunks if c.skipped is None)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "cache": self.cache,
-            "chunks_located": self.located,
-            "dry_run": self.dry_run,
-            "chunks": len(self.chunks) + len(self.not_started),
-            "chunks_imported": len(self.imported),
-            "chunks_skipped": len(self.skipped),
-            "chunks_already_imported": len(self.already_imported),
-            "entries_added": self.entries_added,
-            "entries_found": self.entries_found,
-            "bytes_read": self.bytes_read,
-            "files": [c.to_dict() for c in self.chunks],
-            "not_started": list(self.not_started),
-        }
-
-
-@dataclasses.dataclass
-class _Pending:
-    chunk: _Chunk
-    digest: str
-    entries: list[Entry]
-    span: tuple[int, int] | None
-
-
-def _request_ranges(
-    requests: Iterable[Sequence[int]] | None, chunk_size: int, none_hash: int
-) -> dict[int, tuple[int, int]]:
-    """Chunk hash -> its token range within the first request that holds it."""
-    ranges: dict[int, tuple[int, int]] = {}
-    for tokens in requests or ():
-        for index, value in enumerate(fmt.chunk_hashes(list(tokens), chunk_size, none_hash=none_hash)):
-            ranges.setdefault(value, (index * chunk_size, (index + 1) * chunk_size))
-    return ranges
-
-
-def _entries(chunk: _Chunk, importance: float, ranges: dict[int, tuple[int, int]]) -> list[Entry]:
-    info = chunk.info
-    if info.kv_dtype not in _FLOAT_DTYPES:
-        raise BadFileError(f"its K/V are {info.kv_dtype}: hmem imports float K/V only (half, bfloat16, float, double)")
-    assert info.shape is not None
-    common: dict[str, Any] = {
-        "lmcache_key": info.key,
-        "lmcache_kind": info.kind,
-        "lmcache_chunk_hash": info.chunk_hash,
-        "lmcache_memory_format": info.memory_format,
-        "lmcache_shape": list(info.shape),
-    }
-    if info.memory_format == "KV_MLA_FMT":
-        common["lmcache_mla"] = True  # the latent, stored as keys and as values
-    span = ranges.get(int(info.chunk_hash, 16)) if ranges else None
-    if span is not None:
-        common["lmcache_request_tokens"] = list(span)
-    out = []
-    for layer, keys, values in _layers(info, chunk.array):
-        meta = {"source": info.name, "tokens": [0, int(keys.shape[0])], **common, "lmcache_layer": layer}
-        if info.kv_dtype == "bfloat16":
-            out.append(Entry(Bf16Rows(keys), Bf16Rows(values), layer, importance, meta))
-        else:
-            out.append(Entry(keys, values, layer, importance, meta))
-    return out
-
-
-def import_cache(
-    store: Store,
-    cache: CacheDirectory,
-    rows: Iterable[int] | np.ndarray | None = None,
-    *,
-    importance: float = 1.0,
-    requests: Iterable[Sequence[int]] | None = None,
-    none_hash: int = 0,
-    again: bool = False,
-    dry_run: bool = False,
-    progress: Callable[[ChunkImport], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-) -> CacheImportReport:
-    """Put the chunks of `cache` (the listing rows `rows`, by default every
-    chunk) into `store`: one entry per layer per chunk (see the module's
-    docstring for its rows and meta), each file whole or not at all.  A
-    file that cannot be imported (unknown shape: give the cache a kv_shape;
-    a dtype hmem does not store; a multiprocess object; rows the store's
-    embed_dim does not take) is skipped with the reason.
-
-    Each file is recorded in the store's import registry (SHA-256 of its
-    bytes, size, name); a file the registry holds under the same name and
-    content is not imported again unless `again`.  `requests`: the token
-    ids of requests, from which each chunk's token range within a request
-    is found (chunk hashes from `none_hash`, the cache's chunk size).  With
-    `dry_run`, files are read and checked and nothing is stored.  The
-    caller flushes the store."""
-    importance = validation.importance(importance)
-    again = validation.flag(again, "again")
-    dry_run = validation.flag(dry_run, "dry_run")
-    chosen = _chunk_rows(cache, rows)
-    ranges = _request_ranges(requests, cache.chunk_size, none_hash)
-    known: dict[tuple[str, int, str], ImportedSource] = (
-        {} if again else {(s.sha256, s.bytes, s.name): s for s in store.imported_sources()}
-    )
-    results: list[ChunkImport] = []
-    batch: list[_Pending] = []
-    batch_bytes = 0
-
-    def done(*new: ChunkImport) -> None:
-        for result in new:
-            results.append(result)
-            if progress is not None:
-                progress(result)
-
-    def flush_batch() -> None:
-        nonlocal batch_bytes
-        done(*_put(store, batch, dry_run, known))
-        batch.clear()
-        batch_bytes = 0
-
-    names = cache.listing.name
-    for i, row in enumerate(chosen.tolist()):
-        if should_stop is not None and should_stop():
-            flush_batch()
-            left = tuple(str(names[r]) for r in chosen[i:].tolist())
-            return CacheImportReport(str(cache.path), tuple(results), dry_run, left)
-        name = str(names[row])
-        key = _key_text(name)
-        try:
-            chunk = _read_chunk(cache, row)
-            digest = hashlib.sha256(chunk.data).hexdigest()
-            before = known.get((digest, len(chunk.data), name))
-            if before is not None:
-                done(ChunkImport(name, key, bytes=len(chunk.data), imported_before=before, sha256=digest))
-                continue
-            entries = _entries(chunk, importance, ranges)
-            span = ranges.get(int(chunk.info.chunk_hash, 16)) if ranges else None
-        except BadFileError as exc:
-            done(ChunkImport(name, key, bytes=int(cache.listing.size[row]), skipped=exc.message, hint=exc.hint))
-            continue
-        batch.append(_Pending(chunk, digest, entries, span))
-        batch_bytes += len(chunk.data)
-        if len(batch) >= BATCH_FILES or batch_bytes >= BATCH_BYTES:
-            flush_batch()
-    flush_batch()
-    return CacheImportReport(str(cache.path), tuple(results), dry_run)
-
-
-def _key_text(name: str) -> str:
-    key = fmt.key_of_file(name)
-    return key.text if key is not None else name.rsplit(".", 1)[0]
-
-
-def _put(
-    store: Store, batch: list[_Pending], dry_run: bool, known: dict[tuple[str, int, str], ImportedSource]
-) -> list[ChunkImport]:
-    """One put of the batch's files; when it is refused, file by file,
-    each bad one skipped with its reason."""
-    if not batch:
-        return []
-    entries = [entry for pending in batch for entry in pending.entries]
-    try:
-        if dry_run:
-            store.check_entries(entries)
-            return [
-                ChunkImport(
-                    p.chunk.info.name,
-                    p.chunk.info.key,
-                    (),
-                    len(p.entries),
-                    len(p.chunk.data),
-                    sha256=p.digest,
-                    request_tokens=p.span,
-                )
-                for p in batch
-            ]
-        ids = store.put_many(entries)
-    except (BadFileError, InvalidArgumentError) as exc:
-        if len(batch) == 1:
-            info = batch[0].chunk.info
-            return [ChunkImport(info.name, info.key, bytes=info.size, skipped=exc.message, hint=exc.hint)]
-        return [result for pending in batch for result in _put(store, [pending], dry_run, known)]
-    out, start = [], 0
-    for pending in batch:
-        info, size = pending.chunk.info, len(pending.chunk.data)
-        mine = ids[start : start + len(pending.entries)]
-        start += len(pending.entries)
-        known[(pending.digest, size, info.name)] = store.record_source(info.name, pending.digest, size, mine)
-        out.append(
-            ChunkImport(
-                info.name, info.key, tuple(mine), len(mine), size, sha256=pending.digest, request_tokens=pending.span
-            )
-        )
-    return out
 
 
 # ---- export as an fs connector cache ------------------------------------------------------
@@ -587,23 +234,23 @@ def _fs_from_cache(
     force: bool,
     dry_run: bool,
 ) -> list[ExportedChunk]:
-    chosen = _chunk_rows(cache, rows)
+    chosen = chunk_rows(cache, rows)
     out = []
     for row in chosen.tolist():
         name = str(cache.listing.name[row])
         try:
-            chunk = _read_chunk(cache, row)
+            chunk = read_chunk_file(cache, row)
             key = fmt.ChunkKey.parse(chunk.info.key)
             if key is None:
                 raise BadFileError("its name is no LMCache key")
             key = _renamed(key, model)
-            parts: list[bytes | memoryview] = [_header(chunk.info), chunk.payload]
+            parts: list[bytes | memoryview] = [fs_header(chunk.info), chunk.payload]
             status, reason = _place(dest, key.fs_name(), parts, force, dry_run)
         except (BadFileError, ValueError) as exc:
             parsed = fmt.key_of_file(name)
             fs_name = _renamed(parsed, model).fs_name() if parsed is not None else ""
             reason = str(getattr(exc, "message", exc))
-            out.append(ExportedChunk(fs_name, _key_text(name), name, "skipped", reason=reason))
+            out.append(ExportedChunk(fs_name, key_text(name), name, "skipped", reason=reason))
             continue
         out.append(ExportedChunk(key.fs_name(), key.text, name, status, len(chunk.data), reason))
     return out
@@ -641,9 +288,11 @@ def _fs_from_store(
             key, parts, exact = _chunk_of_entries(store, ids, record.name, model)
             status, reason = _place(dest, name, parts, force, dry_run)
         except (BadFileError, ValueError) as exc:
-            key_text = _key_text(record.name)
             message = str(getattr(exc, "message", exc))
-            out.append(ExportedChunk(name, key_text, record.name, "skipped", reason=message, entries=tuple(ids)))
+            skipped = ExportedChunk(
+                name, key_text(record.name), record.name, "skipped", reason=message, entries=tuple(ids)
+            )
+            out.append(skipped)
             continue
         size = sum(len(p) for p in parts)
         out.append(ExportedChunk(name, key.text, record.name, status, size, reason, tuple(ids), exact))
@@ -666,7 +315,7 @@ def _chunk_of_entries(
     kv_dtype, form = key.kv_dtype, first.get("lmcache_memory_format")
     shape = tuple(first.get("lmcache_shape") or ())
     key = _renamed(key, model)
-    if kv_dtype not in _FLOAT_DTYPES or kv_dtype == "double":
+    if kv_dtype not in FLOAT_DTYPES or kv_dtype == "double":
         raise BadFileError(f"its dtype {kv_dtype!r} is not one hmem writes back")
     by_layer: dict[int, StoredKV] = {}
     for s, m in zip(stored, metas):
@@ -786,19 +435,19 @@ def export_safetensors(
     in ``export_fs_cache``)."""
     layout = validation.choice(layout, "layout", SAFETENSORS_LAYOUTS)
     _check_file_path(path)
-    chosen = _chunk_rows(cache, rows)
-    chunks: list[tuple[str, _Chunk]] = []
+    chosen = chunk_rows(cache, rows)
+    chunks: list[tuple[str, ChunkFile]] = []
     skipped: list[tuple[str, str]] = []
     for row in chosen.tolist():
         name = str(cache.listing.name[row])
         try:
-            chunk = _read_chunk(cache, row)
-            if chunk.info.kv_dtype not in _FLOAT_DTYPES:
+            chunk = read_chunk_file(cache, row)
+            if chunk.info.kv_dtype not in FLOAT_DTYPES:
                 raise BadFileError(f"its K/V are {chunk.info.kv_dtype}: only float K/V are exported")
             key = fmt.ChunkKey.parse(chunk.info.key)
             text = _renamed(key, model).text if key is not None else chunk.info.key
             if layout == "split":
-                _layers(chunk.info, chunk.array)  # a format hmem cannot split is refused here
+                kv_layers(chunk.info, chunk.array)  # a format hmem cannot split is refused here
         except BadFileError as exc:
             skipped.append((name, exc.message))
             continue
@@ -808,13 +457,13 @@ def export_safetensors(
             "no chunk to export" + (f": {skipped[0][0]}: {skipped[0][1]}" if skipped else ""),
             hint="local_disk files need the K/V shape (kv_shape, --kv-shape or --model-config)",
         )
-    dtypes = {_FLOAT_DTYPES[c.info.kv_dtype] for _, c in chunks}
+    dtypes = {FLOAT_DTYPES[c.info.kv_dtype] for _, c in chunks}
     meta: dict[str, str] = {"format": "hmem-lmcache-export", "layout": layout, "cache": str(cache.path)}
     tensors: list[tuple[str, str, np.ndarray]] = []
     entries = 0
     if layout == "model":
         for text, c in chunks:
-            tensors.append((text, _FLOAT_DTYPES[c.info.kv_dtype], np.ascontiguousarray(c.array)))
+            tensors.append((text, FLOAT_DTYPES[c.info.kv_dtype], np.ascontiguousarray(c.array)))
         meta["memory_formats"] = json.dumps({text: c.info.memory_format for text, c in chunks})
     else:
         if len(dtypes) > 1:
@@ -823,7 +472,7 @@ def export_safetensors(
             )
         by_layer: dict[int, list[tuple[str, np.ndarray, np.ndarray]]] = {}
         for text, c in chunks:
-            for layer, keys, values in _layers(c.info, c.array):
+            for layer, keys, values in kv_layers(c.info, c.array):
                 by_layer.setdefault(layer, []).append((text, keys, values))
         listing: dict[str, list[str]] = {}
         for layer in sorted(by_layer):
