@@ -66,9 +66,11 @@ def directory_kind(path: str | os.PathLike[str]) -> str:
     its index, or no directory at all: the store's own checks say what is
     wrong), ``cache`` (an LMCache cache), or ``neither``."""
     p = Path(path)
-    if not p.is_dir() or is_store(p) or files_without_index(p):
+    if not p.is_dir() or is_store(p):
         return "store"
-    return "cache" if is_cache(p) else "neither"
+    if is_cache(p):  # first: it reads names only up to the first chunk
+        return "cache"
+    return "store" if files_without_index(p) else "neither"
 
 
 def is_cache(path: str | os.PathLike[str]) -> bool:

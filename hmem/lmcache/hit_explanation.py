@@ -445,6 +445,15 @@ class _Explainer:
         first_missing = hit if hit < C else None
         reason = self._reason(request, C, hit, labels, names, cell_held, cell_stale, limiting)
         near = self._near_misses(request, hashes[hit:], tags, hit) if hit < C else ()
+        if C and hit == 0 and not near and not cell_held.any():
+            stored = len(self.cache.select(model=d.model))
+            if stored:  # the model's chunks are there, none of this request's: other tokens, or another seed
+                notes.append(
+                    f"none of this request's chunks is stored under any name, though {stored} file(s) of "
+                    f"{d.model} are: either these tokens were never stored, or the deployment's NONE_HASH "
+                    "differs (under vLLM it comes from PYTHONHASHSEED, random per process when unset: "
+                    "try --hash-seed)"
+                )
         if C and end < len(request.tokens):
             notes.append(
                 f"the last {len(request.tokens) - end} tokens are a partial chunk: never stored, never hit "

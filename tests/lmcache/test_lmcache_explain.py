@@ -137,6 +137,7 @@ def test_a_hash_seed_changes_every_key_and_hmem_names_it(source):
     # looked up as LMCache outside vLLM would (NONE_HASH 0): nothing hits
     wrong = explain(cache, requests, _deployment(oracle))
     assert all(r.hit_tokens == 0 for r in wrong)
+    assert all(any("PYTHONHASHSEED" in note for note in r.notes) for r in wrong if r.chunks)
     # and the other way round: a seeded lookup of an unseeded cache names the seed as the cause
     plain = explain(open_cache(root / "fs"), requests[:1], _deployment(oracle, hash_seed=seeded["pythonhashseed"]))
     assert plain[0].hit_tokens == 0
