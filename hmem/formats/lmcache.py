@@ -75,6 +75,7 @@ MEMORY_FORMATS = {
 
 _HASH = re.compile(r"-?[0-9a-f]+")
 _HEX = re.compile(r"[0-9a-f]+")
+_COUNT = re.compile(r"[0-9]{1,9}")  # a world size, worker id or layer: ASCII digits, a sane number of them
 _BYTES_HEX = re.compile(r"(?:[0-9a-f]{2})+")
 _KV_RANK = re.compile(r"0x[0-9a-f]{8}")  # f"{hash:x}": lower-case hex, a minus sign for a negative hash
 # native int32 words, as LMCache packs them (no byte order given)
@@ -111,13 +112,13 @@ class ChunkKey:
         if len(parts) < 5 or not parts[0]:
             return None
         model, world, worker, chunk_hash, kv_dtype, *rest = parts
-        if not (world.isdigit() and worker.isdigit()) or kv_dtype not in KV_DTYPE_BYTES:
+        if not (_COUNT.fullmatch(world) and _COUNT.fullmatch(worker)) or kv_dtype not in KV_DTYPE_BYTES:
             return None
         if _HASH.fullmatch(chunk_hash) is None:  # int(x, 16) would also take "0x", "_" and upper case
             return None
         value = int(chunk_hash, 16)
         layer = None
-        if rest and rest[0].isdigit():
+        if rest and _COUNT.fullmatch(rest[0]):
             layer = int(rest.pop(0))
         tags = []
         for part in rest:

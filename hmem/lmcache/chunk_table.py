@@ -137,15 +137,54 @@ def chunk_dicts(cache: CacheDirectory, rows: np.ndarray) -> list[dict[str, Any]]
 
 
 def _json_strings(values: list[str]) -> list[str]:
-    """Each string as a JSON string literal, all encoded by one call of
-    json's C encoder.  Split at '", "', which no encoded string holds (a
-    quote inside one is escaped)."""
+    """Each string as a JSON string literal less its quotes (the labels
+    around it hold them), all encoded by one call of json's C encoder.
+    Split at '", "', which no encoded string holds (a quote inside one is
+    escaped)."""
     if not values:
         return []
     parts = json.dumps(values)[2:-2].split('", "')
     if len(parts) != len(values):  # cannot happen; never a wrong document if it does
-        return [json.dumps(v) for v in values]
-    return [f'"{p}"' for p in parts]
+        return [json.dumps(v)[1:-1] for v in values]
+    return parts
+
+
+def _few_json_strings(values: list[str]) -> list[str]:
+    """_json_strings of a column of few distinct strings (a cache holds a
+    few models): each distinct one encoded once."""
+    text = {v: json.dumps(v)[1:-1] for v in set(values)}
+    return list(map(text.__getitem__, values))
+
+
+def _key_strings(name_strings: list[str], kind: np.ndarray) -> list[str]:
+    """Each chunk's key (ChunkInfo.key) from its name's JSON text: the
+    suffix cut, and for fs files each "-SEP-" a "/", done on the texts of
+    one kind joined by newlines (which no JSON text holds).  JSON escapes
+    hold neither "-" nor ".": they never make, nor break, a suffix or a
+    separator."""
+    out = np.empty(len(name_strings), dtype=object)
+    texts = np.array(name_strings, dtype=object)
+    for each in np.unique(kind).tolist():
+        mask = kind == each
+        suffix = _SUFFIX[each]
+        joined = "\n".join(texts[mask].tolist()) + "\n"
+        joined = joined.replace(suffix + "\n", "\n")
+        if each == "fs":
+            joined = joined.replace(_SEPARATOR, "/")
+        keys = joined[:-1].split("\n")
+        if len(keys) != int(mask.sum()):  # cannot happen; never a wrong document if it does
+            keys = [
+                t[: -len(suffix)].replace(_SEPARATOR, "/") if each == "fs" else t[: -len(suffix)]
+                for t in texts[mask].tolist()
+            ]
+        out[mask] = keys
+    return out.tolist()
+
+
+def _int_strings(values: list[int], none: str = "null") -> list[str]:
+    """Each number as JSON text, -1 as `none`; each distinct number converted once."""
+    text = {v: str(v) if v >= 0 else none for v in set(values)}
+    return list(map(text.__getitem__, values))
 
 
 def chunk_json_lines(cache: CacheDirectory, rows: np.ndarray) -> list[str]:
@@ -175,33 +214,36 @@ def chunk_json_lines(cache: CacheDirectory, rows: np.ndarray) -> list[str]:
     first[first_of] = True
     tail_of = (inverse + len(shaped) * (fs & ~first)).tolist()
     tails = list(map((tail_own + tail_same).__getitem__, tail_of))
-    names = ls.name[rows].tolist()
-    keys = [
-        name[: -len(_SUFFIX[kind])].replace(_SEPARATOR, "/") if kind == "fs" else name[: -len(_SUFFIX[kind])]
-        for name, kind in zip(names, group_kind.tolist())
+    names = _json_strings(ls.name[rows].tolist())
+    keys = _key_strings(names, group_kind)
+    # kind, world size, dtype and size are one per group: each with the labels around it, per group
+    group_rows = rows[first_of]
+    group_dtypes = [
+        d or like.kv_dtype  # an mp object's name has no dtype: its header's, when it has one
+        for d, like in zip(ls.kv_dtype[group_rows].tolist(), shaped)
     ]
-    dtypes = ls.kv_dtype[rows].astype(str)
-    unnamed = dtypes == ""  # an mp object's name has no dtype: its header's, when it has one
-    if unnamed.any():
-        dtypes = np.where(unnamed, np.array([like.kv_dtype for like in shaped])[inverse], dtypes)
-
-    def ints(column: np.ndarray) -> list[str]:  # -1 (none) as null
-        return [str(v) if v >= 0 else "null" for v in column[rows].tolist()]
-
-    pieces = (
-        ('{"name":', _json_strings(names)),
-        (',"kind":"', group_kind.tolist()),
-        ('","key":', _json_strings(keys)),
-        (',"model":', _json_strings(ls.model[rows].tolist())),
-        (',"world_size":', list(map(str, ls.world_size[rows].tolist()))),
-        (',"rank":', list(map(str, ls.rank[rows].tolist()))),
-        (',"chunk_hash":', _json_strings(ls.chunk_hash[rows].tolist())),
-        (',"kv_dtype":', _json_strings(dtypes.tolist())),
-        (',"layer":', ints(ls.layer)),
-        (',"tags":', _json_strings(ls.tags[rows].tolist())),
-        (',"group":', ints(ls.group)),
-        (',"size":', list(map(str, ls.size[rows].tolist()))),
-        (',"mtime":', list(map(repr, (ls.mtime_ns[rows] / 1e9).tolist()))),
+    per_group = [
+        [f'","kind":"{like.kind}","key":"' for like in shaped],
+        [f'","world_size":{w},"rank":' for w in ls.world_size[group_rows].tolist()],
+        [f'","kv_dtype":{json.dumps(d)},"layer":' for d in group_dtypes],
+        [f',"size":{size},"mtime":' for size in ls.size[group_rows].tolist()],
+    ]
+    group_of = inverse.tolist()
+    kind_key, world_rank, dtype_layer, size_mtime = (list(map(texts.__getitem__, group_of)) for texts in per_group)
+    pieces = (  # each label holds the quotes of the strings around it
+        ('{"name":"', names),
+        ("", kind_key),
+        ("", keys),
+        ('","model":"', _few_json_strings(ls.model[rows].tolist())),
+        ("", world_rank),
+        ("", _int_strings(ls.rank[rows].tolist(), "-1")),
+        (',"chunk_hash":"', _json_strings(ls.chunk_hash[rows].tolist())),
+        ("", dtype_layer),
+        ("", _int_strings(ls.layer[rows].tolist())),
+        (',"tags":"', _json_strings(ls.tags[rows].tolist())),
+        ('","group":', _int_strings(ls.group[rows].tolist())),
+        ("", size_mtime),
+        ("", list(map(repr, (ls.mtime_ns[rows] / 1e9).tolist()))),
         (',"atime":', list(map(repr, (ls.atime_ns[rows] / 1e9).tolist()))),
         ("", tails),
     )

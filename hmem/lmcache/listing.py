@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import operator
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +38,15 @@ KINDS = ("local_disk", "fs", "mp", "debris", "foreign", "other")
 LOCAL_DISK, FS, MP, DEBRIS, FOREIGN, OTHER = range(len(KINDS))
 CHUNK_KINDS = (LOCAL_DISK, FS, MP)
 _by_name = operator.itemgetter(0)
+_KNOWN_DTYPES = frozenset(fmt.KV_DTYPE_BYTES)
 
-# One line per file name; each alternative is a whole line.  The first is
+# One line per file name; each alternative is a whole line.  World size,
+# worker and layer have at most 9 digits: a name with more is no chunk
+# LMCache wrote (and would not fit the int64 columns).  The first is
 # an in-process key (local_disk or fs), the second a multiprocess object.
 _LINE = re.compile(
     r"^(?:"
-    r"([^@\n]+)@(\d+)@(\d+)@(-?[0-9a-f]+)@([a-z0-9_]+)(?:@(\d+))?((?:@[^@%\n]+%[^@\n]*)*)\.(pt|data)"
+    r"([^@\n]+)@(\d{1,9})@(\d{1,9})@(-?[0-9a-f]+)@([a-z0-9_]+)(?:@(\d{1,9}))?((?:@[^@%\n]+%[^@\n]*)*)\.(pt|data)"
     r"|([^@\n]+)@0x([0-9a-f]{8})@([0-9a-f]{1,8})@((?:[0-9a-f]{2})+)(?:@([^@\n]+))?\.data"
     r"|([^\n]*)"
     r")$",
@@ -125,6 +130,20 @@ def list_cache(root: str | os.PathLike[str]) -> CacheListing:
             gc.enable()
 
 
+def _ints(values: list[str]) -> np.ndarray:
+    """Decimal numbers, each distinct text converted once (a column holds few)."""
+    number = {v: int(v) for v in set(values)}
+    return np.fromiter(map(number.__getitem__, values), dtype=np.int64, count=len(values))
+
+
+def _texts(values: list[str], change: Callable[[str], str]) -> np.ndarray:
+    """`change` of each text, as an object column, each distinct text changed once."""
+    changed = {v: change(v) for v in set(values)}
+    out = np.empty(len(values), dtype=object)
+    out[:] = list(map(changed.__getitem__, values))
+    return out
+
+
 def _list_cache(root: Path) -> CacheListing:
     found = _stat_rows(root)
     found.sort(key=_by_name)  # names are unique: the order of the tuples, 3x faster
@@ -134,7 +153,7 @@ def _list_cache(root: Path) -> CacheListing:
     else:
         names_t = modes_t = sizes_t = mtimes_t = atimes_t = ()
     names = np.array(names_t, dtype=object)
-    modes = np.array(modes_t, dtype=np.int64)
+    modes = np.fromiter(modes_t, dtype=np.int64, count=n)
     regular = (modes & 0o170000) == stat.S_IFREG
     # a name holding a newline would split the one-text parse below: parsed as ""
     text = "\n".join(names_t)
@@ -143,12 +162,13 @@ def _list_cache(root: Path) -> CacheListing:
         text = "\n".join(np.where(odd, "", names).tolist())
     else:
         odd = np.zeros(n, bool)
-    parts = np.array(_LINE.findall(text), dtype=object).reshape(n, 14) if n else np.zeros((0, 14), object)
+    # 14 texts per name, laid out row by row without np.array's look at each tuple's shape
+    parts = np.fromiter(itertools.chain.from_iterable(_LINE.findall(text) if n else ()), dtype=object, count=14 * n)
+    parts = parts.reshape(n, 14)
 
     key_row = parts[:, _SUFFIX] != ""
     mp_row = parts[:, _MP_RANK] != ""
-    known_dtype = np.isin(parts[:, _DTYPE], list(fmt.KV_DTYPE_BYTES))
-    key_row &= known_dtype
+    key_row &= np.fromiter(map(_KNOWN_DTYPES.__contains__, parts[:, _DTYPE].tolist()), dtype=bool, count=n)
     kind = np.full(n, FOREIGN, dtype=np.int8)
     kind[key_row & (parts[:, _SUFFIX] == "pt")] = LOCAL_DISK
     kind[key_row & (parts[:, _SUFFIX] == "data")] = FS
@@ -162,11 +182,11 @@ def _list_cache(root: Path) -> CacheListing:
     def ints(column: int, mask: np.ndarray, hexadecimal: bool = False) -> np.ndarray:
         out = np.full(n, -1, dtype=np.int64)
         if mask.any():
-            values = parts[mask, column].astype(str)
             if hexadecimal:  # up to 8 hex digits each: decoded all at once as big-endian words
+                values = parts[mask, column].astype(str)
                 out[mask] = np.frombuffer(bytes.fromhex("".join(np.char.zfill(values, 8).tolist())), dtype=">u4")
             else:
-                out[mask] = values.astype(np.int64)
+                out[mask] = _ints(parts[mask, column].tolist())
         return out
 
     is_key = (kind == LOCAL_DISK) | (kind == FS)
@@ -174,7 +194,7 @@ def _list_cache(root: Path) -> CacheListing:
     model = np.where(is_key, parts[:, _MODEL], np.where(is_mp, parts[:, _MP_MODEL], ""))
     fs_like = (kind == FS) | is_mp
     if fs_like.any():  # fs and mp names spell each "/" of the model as "-SEP-"
-        model[fs_like] = np.char.replace(model[fs_like].astype(str), fmt.FS_SEPARATOR, "/").astype(object)
+        model[fs_like] = _texts(model[fs_like].tolist(), _unseparated)
     kv_ranks = ints(_MP_RANK, is_mp, hexadecimal=True)
     world = ints(_WORLD, is_key)
     rank = ints(_WORKER, is_key)
@@ -182,15 +202,16 @@ def _list_cache(root: Path) -> CacheListing:
     rank[is_mp] = (kv_ranks[is_mp] >> 16) & 0xFF
     layer = ints(_LAYER, is_key & (parts[:, _LAYER] != ""))
     tags = np.where(is_key, parts[:, _TAGS], "")
-    if is_key.any():
-        tags[is_key] = np.char.lstrip(tags[is_key].astype(str), "@").astype(object)
+    tagged = tags != ""
+    if tagged.any():  # each tag begins "@": the first one's is dropped
+        tags[tagged] = _texts(tags[tagged].tolist(), _after_first)
     return CacheListing(
         root=root,
         name=names,
         kind=kind,
-        size=np.array(sizes_t, dtype=np.int64),
-        mtime_ns=np.array(mtimes_t, dtype=np.int64),
-        atime_ns=np.array(atimes_t, dtype=np.int64),
+        size=np.fromiter(sizes_t, dtype=np.int64, count=n),
+        mtime_ns=np.fromiter(mtimes_t, dtype=np.int64, count=n),
+        atime_ns=np.fromiter(atimes_t, dtype=np.int64, count=n),
         model=model,
         world_size=world,
         rank=rank,
@@ -202,3 +223,11 @@ def _list_cache(root: Path) -> CacheListing:
         kv_rank=kv_ranks,
         salt=np.where(is_mp, parts[:, _MP_SALT], ""),
     )
+
+
+def _unseparated(model: str) -> str:
+    return model.replace(fmt.FS_SEPARATOR, "/")
+
+
+def _after_first(tags: str) -> str:
+    return tags[1:]

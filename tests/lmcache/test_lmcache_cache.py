@@ -222,6 +222,8 @@ def test_an_unknown_dtype_code_in_an_fs_header(tmp_path):
         ("notes.txt", "neither"),
         ("hmem-tests-SEP-tiny-llama@1@0@ff@float99.data", "float99"),
         ("hmem-tests-SEP-tiny-llama@1@0@FF@bfloat16.data", "parses as no LMCache key"),
+        ("hmem-tests-SEP-tiny-llama@99999999999999999999@0@ff@bfloat16.data", "parses as no LMCache key"),
+        ("hmem-tests-SEP-tiny-llama@1@0@ff@bfloat16@99999999999999999999.data", "parses as no LMCache key"),
     ],
 )
 def test_a_name_that_is_no_key(tmp_path, name, why):
