@@ -343,15 +343,35 @@ class CacheDirectory:
 
     def chunk_and_header(self, row: int) -> tuple[ChunkInfo, fmt.FsHeader | None]:
         """One chunk and the fs header its file begins with (None for a
-        chunk of another kind): what verify compares its key with."""
-        header = self._header(row) if self.listing.kind[row] == FS else None
+        chunk of another kind, or an fs file without one): what verify
+        compares its key with.
+
+        An fs connector configured with ``save_chunk_meta: false`` writes
+        the bytes without a header.  An fs file whose start is no header is
+        read as such a file when the cache has a K/V shape its size fits
+        exactly, whole tokens and at most a chunk of them (a file with a
+        header is 28 bytes longer, which no real model's token bytes
+        divide); otherwise its header is reported bad (CorruptStoreError)."""
+        if self.listing.kind[row] != FS:
+            return self._info(row, None), None
+        try:
+            header = self._header(row)
+        except CorruptStoreError:
+            shape, _, _ = self._shape(row, None, headerless=True)
+            if shape is None or self._tokens_of(shape) > self.chunk_size:
+                raise
+            return self._info(row, None, headerless=True), None
         return self._info(row, header), header
 
-    def _info(self, row: int, header: fmt.FsHeader | None) -> ChunkInfo:
+    @staticmethod
+    def _tokens_of(shape: tuple[int, ...]) -> int:
+        return shape[2] if len(shape) == 4 else shape[0]
+
+    def _info(self, row: int, header: fmt.FsHeader | None, *, headerless: bool = False) -> ChunkInfo:
         ls = self.listing
         kind = int(ls.kind[row])
         name = str(ls.name[row])
-        shape, memory_format, source = self._shape(row, header)
+        shape, memory_format, source = self._shape(row, header, headerless=headerless)
         if kind == MP:
             key = name[: -len(fmt.FS_SUFFIX)]
         else:
@@ -387,19 +407,23 @@ class CacheDirectory:
                     head += f.read(8 + 20 * groups - len(head))
         return fmt.read_fs_header(head, size, path.name)
 
-    def _shape(self, row: int, header: fmt.FsHeader | None) -> tuple[tuple[int, ...] | None, str | None, str]:
-        """(shape, memory format, where the shape comes from) of a chunk."""
+    def _shape(
+        self, row: int, header: fmt.FsHeader | None, *, headerless: bool = False
+    ) -> tuple[tuple[int, ...] | None, str | None, str]:
+        """(shape, memory format, where the shape comes from) of a chunk;
+        `headerless`: an fs file without a header, shaped as a local_disk one."""
         ls = self.listing
         if header is not None:
             if len(header.groups) == 1:
                 return header.groups[0][1], header.memory_format, "the file's header"
             return None, header.memory_format, f"the file's header: {len(header.groups)} groups"
-        if ls.kind[row] == FS:
+        if ls.kind[row] == FS and not headerless:
             return None, None, "the file's header (not read)"
         dtype = str(ls.kv_dtype[row])
         if self.kv_shape is None or (ls.kind[row] == MP and not dtype):
             return None, None, "unknown: the file holds bytes only (give --kv-shape or --model-config)"
         shape = self.kv_shape
+        no_header = "; no header: an fs file written with save_chunk_meta: false" if headerless else ""
         hidden = shape.hidden_for(int(ls.world_size[row]))
         size = int(ls.size[row])
         itemsize = fmt.KV_DTYPE_BYTES[dtype]
@@ -409,7 +433,7 @@ class CacheDirectory:
             tokens, rest = divmod(size, per_token)
             if rest or not tokens:
                 return None, None, f"{size} bytes fit no whole token of {shape.source}"
-            return (tokens, *dims), ("KV_T2D" if not shape.mla else "KV_MLA_FMT"), shape.source
+            return (tokens, *dims), ("KV_T2D" if not shape.mla else "KV_MLA_FMT"), shape.source + no_header
         per_token = shape.planes * shape.layers * hidden * itemsize
         tokens, rest = divmod(size, per_token)
         if rest or not tokens:
@@ -417,7 +441,7 @@ class CacheDirectory:
         return (
             (shape.planes, shape.layers, tokens, hidden),
             "KV_2LTD" if not shape.mla else "KV_MLA_FMT",
-            shape.source,
+            shape.source + no_header,
         )
 
     def read(self, row: int) -> tuple[ChunkInfo, np.ndarray]:

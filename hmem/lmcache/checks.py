@@ -13,7 +13,7 @@ import numpy as np
 from hmem.errors import CorruptStoreError, storage_error
 from hmem.formats import lmcache as fmt
 from hmem.lmcache.chunk_values import non_finite_count
-from hmem.lmcache.listing import DEBRIS, FOREIGN, LOCAL_DISK, MP, OTHER
+from hmem.lmcache.listing import DEBRIS, FOREIGN, FS, LOCAL_DISK, MP, OTHER
 
 if TYPE_CHECKING:  # the cache calls verify_cache: imported at run time, it would be a cycle
     from hmem.lmcache.cache import CacheDirectory, ChunkInfo
@@ -82,12 +82,14 @@ def verify_cache(cache: CacheDirectory, *, deep: bool = False) -> CacheVerifyRep
             )
         )
         findings += _odd_size_findings(cache, rows)
+    bad_headers = 0
     for row in rows.tolist():
         name = str(ls.name[row])
         try:
             info, header = cache.chunk_and_header(row)
         except CorruptStoreError as exc:
             findings.append(Finding(name, "bad header", exc.message))
+            bad_headers += 1
             continue
         except OSError as exc:
             findings.append(Finding(name, "unreadable", str(storage_error(exc, "read", ls.path(row), writing=False))))
@@ -101,6 +103,18 @@ def verify_cache(cache: CacheDirectory, *, deep: bool = False) -> CacheVerifyRep
                 continue
             bytes_read += data.nbytes
             findings += _value_findings(info, data)
+    fs_files = int((ls.kind == FS).sum())
+    if cache.kv_shape is None and fs_files and bad_headers == fs_files:
+        findings.append(
+            Finding(
+                "",
+                "no fs header",
+                f"none of the {fs_files} fs files starts with a header: an fs connector configured with "
+                "save_chunk_meta: false writes none; give --kv-shape LAYERS,HIDDEN or --model-config PATH "
+                "to read them as such",
+                "warning",
+            )
+        )
     return CacheVerifyReport(str(cache.path), len(ls), len(rows), bytes_read, deep, tuple(findings))
 
 

@@ -27,6 +27,8 @@ Scenarios (one directory of OUT_DIR each):
   engine's lookups on it (scenario_deleted_chunk);
 - local_disk_evicted: a local_disk capacity of exactly 3 chunks, a, b, c
   stored, what stays and the same process's lookups (scenario_evicted);
+- fs_headerless: an fs cache written with save_chunk_meta: false, the
+  bytes without a header (scenario_headerless);
 - fs_seeded: an fs cache whose chunk hashes start from NONE_HASH =
   hash("0") in a process with PYTHONHASHSEED=0, as vLLM sets it
   (scenario_seeded);
@@ -209,9 +211,12 @@ def wait_until(condition, what):
         time.sleep(0.005)
 
 
-def engine(instance, geom, kind, directory, *, model_name=MODEL_NAME, kv_dtype=torch.bfloat16, **settings):
+def engine(
+    instance, geom, kind, directory, *, model_name=MODEL_NAME, kv_dtype=torch.bfloat16, extra_config=None, **settings
+):
     """An LMCache engine whose one disk tier is `kind` ("local_disk",
-    "layerwise" or "fs") in `directory`."""
+    "layerwise" or "fs") in `directory` (`extra_config`: more of the fs
+    connector's settings)."""
     settings = {
         "chunk_size": geom.chunk,
         "local_cpu": False,
@@ -223,7 +228,10 @@ def engine(instance, geom, kind, directory, *, model_name=MODEL_NAME, kv_dtype=t
         settings.setdefault("max_local_disk_size", 0.5)
         settings.update(local_disk=f"file://{directory}/", use_layerwise=kind == "layerwise")
     else:
-        settings.update(remote_storage_plugins=["fs"], extra_config={"remote_storage_plugin.fs.base_path": directory})
+        settings.update(
+            remote_storage_plugins=["fs"],
+            extra_config={"remote_storage_plugin.fs.base_path": directory, **(extra_config or {})},
+        )
     metadata = LMCacheMetadata(
         model_name=model_name,
         world_size=1,
@@ -250,10 +258,10 @@ def lookups(cache, reqs):
     return {req["name"]: cache.lookup(req["tokens"], request_configs=req["tags"] or None) for req in reqs}
 
 
-def write(cache, kind, directory, geom, kvs, reqs):
+def write(cache, kind, directory, geom, kvs, reqs, *, header_bytes=FS_HEADER_BYTES):
     """Store every request, wait until LMCache's files are whole on disk;
     per request its chunk hashes, keys and lookup, per file the SHA-256 and
-    shape of the K/V it holds."""
+    shape of the K/V it holds (`header_bytes`: an fs file's header)."""
     suffix = ".data" if kind == "fs" else ".pt"
     separator = "-SEP-" if kind == "fs" else "-"
     layerwise = kind == "layerwise"
@@ -280,7 +288,7 @@ def write(cache, kind, directory, geom, kvs, reqs):
             else:  # [2, L, T, H]
                 part = kv[:, :, number * geom.chunk : (number + 1) * geom.chunk, :]
             out["files"].setdefault(name, {"sha256": sha256_of(part), "shape": list(part.shape)})
-            sizes[name] = 2 * part.numel() + (FS_HEADER_BYTES if kind == "fs" else 0)
+            sizes[name] = 2 * part.numel() + (header_bytes if kind == "fs" else 0)
 
         def landed():
             # local_disk writes the final file in place: whole once it has its size
@@ -306,6 +314,17 @@ def scenario_caches(out_dir, geom, kvs, reqs, kind):
     if kind == "local_disk":  # the bytes LMCache's capacity accounting charges a chunk
         out["chunk_physical_bytes"] = max(m.size for m in disk_backend(cache).dict.values())
     LMCacheEngineBuilder.destroy(kind)
+    return out
+
+
+def scenario_headerless(out_dir, geom, kvs, reqs):
+    """An fs cache whose connector is configured with save_chunk_meta:
+    false: the chunks' bytes without a header."""
+    directory = os.path.join(out_dir, "fs_headerless")
+    os.makedirs(directory)
+    cache = engine("fs_headerless", geom, "fs", directory, extra_config={"save_chunk_meta": False})
+    out = write(cache, "fs", directory, geom, kvs, reqs, header_bytes=0)
+    LMCacheEngineBuilder.destroy("fs_headerless")
     return out
 
 
@@ -658,6 +677,7 @@ def main(out_dir, geom):
     try:
         for kind in ("fs", "layerwise"):
             caches[kind] = scenario_caches(out_dir, geom, kvs, reqs, kind)
+        caches["fs_headerless"] = scenario_headerless(out_dir, geom, kvs, reqs)
         oracle = {
             "model": MODEL_NAME,
             "layers": geom.layers,
@@ -702,6 +722,7 @@ SCENARIO_DIRS = (
     "fs_deleted",
     "local_disk_evicted",
     "fs_seeded",
+    "fs_headerless",
     "mp",
 )
 
