@@ -58,7 +58,8 @@ def read_chunk_file(cache: CacheDirectory, row: int) -> ChunkFile:
         raise BadFileError("it changed while it was read (LMCache may be writing it)")
     dtype = np.dtype(NUMPY_DTYPES[info.kv_dtype])
     count = int(np.prod(info.shape))
-    if info.kind == "fs" and data[: len(data) - count * dtype.itemsize] != fs_header(info):
+    header = data[: len(data) - count * dtype.itemsize]  # empty for an fs file without one (save_chunk_meta: false)
+    if info.kind == "fs" and header and header != fs_header(info):
         raise BadFileError("its header changed while it was read")
     array = np.frombuffer(data, dtype=dtype, count=count, offset=len(data) - count * dtype.itemsize)
     return ChunkFile(info, data, array.reshape(info.shape))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hmem.lmcache import Deployment, KVShape, explain, open_cache, parse_requests
+from hmem.lmcache import Deployment, KVShape, explain, export_fs_cache, open_cache, parse_requests
 
 SMALL = Path(__file__).parents[1] / "data" / "lmcache"
 HEADER_BYTES = 28
@@ -33,7 +33,10 @@ def headerless(request, tmp_path) -> tuple[Path, dict, dict]:
             path.write_bytes(path.read_bytes()[HEADER_BYTES:])
         return directory, oracle, oracle["caches"]["fs"]
     root, oracle = request.getfixturevalue("written")
-    return root / "fs_headerless", oracle, oracle["caches"]["fs_headerless"]
+    directory = tmp_path / "fs_headerless"  # a copy: the session's caches are read-only to the tests
+    shutil.copytree(root / "fs_headerless", directory)
+    shutil.copytree(root / "fs", tmp_path / "fs")
+    return directory, oracle, oracle["caches"]["fs_headerless"]
 
 
 def test_lmcache_writes_the_fs_bytes_without_their_header(written):
@@ -78,3 +81,14 @@ def test_a_size_the_shape_does_not_fit_is_still_a_bad_header(headerless):
     cache = open_cache(directory, chunk_size=oracle["chunk_size"], kv_shape=KVShape(oracle["layers"], oracle["hidden"]))
     bad = [f for f in cache.verify().findings if f.severity == "error"]
     assert [(f.name, f.problem) for f in bad] == [(victim.name, "bad header")]
+
+
+def test_exported_with_headers_it_is_the_cache_lmcache_writes_by_default(headerless, tmp_path):
+    directory, oracle, _ = headerless
+    cache = open_cache(directory, chunk_size=oracle["chunk_size"], kv_shape=KVShape(oracle["layers"], oracle["hidden"]))
+    report = export_fs_cache(cache, tmp_path / "headed")
+    assert not report.problems
+    headed = directory.parent / "fs" if (directory.parent / "fs").is_dir() else SMALL / "fs"  # what LMCache wrote
+    assert sorted(os.listdir(tmp_path / "headed")) == sorted(os.listdir(headed))
+    for name in os.listdir(headed):
+        assert (tmp_path / "headed" / name).read_bytes() == (headed / name).read_bytes()
