@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from hmem.errors import InvalidArgumentError, PathError
+from hmem.errors import InvalidArgumentError, PathError, storage_error
 
 U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
@@ -158,6 +158,22 @@ def path_text(value: Any, name: str) -> str:
             hint="give the path explicitly, '.' for the current directory",
         )
     return text
+
+
+def file_to_write(value: Any, name: str) -> str:
+    """A path a file can be written to (``path_text``): not a directory,
+    and in a directory that exists; else the PathError of what is wrong
+    (EISDIR, ENOENT, ENOTDIR: exit code 10), before anything is read or
+    written."""
+    text = path_text(value, name)
+    if os.path.isdir(text):
+        code = errno.EISDIR
+    else:
+        parent = os.path.dirname(text) or "."
+        if os.path.isdir(parent):
+            return text
+        code = errno.ENOENT if not os.path.exists(parent) else errno.ENOTDIR
+    raise storage_error(OSError(code, os.strerror(code)), "write", text)
 
 
 def store_directory(value: Any, name: str = "the store path") -> str:

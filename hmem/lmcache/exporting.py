@@ -17,7 +17,6 @@ temporary name and renamed (hmem/_io.py).
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 from collections.abc import Iterable
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hmem import _io, file_reads, validation
-from hmem.errors import BadFileError, HmemError, InvalidArgumentError, storage_error
+from hmem.errors import BadFileError, HmemError, InvalidArgumentError
 from hmem.formats import lmcache as fmt
 from hmem.formats import safetensors
 from hmem.formats.sources import ImportedSource
@@ -383,13 +382,7 @@ def _check_file_path(path: str | os.PathLike[str]) -> None:
     target = Path(validation.path_text(path, "the export path"))
     if is_store(target.parent) or any(is_store(p) for p in target.resolve().parents):
         raise InvalidArgumentError(f"{target} is inside an hmem store: an export never writes there")
-    if target.is_dir():
-        code = errno.EISDIR
-    elif not target.parent.is_dir():
-        code = errno.ENOENT if not target.parent.exists() else errno.ENOTDIR
-    else:
-        return
-    raise storage_error(OSError(code, os.strerror(code)), "write", target)
+    validation.file_to_write(target, "the export path")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,6 @@ hmem/transfer/kv_import.py."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -17,7 +16,7 @@ import numpy as np
 
 from hmem import _io, validation
 from hmem.config import STORAGE_DTYPES
-from hmem.errors import EntryNotFoundError, InvalidArgumentError, storage_error
+from hmem.errors import EntryNotFoundError, InvalidArgumentError
 from hmem.formats import safetensors
 from hmem.store import kv_layouts
 
@@ -80,8 +79,7 @@ def check_export_path(path: str | Path, store: str | os.PathLike[str] | None = N
     link to the store's directory is inside it too.  Every export (``hmem
     export``, ``hmem query --export``) checks here, before anything is
     written (docs/reliability.md, "OS errors")."""
-    validation.path_text(path, "the export path")
-    path = Path(path)
+    path = Path(validation.path_text(path, "the export path"))
     if store is not None and not _is_url(store):
         root = Path(store).resolve()
         target = path.resolve()
@@ -90,13 +88,7 @@ def check_export_path(path: str | Path, store: str | os.PathLike[str] | None = N
                 f"{path} is inside the store at {store}: an export never writes there",
                 hint="write it outside the store directory",
             )
-    if path.is_dir():
-        code = errno.EISDIR
-    elif not path.parent.is_dir():
-        code = errno.ENOENT if not path.parent.exists() else errno.ENOTDIR
-    else:
-        return
-    raise storage_error(OSError(code, os.strerror(code)), "write", path)
+    validation.file_to_write(path, "the export path")
 
 
 def _is_url(store: str | os.PathLike[str]) -> bool:
