@@ -64,6 +64,7 @@ from hmem.store.results import (
     StoreHealth,
     StoreStats,
 )
+from hmem.store.storage import Bf16Rows
 from hmem.store.store import Entry, Store, is_store
 from hmem.transfer.importing import FileResult, ImportReport, import_files
 from hmem.transfer.kv_import import (

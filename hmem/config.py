@@ -69,6 +69,10 @@ class StoreConfig:
                      spans, the layout of span stores made before
                      span_layout existed);
                      meaningless without spans, where it is "overlapping"
+    chunks           entries may be put in chunks under an external key
+                     (Store.put_chunks): found by key without a scan, and
+                     evicted and deleted a chunk at a time (docs/format.md,
+                     "Chunks")
     """
 
     embed_dim: int
@@ -82,6 +86,7 @@ class StoreConfig:
     storage_dtype: str = "f32"
     signatures_per_entry: int = 1
     span_layout: str = "overlapping"
+    chunks: bool = False
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int, high: int) -> None:
@@ -98,6 +103,7 @@ class StoreConfig:
         integer("max_open_shards", 1, MAX_OPEN_SHARDS)
         integer("signatures_per_entry", 1, MAX_SIGNATURES_PER_ENTRY)
         validation.flag(self.quantize_stored, "quantize_stored")
+        validation.flag(self.chunks, "chunks")
         validation.choice(self.storage_dtype, "storage_dtype", STORAGE_DTYPES)
         validation.choice(self.span_layout, "span_layout", SPAN_LAYOUTS)
         if self.signatures_per_entry == 1:  # no spans: nothing to lay out, saved as before layouts existed
@@ -139,6 +145,8 @@ class StoreConfig:
             del out["span_layout"]
         elif self.span_layout == "disjoint":  # saved as before layouts existed
             del out["span_layout"]
+        if not self.chunks:  # likewise; a store of chunks names it, and an older release refuses it
+            del out["chunks"]
         return out
 
     @classmethod

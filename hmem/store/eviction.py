@@ -10,6 +10,7 @@ import numpy as np
 from hmem import _io
 from hmem.errors import EntryNotFoundError, EntryTooLargeError
 from hmem.formats.records import EVICTED
+from hmem.store.chunks import Chunks
 from hmem.store.compaction import Compaction
 from hmem.store.policy import eviction_order, scores
 from hmem.store.prepare import PreparedBatch
@@ -26,15 +27,16 @@ INDEX_BYTES_PER_UPDATE = 32  # a pending record update in index.json (base64), a
 class Eviction:
     """Evicting entries of one StoreState, by request or to keep its limits."""
 
-    def __init__(self, state: StoreState, writer: Writer, compaction: Compaction) -> None:
+    def __init__(self, state: StoreState, writer: Writer, compaction: Compaction, chunks: Chunks) -> None:
         self.state = state
         self.writer = writer
         self.compaction = compaction
+        self.chunks = chunks  # a store of chunks evicts and deletes a chunk whole
 
     def victims(self, target: int) -> np.ndarray:
         """Positions of the live records to evict to keep at most `target`."""
         live = self.state.live_positions()
-        return eviction_order(self.state.records, live)[: max(0, len(live) - target)]
+        return self.chunks.whole(eviction_order(self.state.records, live)[: max(0, len(live) - target)])
 
     def plan(self, target: int) -> EvictionPlan:
         state = self.state
@@ -65,10 +67,10 @@ class Eviction:
         found = np.zeros(len(entry_ids), dtype=bool)
         if state.n:
             found = (ids[at] == entry_ids) & (state.records["shard_idx"][at] != EVICTED)
-        positions = at[found]
+        positions = self.chunks.whole(at[found])
         nbytes = state.entry_file_bytes(state.records["n_tokens"][positions].astype(np.int64))
         plan = DeletePlan(
-            entry_ids=tuple(entry_ids[found].tolist()),
+            entry_ids=tuple(state.records["entry_id"][positions].tolist()),
             missing=tuple(entry_ids[~found].tolist()),
             bytes_reclaimable=int(np.sum(nbytes)),
         )
@@ -89,9 +91,13 @@ class Eviction:
         self.writer.flush(exact_ids=False)
         return plan
 
-    def mark(self, victims: np.ndarray) -> None:
-        """Mark records evicted (in memory) and account their bytes as dead."""
+    def mark(self, victims: np.ndarray) -> int:
+        """Mark records evicted (in memory) and account their bytes as dead;
+        in a store of chunks, every part of a chunk one of them is in.
+        Returns how many were marked."""
+        victims = self.chunks.whole(victims)
         self.state.mark_evicted(victims)
+        return len(victims)
 
     # ---- limits --------------------------------------------------------------------
 
@@ -180,8 +186,7 @@ class Eviction:
             budget = max(0, budget - step)
 
     def _evict_for_room(self, victims: np.ndarray) -> None:
-        self.mark(victims)
-        self.state.count_limit_activity(evicted=len(victims))
+        self.state.count_limit_activity(evicted=self.mark(victims))
 
     def _usage_bytes(self) -> int:
         """Bytes on disk now plus what the next flush will add: shards,

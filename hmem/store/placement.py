@@ -8,7 +8,8 @@ at fixed points, never by a branch on the kind of store:
 
 - `DirectoryPlacement`: the directory is the store.  Its shard files are
   mapped in place, its commits are durable where they are made, and there
-  is nothing to publish, refresh or list besides it.
+  is nothing to publish or list besides it; a reader's refresh opens the
+  newest commit again when index.json changed.
 - `hmem.store.object_link.ObjectLink`: a store on object storage (S3, or
   memory:// in the process), imported only when one is opened.  Commits
   are published by conditional writes, shard bytes are fetched by range as
@@ -26,6 +27,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+from hmem.store.state import open_reader
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -143,7 +146,7 @@ class Placement(Protocol):
 class DirectoryPlacement:
     """A store in a local directory: the engine's files are the store."""
 
-    capabilities = Capabilities(maps_in_place=True, conditional_writes=False, refreshes=False, lists_orphans=False)
+    capabilities = Capabilities(maps_in_place=True, conditional_writes=False, refreshes=True, lists_orphans=False)
 
     def __init__(self, location: str) -> None:
         self.location = location
@@ -158,10 +161,12 @@ class DirectoryPlacement:
         pass
 
     def newer_state(self, state: StoreState) -> StoreState | None:
-        return None  # a local reader sees commits when it opens again
+        if not state.store_changed():  # one read of index.json
+            return None
+        return open_reader(state.path, state.verify_reads)
 
     def swap_in(self, old: StoreState, fresh: StoreState) -> None:
-        raise AssertionError("a store in a directory is never refreshed")
+        pass  # the new state maps its files itself
 
     def forget(self, old: StoreState) -> None:
         pass

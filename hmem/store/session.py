@@ -18,9 +18,11 @@ import time
 import weakref
 from collections.abc import Iterator
 
+from hmem.store.chunks import Chunks
 from hmem.store.compaction import Compaction
 from hmem.store.eviction import Eviction
 from hmem.store.placement import Placement
+from hmem.store.prepare import PreparedBatch
 from hmem.store.queries import Queries
 from hmem.store.reading import EntryReader
 from hmem.store.state import StoreState
@@ -38,12 +40,14 @@ class Components:
     queries: Queries
     compaction: Compaction
     eviction: Eviction
+    chunks: Chunks
 
     @classmethod
     def of(cls, state: StoreState) -> Components:
         reader, writer = EntryReader(state), Writer(state)
-        compaction = Compaction(state, writer, reader)
-        return cls(state, reader, writer, Queries(state, reader), compaction, Eviction(state, writer, compaction))
+        compaction, chunks = Compaction(state, writer, reader), Chunks(state, reader)
+        eviction = Eviction(state, writer, compaction, chunks)
+        return cls(state, reader, writer, Queries(state, reader), compaction, eviction, chunks)
 
 
 class Session:
@@ -96,6 +100,24 @@ class Session:
                 yield parts
                 return
 
+    def insert(self, batch: PreparedBatch) -> list[int]:
+        """Store a checked batch, beside queries (they see it whole at its
+        end: hmem/store/writer.py); only a put that must evict goes alone.
+        The batch's memory goes back to the pool: copied into the shard, or not stored."""
+        try:
+            with self.writing(exclusive=False) as parts:
+                if not parts.eviction.needs_room(batch):
+                    ids = parts.writer.insert(batch)
+                    self.publish(data_only=True)
+                    return ids
+                with parts.state.lock.exclusive():
+                    parts.eviction.make_room(batch)
+                    ids = parts.writer.insert(batch)
+                    self.publish(data_only=True)  # the limits may have evicted and committed
+                    return ids
+        finally:
+            batch.release()
+
     def publish(self, *, snapshot: bool = False, data_only: bool = False) -> None:
         """After a write: make its commit the store's own where it lives."""
         self.placement.after_write(self.state, snapshot=snapshot, data_only=data_only)
@@ -117,6 +139,7 @@ class Session:
             fresh = self.placement.newer_state(old)
             if fresh is None:
                 return False
+            fresh.chunk_index.carry(old.chunk_index)  # the shards both have are not read again
             with old.lock.exclusive():
                 self.placement.swap_in(old, fresh)
                 self.components = Components.of(fresh)  # one object: every component with its state

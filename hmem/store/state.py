@@ -56,6 +56,7 @@ from hmem.formats import manifest, pooled, records, shard_file, store_files
 from hmem.formats.manifest import MAX_FILE_BYTES, Manifest, Pending, ShardInfo
 from hmem.formats.records import EVICTED
 from hmem.store import lock
+from hmem.store.chunk_index import ChunkIndex
 from hmem.store.imported import ImportRegistry
 from hmem.store.pooled_keys import PooledKeys
 from hmem.store.projection import Projector, SpanProjector
@@ -126,6 +127,7 @@ class StoreState:
         self.limits = LimitActivity()  # what the limits made puts do (StoreStats.limits)
         self.removed_at_open = removed_at_open
         self.imports = ImportRegistry(path)  # sources.jsonl (hmem/store/imported.py)
+        self.chunk_index = ChunkIndex()  # a store of chunks: key -> chunk (hmem/store/chunk_index.py)
         self.adopt(committed, manifest_bytes, loaded)
 
     def adopt(self, committed: Manifest, manifest_bytes: bytes | None, loaded: np.ndarray) -> None:

@@ -19,6 +19,7 @@ from hmem.config import StoreConfig
 from hmem.formats.sources import ImportedSource
 from hmem.formats.store_files import is_store
 from hmem.store import bridge, caches, listing, opening, prepare
+from hmem.store.chunk_api import StoreChunks
 from hmem.store.compaction import MIN_DEAD_SHARE
 from hmem.store.listing import ENTRY_SORTS, EntryListing
 from hmem.store.placement import Opened
@@ -165,32 +166,14 @@ class Store:
     def put(self, keys: Any, values: Any, layer_idx: int = 0, importance: float = 1.0) -> int:
         """Store one entry; returns its id.  Bad input raises and stores nothing."""
         self._state.check_writable()  # checked and projected before the lock: queries go on meanwhile
-        return self._insert(prepare.prepare(self._state, keys, values, layer_idx, importance))[0]
+        return self._session.insert(prepare.prepare(self._state, keys, values, layer_idx, importance))[0]
 
     def put_many(self, entries: Iterable[Entry | tuple]) -> list[int]:
         """Store many entries (Entry or (keys, values, layer_idx, importance)
         tuples); returns their ids in order.  Every entry is checked before
         any is stored, so one bad entry stores nothing (hmem/store/prepare.py)."""
         self._state.check_writable()
-        return self._insert(prepare.prepare_all(self._state, entries))  # prepared before the lock, as in put
-
-    def _insert(self, batch: prepare.PreparedBatch) -> list[int]:
-        """Store a checked batch, beside queries (they see it whole at its
-        end: hmem/store/writer.py); only a put that must evict goes alone.
-        The batch's memory goes back to the pool: copied into the shard, or not stored."""
-        try:
-            with self._session.writing(exclusive=False) as parts:
-                if not parts.eviction.needs_room(batch):
-                    ids = parts.writer.insert(batch)
-                    self._session.publish(data_only=True)
-                    return ids
-                with parts.state.lock.exclusive():
-                    parts.eviction.make_room(batch)
-                    ids = parts.writer.insert(batch)
-                    self._session.publish(data_only=True)  # the limits may have evicted and committed
-                    return ids
-        finally:
-            batch.release()
+        return self._session.insert(prepare.prepare_all(self._state, entries))  # prepared before the lock, as in put
 
     def check_entries(self, entries: Iterable[Entry | tuple]) -> int:
         """Check entries as put_many would, storing nothing (also on a
@@ -386,6 +369,12 @@ class Store:
     # a transformers cache in (hmem/store/caches.py), retrieved K/V beside a cache out (hmem/store/bridge.py)
     put_cache = caches.put_cache
     augmented_kv = bridge.augmented_kv
+
+    @property
+    def chunks(self) -> StoreChunks:
+        """The store's chunks: entries put together under a key, found by
+        key without a scan (hmem/store/chunk_api.py; a store made with chunks=True)."""
+        return StoreChunks(self._session)
 
     # ---- what the store holds --------------------------------------------------------
 

@@ -1,0 +1,158 @@
+"""LMCache 0.5.6's remote storage plugin for an hmem store (docs/lmcache.md,
+"hmem as LMCache's durable tier").  Imported by LMCache, in LMCache's
+environment; nothing else in hmem imports this module.
+
+    remote_storage_plugins: ["hmem"]
+    extra_config:
+      remote_storage_plugin.hmem.module_path: hmem.lmcache.connector
+      remote_storage_plugin.hmem.class_name: HmemConnector
+      remote_storage_plugin.hmem.path: /var/lib/hmem/tier      # or s3://bucket/prefix
+
+Optional keys (same prefix): commit_seconds, commit_bytes, max_staged_bytes,
+max_bytes (a new store's byte cap), lock_wait (TierSettings).
+
+The connector only translates: LMCache's keys to their strings, its memory
+objects to and from the bytes of a `ChunkTier` (hmem/lmcache/tier.py),
+which does the work.  Every coroutine runs on LMCache's storage-manager
+event loop, shared by all requests, so none blocks it: staging a chunk
+(a copy) and reading one (checksums, a copy) run on the connector's own
+threads, and a lookup (`batched_contains`, `exists`) is in memory.
+Memory for a chunk read is allocated without waiting (a full LMCache pool
+makes the read a miss, never a stalled loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from hmem.errors import InvalidArgumentError
+from hmem.lmcache.tier import DTYPES, KV_2LTD, KV_T2D, ChunkTier, TierSettings
+
+log = logging.getLogger("hmem.lmcache.connector")
+
+_OPTION_PREFIX = "remote_storage_plugin.{}."
+_SETTINGS = {"commit_seconds": float, "commit_bytes": int, "max_staged_bytes": int, "max_bytes": int, "lock_wait": float}
+_THREADS = 4  # stage and read chunks beside the loop; copies and checksums release the GIL
+
+
+class HmemConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships no type information
+    """An hmem store as LMCache's remote tier; one per LMCache worker process."""
+
+    def __init__(self, *, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any) -> None:
+        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        metadata = local_cpu_backend.metadata
+        if metadata.use_mla:
+            raise InvalidArgumentError("an hmem tier keeps K and V chunks; MLA's latent chunks are not supported yet")
+        self.name, options = _own_options(config, type(self).__name__)
+        location = options.get("path")
+        if not location:
+            raise InvalidArgumentError(f"give the hmem store in extra_config: remote_storage_plugin.{self.name}.path")
+        settings = TierSettings(**{k: kind(options[k]) for k, kind in _SETTINGS.items() if k in options})
+        dtype = str(self.meta_dtypes[0]).removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise InvalidArgumentError(f"an hmem tier keeps {', '.join(DTYPES)} chunks, not {dtype}")
+        self.torch_dtype = self.meta_dtypes[0]
+        self.tier = ChunkTier(
+            str(location),
+            embed_dim=int(self.meta_shapes[0][-1]),
+            dtype=dtype,
+            settings=settings,
+            storage_options=json.loads(options["storage_options"]) if "storage_options" in options else None,
+        )
+        self._pool = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="hmem-tier")
+
+    # ---- lookups: in memory, from any thread ---------------------------------------------
+
+    async def exists(self, key: Any) -> bool:
+        return self.tier.contains([key.to_string()])[0]
+
+    def exists_sync(self, key: Any) -> bool:
+        return self.tier.contains([key.to_string()])[0]
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[Any]) -> int:
+        """How many of `keys`, from the first, the tier holds (LMCache's prefix hit)."""
+        found = self.tier.contains([key.to_string() for key in keys])
+        return found.index(False) if False in found else len(found)
+
+    # ---- store and retrieve ---------------------------------------------------------------
+
+    async def put(self, key: Any, memory_obj: Any) -> None:
+        # LMCache keeps the buffer until this returns: the tier copies it first
+        layout = memory_obj.get_memory_format().name
+        shape = tuple(memory_obj.get_shapes()[0])
+        layer = int(getattr(key, "layer_id", 0) or 0)
+        await self.loop.run_in_executor(
+            self._pool, self.tier.stage, key.to_string(), memory_obj.byte_array, layout, shape, layer
+        )
+
+    async def get(self, key: Any) -> Any:
+        """The chunk, or None: LMCache then keeps the hit before it."""
+        try:
+            read = await self.loop.run_in_executor(self._pool, self.tier.fetch, key.to_string())
+            if read is None:
+                return None
+            memory_obj = self.local_cpu_backend.allocate(
+                [torch.Size(read.shape)], [self.torch_dtype], MemoryFormat[read.layout], busy_loop=False
+            )
+            if memory_obj is None:
+                return None  # LMCache's pool is full: a miss rather than a wait on its loop
+            try:
+                out = np.frombuffer(memory_obj.byte_array, dtype=self.tier.word_type).reshape(read.shape)
+                await self.loop.run_in_executor(self._pool, read.copy_into, out)
+            except BaseException:
+                memory_obj.ref_count_down()
+                raise
+            return memory_obj
+        except Exception as exc:  # never an exception into LMCache's retrieve: a miss
+            log.warning("hmem tier: chunk %s could not be read: %s", key.to_string(), exc)
+            return None
+
+    async def list(self) -> list[str]:
+        return await self.loop.run_in_executor(self._pool, self.tier.keys)
+
+    def remove_sync(self, key: Any) -> bool:
+        return self.tier.remove(key.to_string())
+
+    async def close(self) -> None:
+        await self.loop.run_in_executor(self._pool, self.tier.close)
+        self._pool.shutdown(wait=False)
+
+    def commit(self, timeout: float | None = None) -> None:
+        """Wait until every chunk put so far is committed (tests, benchmarks, shutdown)."""
+        self.tier.commit(timeout)
+
+
+def _own_options(config: Any, class_name: str) -> tuple[str, dict[str, Any]]:
+    """The plugin's name in LMCache's configuration and its extra_config
+    options: LMCache does not tell a plugin its name, so it is the plugin
+    whose class_name is this class."""
+    extra = dict(config.extra_config or {})
+    names = [
+        name
+        for name in (config.remote_storage_plugins or [])
+        if extra.get(_OPTION_PREFIX.format(name) + "class_name") == class_name
+    ]
+    if len(names) != 1:
+        raise InvalidArgumentError(
+            f"LMCache's configuration names {len(names)} remote storage plugins of class {class_name}; "
+            "an engine takes one hmem tier"
+        )
+    prefix = _OPTION_PREFIX.format(names[0])
+    return names[0], {k[len(prefix) :]: v for k, v in extra.items() if k.startswith(prefix)}
+
+
+__all__ = ["HmemConnector", "KV_2LTD", "KV_T2D"]

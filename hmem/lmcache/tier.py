@@ -1,0 +1,413 @@
+"""An hmem store as a durable tier of LMCache chunks, without LMCache
+(docs/lmcache.md, "hmem as LMCache's durable tier").
+
+`ChunkTier` is what LMCache's remote storage plugin (hmem/lmcache/connector.py)
+delegates to, in each process that writes or reads the tier.  One hmem
+store of chunks (a directory or s3://...), any number of processes:
+
+- a put is *staged*: its bytes are copied into the tier's memory and the
+  call returns; from then on the chunk is found (`contains`) and read
+  (`fetch`) from there;
+- a committer thread stores the staged chunks in groups, every
+  `commit_seconds` or once `commit_bytes` are staged: it takes the store's
+  writer lock (a lock file, or the lease on object storage) for that commit
+  only, opens the store as its writer, which finishes or clears what a
+  killed writer left, puts the chunks the store does not hold yet
+  (``Store.chunks.put``: one entry per layer, bfloat16 words as they are),
+  and closes it, which commits (write, fsync, rename: docs/format.md);
+- readers see each commit whole: the tier's reader refreshes when
+  index.json changed, then drops the chunks it committed from its memory.
+
+So several writers share one store through its ordinary commit protocol, a
+commit at a time, each seeing the others' chunks; what a crash loses is
+the chunks staged since the last commit of the crashed process (at most
+`commit_seconds`, or `commit_bytes`, of its puts), and `commit()` waits for
+a commit of everything staged so far.  A chunk whose bytes fail their
+checksum is never handed out: `fetch` gives None and the key stops being
+reported (`verify` names the entry).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from hmem import (
+    Bf16Rows,
+    CorruptStoreError,
+    Entry,
+    HmemError,
+    InvalidArgumentError,
+    InvalidTensorError,
+    Store,
+    StoreExistsError,
+    validation,
+)
+
+log = logging.getLogger("hmem.lmcache.tier")
+
+# LMCache's memory formats a tier keeps (lmcache.v1.memory_management.MemoryFormat names)
+KV_2LTD = "KV_2LTD"  # [2, layers, tokens, hidden]: a chunk of every layer
+KV_T2D = "KV_T2D"  # [tokens, 2, hidden]: one layer of a chunk (layerwise mode)
+LAYOUTS = (KV_2LTD, KV_T2D)
+# LMCache's dtype names -> a store's storage dtype and the numpy type its words are held as
+DTYPES = {"bfloat16": ("bf16", np.uint16), "float16": ("f16", np.float16), "float32": ("f32", np.float32)}
+FORMAT_FIELD = "lmcache_format"  # a chunk's first part's meta: the layout it came in
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TierSettings:
+    """How a tier commits and what store it makes (docs/lmcache.md)."""
+
+    commit_seconds: float = 1.0  # staged chunks are committed at least this often
+    commit_bytes: int = 256 * MiB  # ... and as soon as this much is staged
+    max_staged_bytes: int = 2048 * MiB  # puts wait while this much awaits its commit
+    max_bytes: int = 0  # a new store's byte cap (max_disk_bytes); 0: none
+    lock_wait: float = 120.0  # how long a commit waits for another writer's
+    hdc_dim: int = 1024  # signature bits of a new store's entries
+    shard_max_bytes: int = 1024 * MiB
+
+    def __post_init__(self) -> None:
+        validation.number(self.commit_seconds, "commit_seconds", low=0.0)
+        validation.integer(self.commit_bytes, "commit_bytes", low=1)
+        validation.integer(self.max_staged_bytes, "max_staged_bytes", low=1)
+        validation.integer(self.max_bytes, "max_bytes", low=0)
+        validation.number(self.lock_wait, "lock_wait", low=0.0)
+
+
+@dataclasses.dataclass
+class _Staged:
+    data: np.ndarray  # the chunk's values, copied: [2, L, T, H] or [T, 2, H]
+    layout: str
+    layer: int  # KV_T2D: the layer it holds
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRead:
+    """A chunk found in the tier: its layout and shape as LMCache holds it."""
+
+    layout: str
+    shape: tuple[int, ...]
+    _parts: Any  # the staged array, or the stored parts (StoredKV list)
+
+    def copy_into(self, out: np.ndarray) -> None:
+        """Write the chunk's values into `out` (a writable array of `shape`, in the tier's dtype)."""
+        if isinstance(self._parts, np.ndarray):
+            out[...] = self._parts
+        elif self.layout == KV_2LTD:
+            for layer, part in enumerate(self._parts):
+                out[0, layer] = part.keys
+                out[1, layer] = part.values
+        else:
+            out[:, 0, :] = self._parts[0].keys
+            out[:, 1, :] = self._parts[0].values
+
+
+@dataclasses.dataclass(frozen=True)
+class TierStats:
+    staged_chunks: int
+    staged_bytes: int
+    commits: int
+    committed_chunks: int
+    failed_commits: int
+    bad_chunks: int  # keys whose stored bytes failed their checksum
+
+
+class ChunkTier:
+    """One process's view of an hmem store used as a tier of chunks."""
+
+    def __init__(
+        self,
+        location: str,
+        *,
+        embed_dim: int,
+        dtype: str = "bfloat16",
+        settings: TierSettings | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        validation.choice(dtype, "dtype", tuple(DTYPES))
+        self.location = str(location)
+        self.settings = settings or TierSettings()
+        self.dtype = dtype
+        self.word_type = DTYPES[dtype][1]
+        self._options = storage_options
+        self._ensure_store(validation.integer(embed_dim, "embed_dim", low=1), DTYPES[dtype][0])
+        self._reader = Store.open(self.location, read_only=True, storage_options=storage_options)
+        self._cond = threading.Condition()
+        self._staged: dict[str, _Staged] = {}
+        self._staged_bytes = 0
+        self._first_staged = 0.0  # monotonic time the oldest staged chunk came
+        self._sequence = 0  # puts staged so far
+        self._committed_sequence = 0  # every put up to this one is committed (or was not new)
+        self._flush_wanted = 0
+        self._bad: set[str] = set()
+        self._commits = self._committed_chunks = self._failed = 0
+        self._last_error: BaseException | None = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="hmem-tier-committer", daemon=True)
+        self._thread.start()
+
+    # ---- the store ---------------------------------------------------------------------
+
+    def _ensure_store(self, embed_dim: int, storage_dtype: str) -> None:
+        """Make the store when there is none; check that one there can take these chunks."""
+        s = self.settings
+        try:
+            Store.create(
+                self.location,
+                embed_dim=embed_dim,
+                hdc_dim=s.hdc_dim,
+                storage_dtype=storage_dtype,
+                chunks=True,
+                max_disk_bytes=s.max_bytes,
+                shard_max_bytes=s.shard_max_bytes,
+                storage_options=self._options,
+            ).close()
+        except StoreExistsError:
+            pass  # another process made it first, or it was there
+        with Store.open(self.location, read_only=True, storage_options=self._options) as store:
+            cfg = store.config
+        wrong = []
+        if not cfg.chunks:
+            wrong.append("it keeps no chunks (made without chunks=True)")
+        if cfg.embed_dim != embed_dim:
+            wrong.append(f"its rows are {cfg.embed_dim} wide, these chunks' {embed_dim}")
+        if cfg.storage_dtype != storage_dtype:
+            wrong.append(f"it stores {cfg.storage_dtype}, these chunks are {self.dtype}")
+        if s.max_bytes and cfg.max_disk_bytes != s.max_bytes:
+            wrong.append(f"its byte cap is {cfg.max_disk_bytes}, not the {s.max_bytes} asked for")
+        if wrong:
+            raise InvalidArgumentError(
+                f"the store at {self.location} cannot be this tier: " + "; ".join(wrong),
+                hint="give the tier a path of its own, or one made for the same model and settings",
+            )
+
+    # ---- putting -----------------------------------------------------------------------
+
+    def stage(self, key: str, data: Any, layout: str, shape: Sequence[int], layer: int = 0) -> bool:
+        """Take a chunk (its bytes or array, in `layout` and `shape`) to be
+        committed; returns False when the tier holds it already.  Copies the
+        bytes: the caller may reuse its buffer once this returns.  Waits
+        while max_staged_bytes await their commit."""
+        validation.choice(layout, "layout", LAYOUTS)
+        shape = tuple(int(n) for n in shape)
+        if (layout == KV_2LTD and (len(shape) != 4 or shape[0] != 2)) or (
+            layout == KV_T2D and (len(shape) != 3 or shape[1] != 2)
+        ):
+            raise InvalidArgumentError(f"a {layout} chunk cannot have shape {list(shape)}")
+        if self.contains([key])[0]:
+            return False
+        array = np.frombuffer(data, dtype=self.word_type) if not isinstance(data, np.ndarray) else data
+        if array.size != int(np.prod(shape)):
+            raise InvalidArgumentError(f"chunk {key!r}: {array.size} values for shape {list(shape)}")
+        copy = np.array(array.reshape(shape), dtype=self.word_type, copy=True)
+        with self._cond:
+            while self._staged_bytes >= self.settings.max_staged_bytes and not self._closing:
+                self._cond.wait()
+            self._check_open()
+            if key in self._staged:
+                return False
+            if not self._staged:
+                self._first_staged = time.monotonic()
+            self._staged[key] = _Staged(copy, layout, layer)
+            self._staged_bytes += copy.nbytes
+            self._sequence += 1
+            self._cond.notify_all()
+        return True
+
+    def commit(self, timeout: float | None = None) -> None:
+        """Wait until every chunk staged before this call is committed (or
+        `timeout` seconds); raises the committer's error if its commit failed."""
+        with self._cond:
+            target = self._sequence
+            self._flush_wanted = max(self._flush_wanted, target)
+            self._cond.notify_all()
+            end = None if timeout is None else time.monotonic() + timeout
+            while self._committed_sequence < target:
+                self._check_open()
+                if self._last_error is not None:
+                    raise self._last_error
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"the tier at {self.location} did not commit within {timeout} s")
+                self._cond.wait(left)
+
+    # ---- reading -----------------------------------------------------------------------
+
+    def contains(self, keys: Iterable[str]) -> list[bool]:
+        """Whether the tier holds each key: staged, or committed and not
+        found damaged.  Dictionary look-ups; safe from any thread."""
+        keys = list(keys)
+        with self._cond:
+            staged = [key in self._staged for key in keys]
+        rest = [key for key, held in zip(keys, staged) if not held]
+        found = iter(self._reader.chunks.contains(rest) if rest else [])
+        bad = self._bad
+        return [held or (next(found) and key not in bad) for key, held in zip(keys, staged)]
+
+    def fetch(self, key: str) -> ChunkRead | None:
+        """The chunk under `key`, or None: not held, evicted meanwhile, or
+        its bytes fail their checksum (then the key is not reported again)."""
+        with self._cond:
+            staged = self._staged.get(key)
+        if staged is not None:
+            return ChunkRead(staged.layout, staged.data.shape, staged.data)
+        if key in self._bad:
+            return None
+        for attempt in range(2):
+            try:
+                parts = self._reader.chunks.get(key)
+            except HmemError as exc:
+                if isinstance(exc, CorruptStoreError):
+                    log.warning("hmem tier: chunk %s fails its checks and is a miss (%s)", key, exc.message)
+                    self._bad.add(key)
+                    return None
+                if attempt == 0 and self._reader.refresh():  # a commit meanwhile: evicted, or a shard rewritten
+                    continue
+                return None
+            return _stored_read(parts)
+        return None
+
+    def keys(self) -> list[str]:
+        with self._cond:
+            staged = set(self._staged)
+        return sorted(staged | {key for key in self._reader.chunks.keys() if key not in self._bad})
+
+    def remove(self, key: str) -> bool:
+        """Delete the chunk under `key` (staged or committed); whether there was one."""
+        with self._cond:
+            staged = self._staged.pop(key, None)
+            if staged is not None:
+                self._staged_bytes -= staged.data.nbytes
+                self._cond.notify_all()
+        with Store.open(self.location, lock_wait=self.settings.lock_wait, storage_options=self._options) as writer:
+            plan = writer.chunks.delete([key], missing_ok=True)
+        self._reader.refresh()
+        return staged is not None or bool(plan.count)
+
+    def stats(self) -> TierStats:
+        with self._cond:
+            return TierStats(
+                len(self._staged), self._staged_bytes, self._commits, self._committed_chunks, self._failed, len(self._bad)
+            )
+
+    # ---- the committer -------------------------------------------------------------------
+
+    def _due(self) -> bool:
+        s = self.settings
+        if not self._staged:
+            return False
+        return (
+            self._closing
+            or self._flush_wanted > self._committed_sequence
+            or self._staged_bytes >= s.commit_bytes
+            or time.monotonic() - self._first_staged >= s.commit_seconds
+        )
+
+    def _run(self) -> None:
+        s = self.settings
+        while True:
+            with self._cond:
+                while not self._due() and not self._closing:
+                    wait = s.commit_seconds - (time.monotonic() - self._first_staged) if self._staged else None
+                    self._cond.wait(None if wait is None else max(wait, 0.001))
+                if self._closing and not self._staged:
+                    return
+                batch, sequence = dict(self._staged), self._sequence
+            try:
+                stored = self._commit(batch)
+                self._reader.refresh()  # the commit, whole, before the chunks leave memory
+                error = None
+            except BaseException as exc:  # logged and retried: the staged chunks stay found meanwhile
+                stored, error = 0, exc
+                log.error("hmem tier: a commit to %s failed, retrying: %s", self.location, exc)
+            with self._cond:
+                if error is None:
+                    for key, chunk in batch.items():
+                        if self._staged.get(key) is chunk:
+                            del self._staged[key]
+                            self._staged_bytes -= chunk.data.nbytes
+                    self._first_staged = time.monotonic()
+                    self._committed_sequence = max(self._committed_sequence, sequence)
+                    self._commits += 1
+                    self._committed_chunks += stored
+                    self._last_error = None
+                else:
+                    self._failed += 1
+                    self._last_error = error
+                self._cond.notify_all()
+                if error is not None and not self._closing:
+                    self._cond.wait(min(max(s.commit_seconds, 0.05), 5.0))  # a pause before the retry
+                elif error is not None:
+                    return
+
+    def _commit(self, batch: dict[str, _Staged]) -> int:
+        """Put the chunks of `batch` the store does not hold yet, in one
+        commit under the store's writer lock; returns how many went in."""
+        with Store.open(self.location, lock_wait=self.settings.lock_wait, storage_options=self._options) as writer:
+            held = writer.chunks.contains(list(batch))
+            fresh = {key: _parts(chunk) for (key, chunk), is_held in zip(batch.items(), held) if not is_held}
+            try:
+                writer.chunks.put(fresh)
+            except InvalidTensorError:
+                # A chunk hmem refuses (values that are not finite: LMCache's
+                # health check puts a chunk of uninitialised memory) costs
+                # only itself: the others go in one by one.
+                for key, parts in list(fresh.items()):
+                    try:
+                        writer.chunks.put({key: parts})
+                    except InvalidTensorError as exc:
+                        log.error("hmem tier: chunk %s is refused and not stored: %s", key, exc.message)
+                        del fresh[key]
+            return len(fresh)  # closing the writer commits
+
+    # ---- the end -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise InvalidArgumentError(f"the tier at {self.location} is closed")
+
+    def close(self) -> None:
+        """Commit what is staged, stop the committer and close the store."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        self._reader.close()
+        if self._staged:
+            log.error("hmem tier: %d chunk(s) staged for %s were not committed", len(self._staged), self.location)
+
+
+def _parts(chunk: _Staged) -> list[Entry]:
+    """A staged chunk as the entries of its parts: a layer each."""
+    data = chunk.data
+    if chunk.layout == KV_2LTD:
+        pairs = [(data[0, layer], data[1, layer], layer) for layer in range(data.shape[1])]
+    else:
+        pairs = [(data[:, 0, :], data[:, 1, :], chunk.layer)]
+    parts = [Entry(_rows(k), _rows(v), layer) for k, v, layer in pairs]
+    parts[0] = parts[0]._replace(meta={FORMAT_FIELD: chunk.layout})
+    return parts
+
+
+def _rows(array: np.ndarray) -> Any:
+    return Bf16Rows(array) if array.dtype == np.uint16 else array
+
+
+def _stored_read(parts: list[Any]) -> ChunkRead:
+    first = parts[0]
+    layout = (first.meta or {}).get(FORMAT_FIELD, KV_2LTD)
+    tokens, width = first.keys.shape
+    if layout == KV_T2D:
+        return ChunkRead(KV_T2D, (tokens, 2, width), parts)
+    return ChunkRead(KV_2LTD, (2, len(parts), tokens, width), parts)
