@@ -48,6 +48,7 @@ from hmem.store.compaction import MIN_DEAD_SHARE
 from hmem.store.kv_layouts import LAYOUTS
 from hmem.store.listing import ENTRY_SORTS, EntryListing
 from hmem.store.results import (
+    ChunkInfo,
     CompactionPlan,
     CompactionReport,
     DeletePlan,
@@ -161,6 +162,8 @@ if TYPE_CHECKING:  # what the names above are, for type checkers
 
 __all__ = [
     "BadFileError",
+    "Bf16Rows",
+    "ChunkInfo",
     "AmbiguousLayoutError",
     "EXPORT_LAYOUTS",
     "EntryInfo",

@@ -75,6 +75,12 @@ class BufferPool:
         size = -(-max(nbytes, 1) // self.GRAIN) * self.GRAIN
         return filled_soon((size,), np.uint8)
 
+    def keep_at_least(self, nbytes: int) -> None:
+        """Keep at least `nbytes` of free buffers from now on (a process that
+        puts large batches over and over: hmem/lmcache/tier.py)."""
+        with self._lock:
+            self.keep_bytes = max(self.keep_bytes, nbytes)
+
     def give(self, buffer: np.ndarray) -> None:
         """Return a buffer taken from the pool: nothing may use it afterwards."""
         if len(buffer) < POPULATE_MIN_BYTES:

@@ -53,6 +53,14 @@ def init(
             "tokens, starting 1/S apart) or disjoint (S - 1 equal spans, the earlier layout).",
         ),
     ] = "overlapping",
+    chunks: Annotated[
+        bool,
+        typer.Option(
+            "--chunks",
+            help="Entries may be put in chunks under a key (an LMCache chunk, one entry per layer), found by key "
+            "and evicted or deleted whole; an hmem tier of LMCache makes its store so itself (docs/lmcache.md).",
+        ),
+    ] = False,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -69,6 +77,7 @@ def init(
         storage_dtype="int8" if quantize else storage_dtype,
         signatures_per_entry=signatures_per_entry,
         span_layout=span_layout,
+        chunks=chunks,
     )
     with signals.stoppable():  # creating a store is short: a signal lets it finish (hmem/cli/signals.py)
         with Store.create(path, config) as store:

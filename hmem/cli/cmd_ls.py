@@ -98,11 +98,17 @@ def ls(
     kv_shape: KVShapeOption = None,
     model_config: ModelConfigOption = None,
     chunk_size: ChunkSizeOption = 256,
+    chunks: Annotated[
+        bool,
+        typer.Option("--chunks", help="A store of chunks: list its chunks by key, not its entries."),
+    ] = False,
 ) -> None:
     """List the entries of a store, one row each.
 
     Each row: id, layer, tokens, importance, accesses, eviction score, age,
-    shard and bytes in the shard.
+    shard and bytes in the shard. With --chunks, a store of chunks (an hmem
+    tier of LMCache) lists its chunks instead: key, parts (entries, one per
+    layer), their ids, tokens, bytes, accesses and age, sorted by key.
 
     Of an LMCache cache directory: one row per chunk file, its key's
     fields, tokens, size and age; --model, --world-size, --rank, --tag,
@@ -141,6 +147,14 @@ def ls(
         raise InvalidArgumentError("give --json or --jsonl, not both")
     out = Output(json_mode=json_output or jsonl, quiet=quiet)
     human = not (json_output or jsonl)
+    if chunks:
+        if jsonl or layer is not None or sort != "id":
+            raise InvalidArgumentError("--chunks lists chunks by key: give it without --jsonl, --layer or --sort")
+        with Store.open(store, read_only=True) as s:
+            from hmem.cli import chunk_view
+
+            chunk_view.ls(out, s, store, limit=limit, json_output=json_output)
+        return
     with Store.open(store, read_only=True, on_damage="skip" if skip_damaged else "raise") as s:
         report_damaged_records(out, s)
         listing = s.entries(layer, sort=sort, limit=limit if limit is not None or not human else SHOWN)

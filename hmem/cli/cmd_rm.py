@@ -9,7 +9,7 @@ import typer
 from hmem import Store
 from hmem.cli import lmcache_clean_view, signals
 from hmem.cli.compact_run import compact_advice
-from hmem.cli.entry_args import EntryIdsArgument, store_and_ids
+from hmem.cli.entry_args import EntriesOrChunksArgument, refuse_keys, store_and_targets
 from hmem.cli.exit_codes import ExitCode
 from hmem.cli.ids import id_ranges
 from hmem.cli.lmcache_target import cache_at
@@ -20,7 +20,7 @@ from hmem.cli.prompts import confirm_change
 
 
 def rm(
-    args: EntryIdsArgument,
+    args: EntriesOrChunksArgument,
     model: Annotated[
         str | None,
         typer.Option("--model", help="An LMCache cache: delete the chunks of this model.", show_default=False),
@@ -69,12 +69,15 @@ def rm(
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """Delete entries by id; their bytes are freed by the next 'hmem compact'.
+    """Delete entries by id (or chunks by key); their bytes are freed by the next 'hmem compact'.
 
     The deletion is committed whole (a crash leaves the store as before or
     with every one deleted). Ids that name no entry are reported on stderr
     and the others are deleted; the exit code is then 3 (partial), or 1
     when none of the ids names an entry.
+
+    In a store of chunks (an hmem tier of LMCache), keys name chunks, and a
+    chunk goes whole: deleting one of its entries deletes them all.
 
     On an LMCache cache directory: deletes the files named (file names or
     keys) and the chunks that --model, --world-size, --rank, --tag, --dtype
@@ -110,16 +113,27 @@ def rm(
         },
     )
     out = Output(json_mode=json_output, quiet=quiet)
-    store, entry_ids = store_and_ids(args, one=False)
+    store, entry_ids, keys = store_and_targets(args, one=False)
     opened = Store.open(store, read_only=dry_run, lock_wait=lock_wait)  # a signal stops the lock wait at once
     with signals.stoppable():  # a deletion is short: a signal lets it finish, or stops before it
         with opened as s:
+            refuse_keys(keys, s)
+            absent = []
+            for key in keys:  # a chunk's key stands for its entries
+                found = s.chunks.ids(key)
+                if found is None:
+                    absent.append(key)
+                else:
+                    entry_ids.extend(found)
+            if absent:
+                problem(f"no chunk {', '.join(absent[:5])}{', ...' if len(absent) > 5 else ''} in {store}")
             plan = s.plan_delete(entry_ids)
             document: dict[str, Any] = {
                 "store": str(store),
                 "dry_run": dry_run,
                 "entry_ids": list(plan.entry_ids),
                 "missing": list(plan.missing),
+                "missing_keys": absent,
                 "bytes_reclaimable": plan.bytes_reclaimable,
                 "deleted": 0,
             }
@@ -143,7 +157,7 @@ def rm(
             entries_after = s.stats().entries
         document["store_entries"] = entries_after
         code: int = ExitCode.OK
-        if plan.missing:
+        if plan.missing or absent:
             code = ExitCode.PARTIAL if plan.count else ExitCode.FAILURE
         if signals.requested():
             code = signals.report_removed(document, "deleted", document["deleted"], entries_after)

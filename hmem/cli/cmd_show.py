@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from hmem import EntryNotFoundError, Store, StoredKV
-from hmem.cli.entry_args import EntryIdArgument, store_and_ids
+from hmem.cli.entry_args import EntryOrChunkArgument, refuse_keys, store_and_targets
 from hmem.cli.entry_view import age, entry_json, not_found, utc_time
 from hmem.cli.health_view import SkipDamagedRecordsOption, refuse_damaged, report_damaged_records
 from hmem.cli.options import ChunkSizeOption, JsonOption, KVShapeOption, ModelConfigOption, QuietOption
@@ -17,7 +17,7 @@ from hmem.cli.output import Output, human_bytes, literal
 
 
 def show(
-    args: EntryIdArgument,
+    args: EntryOrChunkArgument,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
     skip_damaged: SkipDamagedRecordsOption = False,
@@ -35,6 +35,10 @@ def show(
     Only reads: takes no lock and counts no access. An id the store does
     not hold exits with code 1.
 
+    Of a store of chunks (an hmem tier of LMCache), a chunk's key in place
+    of the id shows the chunk: its parts (one entry per layer), tokens,
+    bytes, when it was put, and its first part's meta.
+
     Of an LMCache cache directory (hmem show CACHE CHUNK, the chunk given
     by its file name, key, or hash when one file has it; a negative hash
     after "--", as in hmem show CACHE -- -1f2e): the key's fields,
@@ -51,9 +55,16 @@ def show(
             lmcache_show_view.show(cache, args[1], json_output=json_output, quiet=quiet)
             return
     out = Output(json_mode=json_output, quiet=quiet)
-    store, (entry_id,) = store_and_ids(args, one=True)
+    store, ids, keys = store_and_targets(args, one=True)
     with Store.open(store, read_only=True, on_damage="skip" if skip_damaged else "raise") as s:
         report_damaged_records(out, s)
+        if keys:
+            refuse_keys(keys, s)
+            from hmem.cli import chunk_view
+
+            chunk_view.show(out, s, store, keys[0])
+            return
+        (entry_id,) = ids
         try:
             stored = s.stored_kv(entry_id)
             decoded = s.get(entry_id)

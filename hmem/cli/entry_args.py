@@ -2,7 +2,9 @@
 entries (`hmem show`, `hmem export`, `hmem rm`).  The store may be left out when
 HMEM_STORE names it, as for every store command (docs/cli.md,
 "Conventions"): the first argument is the store unless HMEM_STORE is set
-and it is an entry id that names no store directory."""
+and it is an entry id that names no store directory.  `hmem show` and
+`hmem rm` also take chunk keys (a store of chunks): any argument after the
+store that is not a whole number."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from hmem import InvalidArgumentError, is_store
+from hmem import InvalidArgumentError, Store, is_store
 from hmem.cli.options import STORE_ENV
 
 
@@ -25,9 +27,19 @@ def _argument(what: str, whose: str) -> typer.models.ArgumentInfo:
 
 EntryIdArgument = Annotated[list[str], _argument("ID", "the entry's id")]
 EntryIdsArgument = Annotated[list[str], _argument("ID...", "the entries' ids")]
+EntryOrChunkArgument = Annotated[list[str], _argument("ID|KEY", "the entry's id or a chunk's key")]
+EntriesOrChunksArgument = Annotated[list[str], _argument("ID|KEY...", "the entries' ids or chunks' keys")]
 
 
 def store_and_ids(args: list[str], *, one: bool) -> tuple[str, list[int]]:
+    store, ids, keys = store_and_targets(args, one=one)
+    if keys:
+        raise InvalidArgumentError(f"{keys[0]!r} is not an entry id (ids are whole numbers >= 0)")
+    return store, ids
+
+
+def store_and_targets(args: list[str], *, one: bool) -> tuple[str, list[int], list[str]]:
+    """The store, the entry ids and the chunk keys the arguments name."""
     env = os.environ.get(STORE_ENV)
     if env and args and _is_id(args[0]) and not is_store(args[0]) and (not one or len(args) == 1):
         store, rest = env, args
@@ -40,10 +52,15 @@ def store_and_ids(args: list[str], *, one: bool) -> tuple[str, list[int]]:
         )
     if one and len(rest) > 1:
         raise InvalidArgumentError(f"give one entry id, got {len(rest)}: {' '.join(rest)}")
-    bad = [a for a in rest if not _is_id(a)]
-    if bad:
-        raise InvalidArgumentError(f"{bad[0]!r} is not an entry id (ids are whole numbers >= 0)")
-    return store, [int(a) for a in rest]
+    return store, [int(a) for a in rest if _is_id(a)], [a for a in rest if not _is_id(a)]
+
+
+def refuse_keys(keys: list[str], store: Store) -> None:
+    """Chunk keys are names in a store of chunks only."""
+    if keys and not store.config.chunks:
+        raise InvalidArgumentError(
+            f"{keys[0]!r} is not an entry id (ids are whole numbers >= 0), and {store.location} keeps no chunks"
+        )
 
 
 def _is_id(text: str) -> bool:

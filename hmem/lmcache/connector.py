@@ -40,11 +40,17 @@ from hmem.lmcache.tier import DTYPES, KV_2LTD, KV_T2D, ChunkTier, TierSettings
 log = logging.getLogger("hmem.lmcache.connector")
 
 _OPTION_PREFIX = "remote_storage_plugin.{}."
-_SETTINGS = {"commit_seconds": float, "commit_bytes": int, "max_staged_bytes": int, "max_bytes": int, "lock_wait": float}
+_SETTINGS = {
+    "commit_seconds": float,
+    "commit_bytes": int,
+    "max_staged_bytes": int,
+    "max_bytes": int,
+    "lock_wait": float,
+}
 _THREADS = 4  # stage and read chunks beside the loop; copies and checksums release the GIL
 
 
-class HmemConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships no type information
+class HmemConnector(RemoteConnector):  # LMCache ships no type information: an Any base
     """An hmem store as LMCache's remote tier; one per LMCache worker process."""
 
     def __init__(self, *, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any) -> None:
@@ -109,11 +115,13 @@ class HmemConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships no 
                 [torch.Size(read.shape)], [self.torch_dtype], MemoryFormat[read.layout], busy_loop=False
             )
             if memory_obj is None:
+                read.close()
                 return None  # LMCache's pool is full: a miss rather than a wait on its loop
             try:
                 out = np.frombuffer(memory_obj.byte_array, dtype=self.tier.word_type).reshape(read.shape)
                 await self.loop.run_in_executor(self._pool, read.copy_into, out)
             except BaseException:
+                read.close()
                 memory_obj.ref_count_down()
                 raise
             return memory_obj

@@ -38,17 +38,16 @@ from typing import Any
 
 import numpy as np
 
-from hmem import (
-    Bf16Rows,
+from hmem import memory, validation
+from hmem.errors import (
     CorruptStoreError,
-    Entry,
     HmemError,
     InvalidArgumentError,
     InvalidTensorError,
-    Store,
     StoreExistsError,
-    validation,
 )
+from hmem.store.storage import Bf16Rows
+from hmem.store.store import Entry, Store
 
 log = logging.getLogger("hmem.lmcache.tier")
 
@@ -88,18 +87,49 @@ class _Staged:
     data: np.ndarray  # the chunk's values, copied: [2, L, T, H] or [T, 2, H]
     layout: str
     layer: int  # KV_T2D: the layer it holds
+    buffer: np.ndarray  # the pool's memory `data` lies in, given back once committed
+    readers: int = 0  # fetches copying out of it: its buffer is given back after the last
+    retired: bool = False  # committed (or removed): nothing new reads it
 
 
-@dataclasses.dataclass(frozen=True)
+class _StagedReader:
+    """A fetch of a staged chunk: its buffer stays the chunk's until released."""
+
+    def __init__(self, chunk: _Staged, cond: threading.Condition) -> None:
+        self.chunk, self.cond = chunk, cond
+
+    def release(self) -> None:
+        with self.cond:
+            chunk = self.chunk
+            chunk.readers -= 1
+            if chunk.retired and not chunk.readers:
+                memory.POOL.give(chunk.buffer)
+
+
+@dataclasses.dataclass
 class ChunkRead:
-    """A chunk found in the tier: its layout and shape as LMCache holds it."""
+    """A chunk found in the tier: its layout and shape as LMCache holds it.
+    Copy it out (`copy_into`) or let it go (`close`), once."""
 
     layout: str
     shape: tuple[int, ...]
     _parts: Any  # the staged array, or the stored parts (StoredKV list)
+    _staged: _StagedReader | None = None
 
     def copy_into(self, out: np.ndarray) -> None:
-        """Write the chunk's values into `out` (a writable array of `shape`, in the tier's dtype)."""
+        """Write the chunk's values into `out` (a writable array of `shape`,
+        in the tier's dtype), then let the chunk go."""
+        try:
+            self._copy(out)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.release()
+
+    def _copy(self, out: np.ndarray) -> None:
         if isinstance(self._parts, np.ndarray):
             out[...] = self._parts
         elif self.layout == KV_2LTD:
@@ -152,6 +182,8 @@ class ChunkTier:
         self._commits = self._committed_chunks = self._failed = 0
         self._last_error: BaseException | None = None
         self._closing = False
+        # the memory of staged chunks and of a commit's open shard, reused
+        memory.POOL.keep_at_least(4 * self.settings.commit_bytes)
         self._thread = threading.Thread(target=self._run, name="hmem-tier-committer", daemon=True)
         self._thread.start()
 
@@ -208,16 +240,21 @@ class ChunkTier:
         array = np.frombuffer(data, dtype=self.word_type) if not isinstance(data, np.ndarray) else data
         if array.size != int(np.prod(shape)):
             raise InvalidArgumentError(f"chunk {key!r}: {array.size} values for shape {list(shape)}")
-        copy = np.array(array.reshape(shape), dtype=self.word_type, copy=True)
+        # Fresh memory costs more than the copy into it (hmem/memory.py):
+        # staged chunks live in the pool's buffers, reused commit after commit.
+        buffer = memory.POOL.take(array.nbytes)
+        copy = buffer[: array.nbytes].view(self.word_type).reshape(shape)
+        np.copyto(copy, array.reshape(shape))
         with self._cond:
             while self._staged_bytes >= self.settings.max_staged_bytes and not self._closing:
                 self._cond.wait()
             self._check_open()
             if key in self._staged:
+                memory.POOL.give(buffer)
                 return False
             if not self._staged:
                 self._first_staged = time.monotonic()
-            self._staged[key] = _Staged(copy, layout, layer)
+            self._staged[key] = _Staged(copy, layout, layer, buffer)
             self._staged_bytes += copy.nbytes
             self._sequence += 1
             self._cond.notify_all()
@@ -258,8 +295,9 @@ class ChunkTier:
         its bytes fail their checksum (then the key is not reported again)."""
         with self._cond:
             staged = self._staged.get(key)
-        if staged is not None:
-            return ChunkRead(staged.layout, staged.data.shape, staged.data)
+            if staged is not None:
+                staged.readers += 1
+                return ChunkRead(staged.layout, staged.data.shape, staged.data, _StagedReader(staged, self._cond))
         if key in self._bad:
             return None
         for attempt in range(2):
@@ -287,6 +325,7 @@ class ChunkTier:
             staged = self._staged.pop(key, None)
             if staged is not None:
                 self._staged_bytes -= staged.data.nbytes
+                self._retire(staged)
                 self._cond.notify_all()
         with Store.open(self.location, lock_wait=self.settings.lock_wait, storage_options=self._options) as writer:
             plan = writer.chunks.delete([key], missing_ok=True)
@@ -295,9 +334,8 @@ class ChunkTier:
 
     def stats(self) -> TierStats:
         with self._cond:
-            return TierStats(
-                len(self._staged), self._staged_bytes, self._commits, self._committed_chunks, self._failed, len(self._bad)
-            )
+            staged = (len(self._staged), self._staged_bytes)
+            return TierStats(*staged, self._commits, self._committed_chunks, self._failed, len(self._bad))
 
     # ---- the committer -------------------------------------------------------------------
 
@@ -321,7 +359,7 @@ class ChunkTier:
                     self._cond.wait(None if wait is None else max(wait, 0.001))
                 if self._closing and not self._staged:
                     return
-                batch, sequence = dict(self._staged), self._sequence
+                batch, sequence = self._next_batch()
             try:
                 stored = self._commit(batch)
                 self._reader.refresh()  # the commit, whole, before the chunks leave memory
@@ -335,6 +373,7 @@ class ChunkTier:
                         if self._staged.get(key) is chunk:
                             del self._staged[key]
                             self._staged_bytes -= chunk.data.nbytes
+                            self._retire(chunk)
                     self._first_staged = time.monotonic()
                     self._committed_sequence = max(self._committed_sequence, sequence)
                     self._commits += 1
@@ -348,6 +387,27 @@ class ChunkTier:
                     self._cond.wait(min(max(s.commit_seconds, 0.05), 5.0))  # a pause before the retry
                 elif error is not None:
                     return
+
+    def _next_batch(self) -> tuple[dict[str, _Staged], int]:
+        """The oldest staged chunks, up to twice commit_bytes (a commit holds
+        its chunks in memory once more), and the put sequence number every
+        put up to which the batch covers when it is all that is staged."""
+        batch: dict[str, _Staged] = {}
+        size, limit = 0, 2 * self.settings.commit_bytes
+        for key, chunk in self._staged.items():
+            if batch and size + chunk.data.nbytes > limit:
+                return batch, self._committed_sequence  # more to come: no put waiting on commit() is done yet
+            batch[key] = chunk
+            size += chunk.data.nbytes
+        return batch, self._sequence
+
+    @staticmethod
+    def _retire(chunk: _Staged) -> None:
+        """`chunk` left the staged set (under the lock): its buffer goes back
+        to the pool now, or after the last fetch copying out of it."""
+        chunk.retired = True
+        if not chunk.readers:
+            memory.POOL.give(chunk.buffer)
 
     def _commit(self, batch: dict[str, _Staged]) -> int:
         """Put the chunks of `batch` the store does not hold yet, in one

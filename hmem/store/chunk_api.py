@@ -14,7 +14,7 @@ from hmem import validation
 from hmem.errors import EntryNotFoundError, InvalidArgumentError
 from hmem.formats import chunk_keys
 from hmem.store import prepare
-from hmem.store.results import DeletePlan, StoredKV
+from hmem.store.results import ChunkInfo, DeletePlan, StoredKV
 
 if TYPE_CHECKING:
     from hmem.store.session import Session
@@ -82,8 +82,18 @@ class StoreChunks:
 
     def keys(self) -> list[str]:
         """The keys of the live chunks, sorted."""
+        self._session.maybe_refresh()
         with self._session.reading() as parts:
             return parts.chunks.keys()
+
+    def listing(self, keys: Iterable[str] | None = None) -> list[ChunkInfo]:
+        """The facts of the live chunks (of `keys` only, in their order, when
+        given; the others are left out): key, entry ids, layers, tokens,
+        bytes, when put, accesses.  Sorted by key when `keys` is None."""
+        self._session.maybe_refresh()
+        with self._session.reading() as parts:
+            chosen = parts.chunks.keys() if keys is None else [chunk_keys.check_key(key) for key in keys]
+            return parts.chunks.listing(chosen)
 
     def delete(self, keys: Iterable[str], *, missing_ok: bool = False) -> DeletePlan:
         """Delete the chunks under `keys`, durably (Store.delete of their

@@ -21,8 +21,9 @@ from hmem.formats.records import EVICTED
 from hmem.store import prepare
 from hmem.store.chunk_index import ChunkIndex
 from hmem.store.reading import EntryReader
-from hmem.store.results import StoredKV
+from hmem.store.results import ChunkInfo, StoredKV
 from hmem.store.state import StoreState
+
 
 class Chunks:
     """Chunks of one StoreState: put, looked up, read, and kept whole."""
@@ -113,10 +114,7 @@ class Chunks:
         at = np.minimum(np.searchsorted(ids, firsts), n - 1)
         last = np.minimum(at + parts - 1, n - 1)
         return (
-            (ids[at] == firsts)
-            & (ids[last] == firsts + parts - 1)
-            & (shard[at] != EVICTED)
-            & (shard[last] != EVICTED)
+            (ids[at] == firsts) & (ids[last] == firsts + parts - 1) & (shard[at] != EVICTED) & (shard[last] != EVICTED)
         )
 
     def ids(self, key: str) -> list[int] | None:
@@ -142,6 +140,40 @@ class Chunks:
         keys = sorted(index.by_key)
         held = self.has(keys)
         return [key for key, ok in zip(keys, held) if ok]
+
+    def listing(self, keys: list[str]) -> list[ChunkInfo]:
+        """The facts of the live chunks under `keys` (in that order; the
+        others left out), from the records: a few array operations, then
+        one object per chunk."""
+        index = self.index
+        spans = [index.get(key) for key in keys]
+        chosen = [(key, span) for key, span in zip(keys, spans) if span is not None]
+        if not chosen:
+            return []
+        firsts = np.array([span[0] for _, span in chosen], dtype=np.int64)
+        parts = np.array([span[1] for _, span in chosen], dtype=np.int64)
+        live = self._live(firsts, parts)
+        state = self.state
+        ids = state.records["entry_id"][: state.n]
+        at = np.searchsorted(ids, firsts)
+        out = []
+        for (key, (first, count)), ok, start in zip(chosen, live.tolist(), at.tolist()):
+            if not ok:
+                continue
+            rows = state.records[start : start + count]
+            sizes = state.entry_file_bytes(rows["n_tokens"].astype(np.int64))
+            out.append(
+                ChunkInfo(
+                    key=key,
+                    entry_ids=tuple(range(first, first + count)),
+                    layers=tuple(rows["layer_idx"].tolist()),
+                    n_tokens=int(rows["n_tokens"][0]),
+                    bytes=int(np.sum(sizes)),
+                    created=int(rows["timestamp"][0]),
+                    access_count=int(np.sum(rows["access_count"])),
+                )
+            )
+        return out
 
     # ---- kept whole ----------------------------------------------------------------------
 

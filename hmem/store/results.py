@@ -93,6 +93,23 @@ class EntryInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkInfo:
+    """One live chunk of a store of chunks (``Store.chunks.listing``)."""
+
+    key: str
+    entry_ids: tuple[int, ...]  # its parts', in part order (consecutive)
+    layers: tuple[int, ...]  # each part's layer
+    n_tokens: int  # of its first part
+    bytes: int  # what its parts take in their shards
+    created: int  # nanoseconds since the Unix epoch, when it was put
+    access_count: int  # of all its parts
+
+    @property
+    def parts(self) -> int:
+        return len(self.entry_ids)
+
+
+@dataclasses.dataclass(frozen=True)
 class StoredEntry:
     """One entry read back by id (``Store.get``): its metadata and its K/V,
     [n_tokens, embed_dim] float32 read-only arrays, bit-exact as put (INT8
