@@ -37,7 +37,7 @@ def test_version_names_format_versions_and_kernel_path():
     formats = f"store format {hmem.FORMAT_VERSION}: reads {hmem.FORMAT_VERSION}, writes {hmem.FORMAT_VERSION}"
     obj = hmem.OBJECT_FORMAT_VERSION
     formats += f"; object-store format {obj}: reads {obj}, writes {obj}"
-    formats += "; LMCache 0.5.6 caches: reads local_disk, fs and multiprocess, writes fs"
+    formats += "; LMCache 0.5.6 caches: reads local_disk, fs and multiprocess, writes fs, and is its remote tier"
     assert result.stdout.strip() == (
         f"hmem {hmem.__version__} ({formats}; kernels: {kernels.KERNEL_SET}, cpu path: {kernels.cpu_path()})"
     )

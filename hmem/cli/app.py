@@ -237,7 +237,8 @@ def version_text() -> str:
     return (
         f"hmem {__version__} (store format {FORMAT_VERSION}: reads {FORMAT_VERSION}, writes {FORMAT_VERSION}; "
         f"object-store format {remote}: reads {remote}, writes {remote}; "
-        f"LMCache {LMCACHE_VERSION} caches: reads local_disk, fs and multiprocess, writes fs; {kernel_info()})"
+        f"LMCache {LMCACHE_VERSION} caches: reads local_disk, fs and multiprocess, writes fs, and is its remote tier; "
+        f"{kernel_info()})"
     )
 
 
