@@ -48,7 +48,6 @@ from hmem.store.compaction import MIN_DEAD_SHARE
 from hmem.store.kv_layouts import LAYOUTS
 from hmem.store.listing import ENTRY_SORTS, EntryListing
 from hmem.store.results import (
-    ChunkInfo,
     CompactionPlan,
     CompactionReport,
     DeletePlan,
@@ -60,6 +59,7 @@ from hmem.store.results import (
     RemoteStats,
     ShardStats,
     SkippedEntry,
+    StoreChunkInfo,
     StoredEntry,
     StoredKV,
     StoreHealth,
@@ -163,7 +163,7 @@ if TYPE_CHECKING:  # what the names above are, for type checkers
 __all__ = [
     "BadFileError",
     "Bf16Rows",
-    "ChunkInfo",
+    "StoreChunkInfo",
     "AmbiguousLayoutError",
     "EXPORT_LAYOUTS",
     "EntryInfo",

@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from hmem import ChunkInfo, EntryNotFoundError, InvalidArgumentError, Store
+from hmem import EntryNotFoundError, InvalidArgumentError, Store, StoreChunkInfo
 from hmem.cli.entry_view import age, utc_time
 from hmem.cli.ids import id_ranges
 from hmem.cli.output import Output, human_bytes, literal
 
 
-def chunk_json(info: ChunkInfo) -> dict[str, Any]:
+def chunk_json(info: StoreChunkInfo) -> dict[str, Any]:
     return {
         "key": info.key,
         "entry_ids": list(info.entry_ids),

@@ -1,5 +1,7 @@
 """LMCache's caches, administered by hmem from their files alone (LMCache
-is never imported): docs/lmcache.md."""
+is never imported), and an hmem store as LMCache's durable tier
+(`ChunkTier`; LMCache's plugin is hmem.lmcache.connector, which LMCache
+imports): docs/lmcache.md."""
 
 from hmem.formats.lmcache import LMCACHE_VERSION
 from hmem.lmcache.cache import (
@@ -46,8 +48,13 @@ from hmem.lmcache.hit_explanation import (
     read_requests,
 )
 from hmem.lmcache.importing import CacheImportReport, ChunkImport, import_cache
+from hmem.lmcache.tier import ChunkRead, ChunkTier, TierSettings, TierStats
 
 __all__ = [
+    "ChunkRead",
+    "ChunkTier",
+    "TierSettings",
+    "TierStats",
     "CELL_MEANINGS",
     "CHUNK_SORTS",
     "LMCACHE_VERSION",

@@ -14,7 +14,7 @@ from hmem import validation
 from hmem.errors import EntryNotFoundError, InvalidArgumentError
 from hmem.formats import chunk_keys
 from hmem.store import prepare
-from hmem.store.results import ChunkInfo, DeletePlan, StoredKV
+from hmem.store.results import DeletePlan, StoreChunkInfo, StoredKV
 
 if TYPE_CHECKING:
     from hmem.store.session import Session
@@ -86,7 +86,7 @@ class StoreChunks:
         with self._session.reading() as parts:
             return parts.chunks.keys()
 
-    def listing(self, keys: Iterable[str] | None = None) -> list[ChunkInfo]:
+    def listing(self, keys: Iterable[str] | None = None) -> list[StoreChunkInfo]:
         """The facts of the live chunks (of `keys` only, in their order, when
         given; the others are left out): key, entry ids, layers, tokens,
         bytes, when put, accesses.  Sorted by key when `keys` is None."""

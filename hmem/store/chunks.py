@@ -21,7 +21,7 @@ from hmem.formats.records import EVICTED
 from hmem.store import prepare
 from hmem.store.chunk_index import ChunkIndex
 from hmem.store.reading import EntryReader
-from hmem.store.results import ChunkInfo, StoredKV
+from hmem.store.results import StoreChunkInfo, StoredKV
 from hmem.store.state import StoreState
 
 
@@ -141,7 +141,7 @@ class Chunks:
         held = self.has(keys)
         return [key for key, ok in zip(keys, held) if ok]
 
-    def listing(self, keys: list[str]) -> list[ChunkInfo]:
+    def listing(self, keys: list[str]) -> list[StoreChunkInfo]:
         """The facts of the live chunks under `keys` (in that order; the
         others left out), from the records: a few array operations, then
         one object per chunk."""
@@ -163,7 +163,7 @@ class Chunks:
             rows = state.records[start : start + count]
             sizes = state.entry_file_bytes(rows["n_tokens"].astype(np.int64))
             out.append(
-                ChunkInfo(
+                StoreChunkInfo(
                     key=key,
                     entry_ids=tuple(range(first, first + count)),
                     layers=tuple(rows["layer_idx"].tolist()),

@@ -93,7 +93,7 @@ class EntryInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkInfo:
+class StoreChunkInfo:
     """One live chunk of a store of chunks (``Store.chunks.listing``)."""
 
     key: str
