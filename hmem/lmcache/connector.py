@@ -9,7 +9,7 @@ environment; nothing else in hmem imports this module.
       remote_storage_plugin.hmem.path: /var/lib/hmem/tier      # or s3://bucket/prefix
 
 Optional keys (same prefix): commit_seconds, commit_bytes, max_staged_bytes,
-max_bytes (a new store's byte cap), lock_wait (TierSettings).
+max_bytes (a new store's byte cap), lock_wait, refresh_seconds (TierSettings).
 
 The connector only translates: LMCache's keys to their strings, its memory
 objects to and from the bytes of a `ChunkTier` (hmem/lmcache/tier.py),
@@ -46,6 +46,7 @@ _SETTINGS = {
     "max_staged_bytes": int,
     "max_bytes": int,
     "lock_wait": float,
+    "refresh_seconds": float,
 }
 _THREADS = 4  # stage and read chunks beside the loop; copies and checksums release the GIL
 

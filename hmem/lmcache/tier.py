@@ -71,6 +71,7 @@ class TierSettings:
     max_staged_bytes: int = 2048 * MiB  # puts wait while this much awaits its commit
     max_bytes: int = 0  # a new store's byte cap (max_disk_bytes); 0: none
     lock_wait: float = 120.0  # how long a commit waits for another writer's
+    refresh_seconds: float = 1.0  # other processes' commits are seen within this long
     hdc_dim: int = 1024  # signature bits of a new store's entries
     shard_max_bytes: int = 1024 * MiB
 
@@ -80,6 +81,7 @@ class TierSettings:
         validation.integer(self.max_staged_bytes, "max_staged_bytes", low=1)
         validation.integer(self.max_bytes, "max_bytes", low=0)
         validation.number(self.lock_wait, "lock_wait", low=0.0)
+        validation.number(self.refresh_seconds, "refresh_seconds", low=0.001)
 
 
 @dataclasses.dataclass
@@ -351,15 +353,25 @@ class ChunkTier:
         )
 
     def _run(self) -> None:
+        """Commit what is due; between commits, take other processes'
+        commits (and what `hmem` commands changed) every refresh_seconds."""
         s = self.settings
         while True:
             with self._cond:
-                while not self._due() and not self._closing:
-                    wait = s.commit_seconds - (time.monotonic() - self._first_staged) if self._staged else None
-                    self._cond.wait(None if wait is None else max(wait, 0.001))
+                if not self._staged:  # nothing left to commit: every put so far is (or was never new)
+                    self._committed_sequence = self._sequence
+                    self._cond.notify_all()
+                if not self._due() and not self._closing:
+                    age = time.monotonic() - self._first_staged
+                    wait = min(s.commit_seconds - age, s.refresh_seconds) if self._staged else s.refresh_seconds
+                    self._cond.wait(max(wait, 0.001))
                 if self._closing and not self._staged:
                     return
-                batch, sequence = self._next_batch()
+                due = self._due()
+                batch, sequence = self._next_batch() if due else ({}, 0)
+            if not due:
+                self._refresh()
+                continue
             try:
                 stored = self._commit(batch)
                 self._reader.refresh()  # the commit, whole, before the chunks leave memory
@@ -387,6 +399,12 @@ class ChunkTier:
                     self._cond.wait(min(max(s.commit_seconds, 0.05), 5.0))  # a pause before the retry
                 elif error is not None:
                     return
+
+    def _refresh(self) -> None:
+        try:
+            self._reader.refresh()
+        except HmemError as exc:  # the reader keeps the commit it has; the next round tries again
+            log.warning("hmem tier: could not take the newest commit of %s: %s", self.location, exc.message)
 
     def _next_batch(self) -> tuple[dict[str, _Staged], int]:
         """The oldest staged chunks, up to twice commit_bytes (a commit holds
