@@ -32,6 +32,7 @@ from hmem.formats import sources as source_registry
 from hmem.formats.records import EVICTED
 from hmem.formats.store_files import ENTRIES_FILE
 from hmem.kernels import checksum as checksum_kernels
+from hmem.store import lock
 from hmem.store.projection import Projector
 
 ERROR, WARNING, INFO = "error", "warning", "info"
@@ -139,34 +140,22 @@ def verify(
         n = validation.integer(n, "subset n", low=1)
         k = validation.integer(k, "subset k", low=1, high=n)
         subset = (k, n)
-    out = _Collector()
-    mf = _check_index(root, out)
-    files = store_files.classify(root, mf.shards if mf else (), mf.pending if mf else None)
-    for name in files.unsafe:  # never read: docs/security.md
-        out.add(
-            "file.unsafe",
-            ERROR,
-            name,
-            "a symbolic link or not a regular file in place of a store file: hmem reads and writes nothing through it",
-            "a regular file",
+    for _ in range(_CHANGE_RETRIES):
+        # a commit made while the files were read makes them disagree for
+        # no fault of theirs: such a check is made again
+        before = _index_bytes(root)
+        checked = _check_all(root, full, subset, max_seconds, started, fetched_heads)
+        if _index_bytes(root) == before:
+            break
+    else:
+        checked[0].add(
+            "store.changing",
+            WARNING,
+            store_files.INDEX_FILE,
+            f"the store committed during each of {_CHANGE_RETRIES} checks: findings may be of a commit in progress",
+            "a store that stays still while checked (run verify again)",
         )
-    loaded = np.zeros(0)
-    scans: dict[int, shard_file.ShardScan] = {}
-    tensors = nbytes = 0
-    complete = True
-    if mf is not None:
-        evidence = stamp.stale_evidence(root, mf)
-        if evidence is not None:
-            out.add("index.stale", ERROR, store_files.INDEX_FILE, evidence, "an index.json as new as the store's files")
-        loaded = _check_records(root, mf, out, stale=evidence is not None)
-        _check_sources(root, mf, out)
-        _check_pooled(root, mf, loaded, out)
-        scans = _check_shards(root, mf, loaded, out, fetched_heads=fetched_heads)
-        _check_directory(root, mf, out, stale=evidence is not None)
-        if full:
-            tensors, nbytes, complete = _check_tensors(root, mf, loaded, scans, out, subset, max_seconds, started)
-            if not complete:
-                out.add("verify.incomplete", INFO, "", f"the full check stopped after {max_seconds} s")
+    out, loaded, scans, tensors, nbytes, complete = checked
     return VerifyReport(
         str(root),
         full,
@@ -179,6 +168,57 @@ def verify(
         time.perf_counter() - started,
         subset if full else None,
     )
+
+
+_CHANGE_RETRIES = 3  # checks made before a store that keeps committing is reported as such
+
+
+def _index_bytes(root: Path) -> bytes | None:
+    try:
+        return manifest.read_bytes(root)
+    except HmemError:
+        return None
+
+
+def _check_all(
+    root: Path,
+    full: bool,
+    subset: tuple[int, int] | None,
+    max_seconds: float | None,
+    started: float,
+    fetched_heads: bool,
+) -> tuple[_Collector, np.ndarray, dict[int, shard_file.ShardScan], int, int, bool]:
+    """Every check of one pass over the store's files."""
+    out = _Collector()
+    mf = _check_index(root, out)
+    files = store_files.classify(root, mf.shards if mf else (), mf.pending if mf else None)
+    for name in files.unsafe:  # never read: docs/security.md
+        out.add(
+            "file.unsafe",
+            ERROR,
+            name,
+            "a symbolic link or not a regular file in place of a store file: hmem reads and writes nothing through it",
+            "a regular file",
+        )
+    at_work = lock.writer_at_work(root)
+    loaded = np.zeros(0)
+    scans: dict[int, shard_file.ShardScan] = {}
+    tensors = nbytes = 0
+    complete = True
+    if mf is not None:
+        evidence = stamp.stale_evidence(root, mf)
+        if evidence is not None:
+            out.add("index.stale", ERROR, store_files.INDEX_FILE, evidence, "an index.json as new as the store's files")
+        loaded = _check_records(root, mf, out, stale=evidence is not None, at_work=at_work)
+        _check_sources(root, mf, out)
+        _check_pooled(root, mf, loaded, out)
+        scans = _check_shards(root, mf, loaded, out, fetched_heads=fetched_heads)
+        _check_directory(root, mf, out, stale=evidence is not None, at_work=at_work)
+        if full:
+            tensors, nbytes, complete = _check_tensors(root, mf, loaded, scans, out, subset, max_seconds, started)
+            if not complete:
+                out.add("verify.incomplete", INFO, "", f"the full check stopped after {max_seconds} s")
+    return out, loaded, scans, tensors, nbytes, complete
 
 
 def _check_index(root: Path, out: _Collector) -> manifest.Manifest | None:
@@ -251,7 +291,9 @@ def _check_pooled(root: Path, mf: manifest.Manifest, loaded: np.ndarray, out: _C
         )
 
 
-def _check_records(root: Path, mf: manifest.Manifest, out: _Collector, *, stale: bool) -> np.ndarray:
+def _check_records(
+    root: Path, mf: manifest.Manifest, out: _Collector, *, stale: bool, at_work: int | None
+) -> np.ndarray:
     path = store_files.resolve(root, ENTRIES_FILE, mf.pending)
     size = store_files.record_bytes(mf.config)
     committed = mf.record_count * size
@@ -276,7 +318,11 @@ def _check_records(root: Path, mf: manifest.Manifest, out: _Collector, *, stale:
             if stale
             else "an interrupted flush; a writer removes them"
         )
-        out.add("entries.tail", WARNING, ENTRIES_FILE, f"{actual - committed} bytes past the committed records ({why})")
+        severity = WARNING
+        if at_work is not None and not stale:
+            why, severity = f"a flush of the writer at work, pid {at_work}", INFO
+        past = f"{actual - committed} bytes past the committed records ({why})"
+        out.add("entries.tail", severity, ENTRIES_FILE, past)
     count = min(actual // size, mf.record_count)
     # only records in data really present are read: a sparse file's holes cost nothing to claim
     present = records.present_count(path, count, mf.config)
@@ -401,11 +447,15 @@ def _unsafe(path: Path) -> bool:
     return path.is_symlink() or (path.exists() and not path.is_file())
 
 
-def _check_directory(root: Path, mf: manifest.Manifest, out: _Collector, *, stale: bool) -> None:
+def _check_directory(root: Path, mf: manifest.Manifest, out: _Collector, *, stale: bool, at_work: int | None) -> None:
     files = store_files.classify(root, mf.shards, mf.pending)
     orphan = _NEWER_NOTE if stale else _ORPHAN_NOTE
+    temporary = _TEMP_NOTE
+    if at_work is not None and not stale:  # what the writer at work is making: no problem
+        at_work_note = ("file.at_work", INFO, f"a file the writer at work (pid {at_work}) is making")
+        orphan = temporary = at_work_note
     notes = {
-        **dict.fromkeys(files.temporary, _TEMP_NOTE),
+        **dict.fromkeys(files.temporary, temporary),
         **dict.fromkeys(files.unnamed_shards, orphan),
         **dict.fromkeys(files.others, _FOREIGN_NOTE),
     }

@@ -79,6 +79,21 @@ def _flock_holder(path: Path) -> int | None:
     return None
 
 
+def writer_at_work(store_dir: Path) -> int | None:
+    """The pid of the process holding the store's write lock now, if one
+    does (the kernel's lock table; nothing is locked or written): its
+    temporary files and uncommitted bytes are work in progress, not what an
+    interrupted writer left.  This process is not one: what it verifies
+    while it holds the lock (repair does) is judged as it lies."""
+    try:
+        if not (store_dir / LOCK_FILE).is_file():
+            return None
+    except OSError:
+        return None
+    pid = _flock_holder(store_dir / LOCK_FILE)
+    return pid if pid != os.getpid() else None
+
+
 def describe_owner(owner: dict | None) -> str:
     if not owner:
         return "another process"

@@ -19,6 +19,15 @@ WRITER = Path(__file__).with_name("lmcache_writer.py")
 
 
 @pytest.fixture(scope="session")
+def lmcache_python() -> str:
+    """The interpreter of an environment with LMCache 0.5.6 and hmem (.ci/run makes one)."""
+    python = os.environ.get("HMEM_LMCACHE_PYTHON")
+    if not python:
+        pytest.skip("HMEM_LMCACHE_PYTHON names no interpreter with LMCache 0.5.6 (.ci/run makes one)")
+    return python
+
+
+@pytest.fixture(scope="session")
 def written(tmp_path_factory) -> tuple[Path, dict]:
     python = os.environ.get("HMEM_LMCACHE_PYTHON")
     if not python:

@@ -1,0 +1,336 @@
+"""Drive LMCache 0.5.6's real engine on the CPU with an hmem store as its
+remote tier (hmem.lmcache.connector): run by the interpreter of an
+environment where LMCache and hmem are installed (the tests give its path
+in HMEM_LMCACHE_PYTHON), never imported by the tests.
+
+    python tier_driver.py write OUT_DIR              # the caches test_lmcache_tier.py reads
+    python tier_driver.py serve                      # fresh engines reading stores, on request
+    python tier_driver.py loop STORE STOP_FILE COUNTS_JSON
+    python tier_driver.py kill STORE
+
+The model, the requests ("a", "b", "c" sharing a prefix, "a-tagged",
+"short") and the stand-in for vLLM's GPU connector are lmcache_writer.py's.
+Every wait is for a condition (LMCache's puts in flight, the tier's
+commit, a line on stdin, a file) and prints a line the test waits for.
+
+- write: OUT_DIR/fs (LMCache's own fs connector: the reference),
+  OUT_DIR/hmem (the hmem tier) and OUT_DIR/capped (an hmem tier with a
+  byte cap that its stores exceed), each request stored then committed;
+  OUT_DIR/written.json holds per request its chunk keys, the SHA-256 of
+  each chunk's K/V as stored, and the same engine's lookups.
+- serve: per line on stdin, {"kind": "hmem"|"fs", "store": DIR, "out":
+  JSON}, a fresh engine (never one that wrote) on that store: per request
+  its lookup, retrieve (tokens and the SHA-256 of each retrieved chunk)
+  and a second lookup after the retrieve; answers "done" on stdout.
+- loop: stores the requests, prints "ready", then stores, looks up and
+  retrieves new requests (sharing a's prefix) and the stored ones, a line
+  "iteration N" each, until STOP_FILE exists; COUNTS_JSON holds the counts.
+- kill: stores the requests, waits for the tier's commit, prints
+  "committed KEYS_JSON", then stores new requests ("stored N" each) until
+  it is killed.
+"""
+
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lmcache_writer as W  # noqa: E402  (sets LMCache's log level and telemetry off first)
+import torch  # noqa: E402
+from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+
+GEOM = W.FULL
+BACKEND = "RemoteBackend-hmem"
+FAST = {"commit_seconds": 0.05, "refresh_seconds": 0.05}  # commits and others' changes seen at once
+CAPPED_CHUNKS = 4  # the capped tier's byte cap holds about this many of the 7 chunks
+
+
+def hmem_engine(instance, store, **options):
+    """An LMCache engine whose one remote tier is the hmem store `store`
+    (`options`: the plugin's remote_storage_plugin.hmem.* settings)."""
+    extra = {
+        "remote_storage_plugin.hmem.module_path": "hmem.lmcache.connector",
+        "remote_storage_plugin.hmem.class_name": "HmemConnector",
+        "remote_storage_plugin.hmem.path": store,
+        **{f"remote_storage_plugin.hmem.{k}": v for k, v in options.items()},
+    }
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=GEOM.chunk,
+        local_cpu=False,
+        max_local_cpu_size=0.25,
+        lmcache_instance_id=instance,
+        remote_storage_plugins=["hmem"],
+        extra_config=extra,
+    )
+    metadata = LMCacheMetadata(
+        model_name=W.MODEL_NAME,
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.bfloat16,
+        kv_shape=(GEOM.layers, 2, GEOM.chunk, GEOM.kv_heads, GEOM.head_dim),
+        chunk_size=GEOM.chunk,
+    )
+    connector = W.CPUConnector(GEOM.layers, GEOM.hidden)
+    made = LMCacheEngineBuilder.get_or_create(instance, config, metadata, connector, lambda t, r: None, lambda o, r: o)
+    made.post_init()
+    return made
+
+
+def backend(cache):
+    return cache.storage_manager.storage_backends[BACKEND]
+
+
+def tier_connector(cache):
+    """hmem's connector inside LMCache's wrappers (its commit() and tier)."""
+    return backend(cache).connection.getWrappedConnector()
+
+
+def configs(req):
+    return req["tags"] or None
+
+
+def tags_of(req):
+    return {"request_configs": req["tags"]} if req["tags"] else {}
+
+
+def chunk_keys(cache, req):
+    return [k.to_string() for _, _, k in cache.token_database.process_tokens(req["tokens"], request_configs=configs(req))]
+
+
+def chunk_sha256(kv, tokens):
+    """SHA-256 of each whole chunk of kv[:, :, :tokens]."""
+    return [W.sha256_of(kv[:, :, i * GEOM.chunk : (i + 1) * GEOM.chunk]) for i in range(tokens // GEOM.chunk)]
+
+
+def store(cache, req, kv):
+    cache.store(req["tokens"], kv=kv, req_id=req["name"], **tags_of(req))
+
+
+def committed(cache):
+    """Wait until LMCache handed every put to the tier and the tier committed them."""
+    W.wait_until(lambda: not backend(cache).put_tasks, "LMCache's puts")
+    tier_connector(cache).commit(W.WAIT_SECONDS)
+
+
+def store_keys(path):
+    """The chunk keys an hmem store holds, through hmem's public API."""
+    import hmem
+
+    with hmem.Store.open(path, read_only=True) as s:
+        return s.chunks.keys()
+
+
+def retrieve(cache, req, layers=GEOM.layers):
+    """Tokens retrieved and the retrieved K/V."""
+    kv_out = torch.zeros(2, layers, len(req["tokens"]), GEOM.hidden, dtype=torch.bfloat16)
+    mask = cache.retrieve(req["tokens"], kv_out=kv_out, **tags_of(req))
+    got = int(mask.sum())
+    return got, kv_out
+
+
+def write(out_dir):
+    reqs = W.requests(GEOM)
+    kvs = W.request_kv(GEOM, reqs)
+    out = {"chunk_size": GEOM.chunk, "requests": []}
+    fs_dir = os.path.join(out_dir, "fs")
+    os.makedirs(fs_dir)
+    fs = W.engine("fs", GEOM, "fs", fs_dir)
+    reference = W.write(fs, "fs", fs_dir, GEOM, kvs, reqs)  # waits until LMCache's files are whole
+    LMCacheEngineBuilder.destroy("fs")
+
+    path = os.path.join(out_dir, "hmem")
+    cache = hmem_engine("hmem", path, commit_seconds=0.05)
+    for req in reqs:
+        store(cache, req, kvs[req["name"]])
+        committed(cache)
+    for req, ref in zip(reqs, reference["requests"]):
+        kv = kvs[req["name"]]
+        keys = chunk_keys(cache, req)
+        out["requests"].append(
+            {
+                "name": req["name"],
+                "keys": keys,
+                "fs_keys": ref["keys"],
+                "chunk_sha256": chunk_sha256(kv, len(keys) * GEOM.chunk),
+                "fs_lookup": ref["lookup"],
+                "hmem_lookup": cache.lookup(req["tokens"], request_configs=configs(req)),
+            }
+        )
+    out["hmem_stats"] = str(tier_connector(cache).tier.stats())
+    LMCacheEngineBuilder.destroy("hmem")
+
+    # the capped tier: chunk bytes as the uncapped store holds them, times CAPPED_CHUNKS
+    import hmem
+
+    with hmem.Store.open(path, read_only=True) as s:
+        per_chunk = max(info.bytes for info in s.chunks.listing())
+    cap = CAPPED_CHUNKS * per_chunk
+    capped_path = os.path.join(out_dir, "capped")
+    cache = hmem_engine("capped", capped_path, commit_seconds=0.05, max_bytes=cap)
+    keys_after = {}
+    for req in reqs:
+        store(cache, req, kvs[req["name"]])
+        committed(cache)
+        keys_after[req["name"]] = store_keys(capped_path)
+    out["capped"] = {
+        "max_bytes": cap,
+        "chunk_bytes": per_chunk,
+        "keys_after_each_store": keys_after,
+        "lookups": {req["name"]: cache.lookup(req["tokens"], request_configs=configs(req)) for req in reqs},
+        "stats": str(tier_connector(cache).tier.stats()),
+    }
+    LMCacheEngineBuilder.destroy("capped")
+    with open(os.path.join(out_dir, "written.json"), "w") as f:
+        json.dump(out, f)
+
+
+def read(cache, reqs):
+    out = {}
+    for req in reqs:
+        lookup = cache.lookup(req["tokens"], request_configs=configs(req))
+        got, kv_out = retrieve(cache, req)
+        out[req["name"]] = {
+            "keys": chunk_keys(cache, req),
+            "lookup": lookup,
+            "retrieved": got,
+            "chunk_sha256": chunk_sha256(kv_out, got),
+            "lookup_after_retrieve": cache.lookup(req["tokens"], request_configs=configs(req)),
+        }
+    return out
+
+
+def serve():
+    """Fresh engines on stores, one per line of stdin, until stdin closes."""
+    reqs = W.requests(GEOM)
+    for number, line in enumerate(sys.stdin):
+        order = json.loads(line)
+        instance = f"read-{number}"
+        try:
+            if order["kind"] == "fs":
+                cache = W.engine(instance, GEOM, "fs", order["store"])
+            else:
+                cache = hmem_engine(instance, order["store"], **order.get("options", {}))
+            try:
+                result = {"requests": read(cache, reqs)}
+            finally:
+                LMCacheEngineBuilder.destroy(instance)
+        except Exception:
+            result = {"error": traceback.format_exc()}
+        with open(order["out"], "w") as f:
+            json.dump(result, f)
+        print("done", flush=True)
+
+
+def new_request(number, reqs, kvs, chunks=2):
+    """A request of a's first two chunks and `chunks` new ones (tokens and
+    K/V drawn from `number`), with its K/V."""
+    [a] = [r for r in reqs if r["name"] == "a"]
+    draw = torch.Generator().manual_seed(1000 + number)
+    tail = chunks * GEOM.chunk
+    tokens = a["tokens"][: GEOM.prefix] + torch.randint(0, W.VOCAB, (tail,), generator=draw).tolist()
+    fresh = torch.randn(2, GEOM.layers, tail, GEOM.hidden, generator=draw).to(torch.bfloat16)
+    kv = torch.cat([kvs["a"][:, :, : GEOM.prefix], fresh], dim=2).contiguous()
+    return {"name": f"new-{number}", "tokens": tokens, "tags": {}}, kv
+
+
+def loop(path, stop_file, counts_path):
+    """Store, look up and retrieve until `stop_file` exists; every retrieve
+    must be bit-exact on the tokens it gives (fewer tokens than the lookup
+    said, down to none, is a clean miss: an hmem command evicted them)."""
+    reqs = W.requests(GEOM)
+    kvs = W.request_kv(GEOM, reqs)
+    cache = hmem_engine("loop", path, **FAST)
+    counts = dict.fromkeys(
+        ["iterations", "stores", "lookups", "retrieves", "whole", "partial", "missed", "mismatched", "errors"], 0
+    )
+    failures = []
+    for req in reqs:
+        store(cache, req, kvs[req["name"]])
+    committed(cache)
+    print("ready", flush=True)
+    number = 0
+    while not os.path.exists(stop_file):
+        req, kv = new_request(number, reqs, kvs)
+        old = reqs[number % len(reqs)]
+        for one, one_kv, new in ((req, kv, True), (old, kvs[old["name"]], False)):
+            try:
+                if new:
+                    store(cache, one, one_kv)
+                    counts["stores"] += 1
+                lookup = cache.lookup(one["tokens"], request_configs=configs(one))
+                counts["lookups"] += 1
+                got, kv_out = retrieve(cache, one)
+                counts["retrieves"] += 1
+                full = len(one["tokens"]) // GEOM.chunk * GEOM.chunk
+                if not torch.equal(kv_out[:, :, :got], one_kv[:, :, :got]) or got % GEOM.chunk:
+                    counts["mismatched"] += 1
+                    failures.append(f"{one['name']}: {got} tokens retrieved, not bit-exact")
+                elif got == full:
+                    counts["whole"] += 1
+                elif got:
+                    counts["partial"] += 1
+                else:
+                    counts["missed"] += 1
+                if got > lookup:
+                    failures.append(f"{one['name']}: {got} tokens retrieved after a lookup of {lookup}")
+            except Exception:
+                counts["errors"] += 1
+                failures.append(traceback.format_exc())
+        number += 1
+        counts["iterations"] = number
+        print(f"iteration {number}", flush=True)
+    committed(cache)
+    remote = backend(cache)
+    stats = tier_connector(cache).tier.stats()
+    result = {
+        **counts,
+        "failures": failures[:20],
+        "put_failed": remote._put_failed_count,
+        "get_failed": remote._get_blocking_failed_count,
+        "failed_commits": stats.failed_commits,
+        "bad_chunks": stats.bad_chunks,
+    }
+    LMCacheEngineBuilder.destroy("loop")
+    with open(counts_path, "w") as f:
+        json.dump(result, f)
+    print("stopped", flush=True)
+
+
+def kill(path):
+    """Store the requests, wait for their commit, say so, then store new
+    requests until killed."""
+    reqs = W.requests(GEOM)
+    kvs = W.request_kv(GEOM, reqs)
+    cache = hmem_engine("kill", path, **FAST)
+    for req in reqs:
+        store(cache, req, kvs[req["name"]])
+    committed(cache)
+    keys = sorted({key for req in reqs for key in chunk_keys(cache, req)})
+    print("committed " + json.dumps(keys), flush=True)
+    number = 0
+    while True:
+        req, kv = new_request(number, reqs, kvs, chunks=4)
+        store(cache, req, kv)
+        number += 1
+        print(f"stored {number}", flush=True)
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "write":
+        os.makedirs(args[0], exist_ok=True)
+        write(os.path.abspath(args[0]))
+    elif mode == "serve":
+        serve()
+    elif mode == "loop":
+        loop(*args[:3])
+    elif mode == "kill":
+        kill(args[0])
+    else:
+        sys.exit(f"unknown mode {mode!r}")
