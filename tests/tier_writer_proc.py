@@ -1,8 +1,9 @@
 """A process of the tier tests of several writers (tests/test_lmcache_tier_writers.py).
 
 Run as ``python tier_writer_proc.py LOCATION SETTINGS_JSON OPTIONS_JSON``: it
-opens a ``hmem.lmcache.ChunkTier`` on LOCATION, says ``["ready", pid]`` and
-then does what each line of its stdin asks (a JSON list), answering with
+says ``["started", pid]``, opens a ``hmem.lmcache.ChunkTier`` on LOCATION
+when the line ``["open"]`` comes, says ``["ready", pid]`` (or
+``["open_failed", error]``) and then does what each line of its stdin asks (a JSON list), answering with
 JSON lines on stdout, as one LMCache worker process (a tensor-parallel
 rank) would drive the tier.  Every chunk's values come from its key
 (``chunk_words``), so whoever reads a chunk can check it by itself.
@@ -129,12 +130,17 @@ def watch(tier: ChunkTier, groups: list[list[str]], commands: Commands) -> None:
 
 def main() -> None:
     location, settings, options = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-    tier = ChunkTier(
-        location, embed_dim=EMBED, settings=TierSettings(**settings), storage_options=options or None
-    )
+    commands = Commands()
+    say("started", os.getpid())
+    if commands.next() != ["open"]:  # several writers open the tier at once, as LMCache's workers start
+        raise SystemExit("expected ['open']")
+    try:
+        tier = ChunkTier(location, embed_dim=EMBED, settings=TierSettings(**settings), storage_options=options or None)
+    except Exception as exc:
+        say("open_failed", f"{type(exc).__name__}: {exc}")
+        raise
     say("ready", os.getpid())
     pending: list[str] = []
-    commands = Commands()
     while (command := commands.next()) is not None:
         op = command[0]
         if op == "stage":

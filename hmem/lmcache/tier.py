@@ -29,10 +29,12 @@ reported (`verify` names the entry).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -188,6 +190,11 @@ class ChunkTier:
         memory.POOL.keep_at_least(4 * self.settings.commit_bytes)
         self._thread = threading.Thread(target=self._run, name="hmem-tier-committer", daemon=True)
         self._thread.start()
+        # A process that ends without closing the tier (no engine shutdown)
+        # still commits what it staged, when it ends normally.  Registered
+        # where the interpreter calls it before thread pools stop taking work
+        # (a commit seals shards on one): threading's own exit hooks.
+        _at_exit(_close_at_exit, weakref.ref(self))
 
     # ---- the store ---------------------------------------------------------------------
 
@@ -464,6 +471,15 @@ class ChunkTier:
         self._reader.close()
         if self._staged:
             log.error("hmem tier: %d chunk(s) staged for %s were not committed", len(self._staged), self.location)
+
+
+_at_exit = getattr(threading, "_register_atexit", atexit.register)
+
+
+def _close_at_exit(tier: weakref.ref[ChunkTier]) -> None:
+    alive = tier()
+    if alive is not None:
+        alive.close()
 
 
 def _parts(chunk: _Staged) -> list[Entry]:

@@ -260,8 +260,9 @@ def loop(path, stop_file, counts_path):
         old = reqs[number % len(reqs)]
         for one, one_kv, new in ((req, kv, True), (old, kvs[old["name"]], False)):
             try:
-                if new:
+                if new:  # stored, and handed to the tier: its lookup counts the new chunks
                     store(cache, one, one_kv)
+                    W.wait_until(lambda: not backend(cache).put_tasks, "LMCache's puts")
                     counts["stores"] += 1
                 lookup = cache.lookup(one["tokens"], request_configs=configs(one))
                 counts["lookups"] += 1

@@ -1,0 +1,246 @@
+"""Several writer processes on one tier (hmem/lmcache/tier.py; docs/lmcache.md,
+"Guarantees"), without LMCache.
+
+LMCache runs one worker process per tensor-parallel rank, each with its own
+ChunkTier on the same store.  Here every writer is a real process
+(tests/tier_writer_proc.py) on a store directory or on s3:// (the local
+moto server): they store concurrently and every acknowledged chunk is
+found; a writer killed with SIGKILL costs only its own uncommitted chunks,
+whether the kill lands between commits or during one; the others' commits
+go on (a dead writer's lock dies with it; its lease lapses after
+`lease_seconds`); readers see each commit whole.
+
+Every chunk's values come from its key (``chunk_words``, the same code as
+the helper's), so each chunk found is checked bit for bit.  Processes report
+over their stdout; the tests wait for those lines, never for a duration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hmem
+from hmem import Store
+from hmem.lmcache import ChunkTier, TierSettings
+
+WRITER = Path(__file__).with_name("tier_writer_proc.py")
+SHAPE = (2, 4, 16, 64)  # as tier_writer_proc.SHAPE: [2, layers, tokens, hidden]
+HDC = 256
+HANG_GUARD = 120  # seconds: a wait that reaches this has failed (only a hang takes so long)
+# A short lease on s3, so that a killed writer's lapses soon: the others'
+# commits wait at most this long for it (docs/lmcache.md: 60 s by default).
+LEASE_SECONDS = 3.0
+LONG = 3600.0  # a commit window no test reaches: staged chunks stay staged until commit()
+
+
+def chunk_words(key: str) -> np.ndarray:
+    """As tier_writer_proc.chunk_words (tests cannot import each other)."""
+    seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+    values = np.random.default_rng(seed).standard_normal(SHAPE, dtype=np.float32)
+    return (values.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def lmcache_key(rank: int, name: str) -> str:
+    """A key as LMCache spells one (model@world_size@worker_id@chunk_hash@dtype)."""
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    return f"hmem-test/model@4@{rank}@{digest}@bfloat16"
+
+
+class Writer:
+    """One helper process (tier_writer_proc.py), talked to in JSON lines."""
+
+    def __init__(self, tier: types.SimpleNamespace, name: str, **settings: float) -> None:
+        settings.setdefault("hdc_dim", HDC)
+        self.name = name
+        self.err_path = tier.tmp / f"{name}.stderr"
+        with open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(WRITER), tier.url, json.dumps(settings), json.dumps(tier.options or {})],
+                cwd=tier.tmp,
+                env={k: v for k, v in os.environ.items() if k not in ("HMEM_CRASH_AT", "HMEM_STORE")},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+        self.expect("started")
+
+    def send(self, *command: object) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(list(command)) + "\n")
+        self.proc.stdin.flush()
+
+    def line(self) -> list:
+        """The next line.  A process that says nothing for HANG_GUARD seconds
+        is killed: the test fails, it does not hang."""
+        guard = threading.Timer(HANG_GUARD, self.proc.kill)
+        guard.start()
+        try:
+            assert self.proc.stdout is not None
+            text = self.proc.stdout.readline()
+        finally:
+            guard.cancel()
+        if not text:
+            raise AssertionError(f"{self.name} ended (exit {self.proc.wait()}) before its next line:\n{self.stderr()}")
+        return json.loads(text)
+
+    def expect(self, tag: str) -> list:
+        item = self.line()
+        assert item[0] == tag, f"{self.name}: expected {tag!r}, got {item!r}\n{self.stderr()}"
+        return item
+
+    def do(self, tag: str, *command: object) -> list:
+        self.send(*command)
+        return self.expect(tag)
+
+    def stage_and_commit(self, keys: list[str]) -> list[str]:
+        """Stage `keys`, commit; the keys acknowledged."""
+        self.do("staged", "stage", keys)
+        return self.do("committed", "commit")[1]
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        assert self.proc.wait(HANG_GUARD) == -signal.SIGKILL
+
+    def close(self) -> dict:
+        stats = self.do("closed", "close")[1]
+        assert self.proc.wait(HANG_GUARD) == 0, self.stderr()
+        return stats
+
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture(params=["dir", "s3"])
+def tier(request, tmp_path) -> Iterator[types.SimpleNamespace]:
+    """A fresh tier location (a directory, or a prefix on the local S3
+    server with a short lease) and ``tier.writer(name, **settings)``, which
+    starts a helper process; each is killed at teardown if still running."""
+    if request.param == "s3":
+        url, options = request.getfixturevalue("s3_url"), {"lease_seconds": LEASE_SECONDS}
+    else:
+        url, options = str(tmp_path / "tier"), None
+    started: list[Writer] = []
+    ns = types.SimpleNamespace(url=url, options=options, tmp=tmp_path, kind=request.param)
+
+    def writer(name: str, **settings: float) -> Writer:
+        started.append(Writer(ns, name, **settings))
+        return started[-1]
+
+    ns.writer = writer
+    yield ns
+    for w in started:
+        w.cleanup()
+
+
+def make_tier(tier: types.SimpleNamespace) -> None:
+    """Make the store as the writers' tiers would (so that the tests of
+    commits do not depend on who makes it)."""
+    ChunkTier(tier.url, embed_dim=SHAPE[-1], settings=TierSettings(hdc_dim=HDC), storage_options=tier.options).close()
+
+
+def open_together(writers: list[Writer]) -> None:
+    """Open every writer's tier at once (each process has started and waits)."""
+    for w in writers:
+        w.send("open")
+    for w in writers:
+        item = w.line()
+        assert item[0] == "ready", f"{w.name} could not open the tier: {item}\n{w.stderr()}"
+
+
+def check_store(
+    tier: types.SimpleNamespace, acknowledged: set[str], may_hold: set[str] = frozenset(), after_kill: bool = False
+) -> set[str]:
+    """A fresh view of the store holds every acknowledged chunk, bit-exact,
+    each once; nothing but those and `may_hold` (chunks of a killed writer,
+    each whole); verify finds nothing (after a kill on object storage: only
+    the objects the killed writer uploaded and no commit names).  Returns
+    the keys held."""
+    reader = ChunkTier(tier.url, embed_dim=SHAPE[-1], storage_options=tier.options)
+    try:
+        held = set(reader.keys())
+        lost = acknowledged - held
+        assert not lost, f"{len(lost)} acknowledged chunk(s) missing: {sorted(lost)[:5]}"
+        assert held <= acknowledged | may_hold, f"chunks never staged: {sorted(held - acknowledged - may_hold)[:5]}"
+        for key in sorted(held):
+            found = reader.fetch(key)
+            assert found is not None, key
+            assert tuple(found.shape) == SHAPE and found.layout == "KV_2LTD", (key, found.shape)
+            out = np.empty(SHAPE, dtype=np.uint16)
+            found.copy_into(out)
+            assert np.array_equal(out, chunk_words(key)), f"{key} reads back wrong"
+    finally:
+        reader.close()
+    with Store.open(tier.url, read_only=True, storage_options=tier.options) as store:
+        listing = store.chunks.listing()
+        assert {info.key for info in listing} == held
+        assert all(info.parts == SHAPE[1] and info.layers == tuple(range(SHAPE[1])) for info in listing)
+        assert store.stats().entries == SHAPE[1] * len(held)  # a key put by several writers is stored once
+    report = hmem.verify(tier.url, full=True, storage_options=tier.options)
+    allowed = {"remote.orphan"} if after_kill and tier.kind == "s3" else set()
+    assert report.complete and all(f.code in allowed for f in report.problems), report.problems
+    return held
+
+
+# ---- several writers store concurrently ------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [2, pytest.param(4, marks=pytest.mark.stress)])
+def test_writers_store_concurrently(tier, count):
+    """Each writer stages chunks of its own (rank) and chunks every writer
+    stages (the same key, the same values), commits three times; every
+    acknowledged chunk is found, bit-exact, and each key is stored once."""
+    make_tier(tier)
+    writers = [tier.writer(f"w{rank}", commit_seconds=LONG) for rank in range(count)]
+    open_together(writers)
+    acknowledged: set[str] = set()
+    for round_ in range(3):
+        for rank, w in enumerate(writers):
+            own = [lmcache_key(rank, f"{round_}-{n}") for n in range(4)]
+            shared = [lmcache_key(0, f"shared-{round_}-{n}") for n in range(3)]
+            w.send("stage", own + shared)
+        for w in writers:  # every writer has staged before any commits: their commits queue on the lock
+            w.expect("staged")
+        for w in writers:
+            w.send("commit")
+        for w in writers:
+            acknowledged |= set(w.expect("committed")[1])
+    stats = [w.close() for w in writers]
+    assert len(acknowledged) == 3 * (4 * count + 3)
+    assert sum(s["committed_chunks"] for s in stats) == len(acknowledged)  # each chunk went in once
+    assert check_store(tier, acknowledged) == acknowledged
+
+
+def test_writers_make_the_store_together(tier):
+    """Four tiers opened at once on a location that holds no store yet (as
+    LMCache's workers start together): one makes it, all of them come up,
+    and the store verifies clean."""
+    writers = [tier.writer(f"w{rank}", commit_seconds=LONG) for rank in range(4)]
+    open_together(writers)
+    acknowledged = set()
+    for rank, w in enumerate(writers):
+        acknowledged |= set(w.stage_and_commit([lmcache_key(rank, "first")]))
+    for w in writers:
+        w.close()
+    assert check_store(tier, acknowledged) == acknowledged
