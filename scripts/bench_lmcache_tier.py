@@ -101,7 +101,7 @@ def chunk_bytes(layers: int, hidden: int = KV_HEADS * HEAD_DIM) -> int:
 # ---- the phases: each runs in a process of its own -----------------------------------------
 
 
-class Stamped(GPUConnectorInterface):  # type: ignore[misc]  # LMCache ships no type information
+class Stamped(GPUConnectorInterface):
     """LMCache's GPU connector, on the CPU: the source of every chunk's
     values on store, a scratch chunk on retrieve."""
 
@@ -656,8 +656,8 @@ def run_all(a: argparse.Namespace) -> int:
                 finally:
                     shutil.rmtree(lookup_data, ignore_errors=True)
                 record[b] = rec
-                f = flatten(rec)
-                print(f"round {rnd + 1} {b:10s} " + "  ".join(f"{k} {v:.3f}" for k, v in f.items()), flush=True)
+                figures = flatten(rec)
+                print(f"round {rnd + 1} {b:10s} " + "  ".join(f"{k} {v:.3f}" for k, v in figures.items()), flush=True)
             results["rounds"].append(record)
     finally:
         if not a.dir:

@@ -244,3 +244,73 @@ def test_writers_make_the_store_together(tier):
     for w in writers:
         w.close()
     assert check_store(tier, acknowledged) == acknowledged
+
+
+# ---- a killed writer costs only its own uncommitted chunks -----------------------------
+
+
+@pytest.mark.parametrize("window", ["commit", "timer"])
+def test_killed_writer_loses_only_its_uncommitted_chunks(tier, window):
+    """The victim commits a first set (by commit(), or by its committer's
+    timer alone: no commit() call, as LMCache's puts never call one), stages
+    a second set and is killed (SIGKILL, as kill -9 of the engine).  The
+    survivor committed before and commits after: its lock or lease is not
+    held by the dead writer.  Every acknowledged chunk is there; of the
+    second set, with a commit window no test reaches, nothing."""
+    make_tier(tier)
+    victim = tier.writer("victim", commit_seconds=LONG if window == "commit" else 0.05)
+    survivor = tier.writer("survivor", commit_seconds=LONG)
+    open_together([victim, survivor])
+    first = [lmcache_key(1, f"first-{n}") for n in range(5)]
+    second = [lmcache_key(1, f"second-{n}") for n in range(5)]
+    if window == "commit":
+        acknowledged = set(victim.stage_and_commit(first))
+    else:
+        victim.do("staged", "stage", first)
+        acknowledged = set(victim.do("own_commit", "wait_own_commit")[1])
+    acknowledged |= set(survivor.stage_and_commit([lmcache_key(0, "before")]))
+    victim.do("staged", "stage", second)
+    victim.kill()
+    acknowledged |= set(survivor.stage_and_commit([lmcache_key(0, "after")]))
+    survivor.close()
+    held = check_store(tier, acknowledged, may_hold=set(second), after_kill=True)
+    if window == "commit":
+        assert not held & set(second), "chunks staged and never committed were stored"
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize("seed", range(int(os.environ.get("KILL_SEEDS", 3))))
+def test_kill_during_commits(tier, seed):
+    """A writer stages and commits group after group; it is killed right
+    after it asks for the commit of group N (N at random): the kill lands
+    in that commit, or in its wait for the lock or lease.  Another writer
+    commits on through it all (on s3, past the dead writer's lease).  Every
+    group acknowledged is there; the group in flight is there whole or not
+    at all; the store verifies clean (on s3: but for the objects the dead
+    writer uploaded and no commit names)."""
+    rng = random.Random(seed)
+    make_tier(tier)
+    victim = tier.writer("victim", commit_seconds=LONG)
+    survivor = tier.writer("survivor", commit_seconds=LONG)
+    open_together([victim, survivor])
+    size, kill_at, survivor_groups = 3, rng.randrange(1, 6), 8
+    survivor.send("loop", lmcache_key(0, "survivor"), survivor_groups, size)
+    victim.send("loop", lmcache_key(1, "victim"), 1000, size)
+    acknowledged: set[str] = set()
+    while True:
+        item = victim.line()
+        if item[0] == "committed":
+            acknowledged |= set(item[1])
+        elif item == ["committing", kill_at]:
+            victim.kill()
+            break
+    in_flight = {f"{lmcache_key(1, 'victim')}-{kill_at}-{j}" for j in range(size)}
+    assert len(acknowledged) == kill_at * size
+    while (item := survivor.line())[0] != "looped":
+        if item[0] == "committed":
+            acknowledged |= set(item[1])
+    assert len(acknowledged) == (kill_at + survivor_groups) * size
+    survivor.close()
+    held = check_store(tier, acknowledged, may_hold=in_flight, after_kill=True)
+    print("DEBUG", tier.kind, kill_at, len(held & in_flight), hmem.verify(tier.url, storage_options=tier.options).problems)
+    assert not held & in_flight or in_flight <= held, f"a commit stored in part: {sorted(held & in_flight)}"

@@ -166,7 +166,7 @@ class DirectoryPlacement:
         return open_reader(state.path, state.verify_reads)
 
     def swap_in(self, old: StoreState, fresh: StoreState) -> None:
-        pass  # the new state maps its files itself
+        fresh.cache.capacity = old.cache.capacity  # the bound open() was given, if any
 
     def forget(self, old: StoreState) -> None:
         pass

@@ -133,10 +133,10 @@ class Store:
         return cls(opening.open_store(path, *options))
 
     def refresh(self) -> bool:
-        """A reader of a store on object storage: take the newest commit, if
-        any (one request when none); returns whether the store changed.
-        Queries go on while it is fetched and pause only while it is swapped
-        in.  Nothing for a writer or a local store."""
+        """A reader: take the newest commit, if any (one read of index.json,
+        or one request on object storage, when none); returns whether the
+        store changed.  Queries go on while it is loaded and pause only while
+        it is swapped in.  Nothing for a writer."""
         return self._session.refresh(wait=True)
 
     def flush(self) -> None:

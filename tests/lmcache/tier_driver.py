@@ -26,8 +26,9 @@ commit, a line on stdin, a file) and prints a line the test waits for.
   retrieves new requests (sharing a's prefix) and the stored ones, a line
   "iteration N" each, until STOP_FILE exists; COUNTS_JSON holds the counts.
 - kill: stores the requests, waits for the tier's commit, prints
-  "committed KEYS_JSON", then stores new requests ("stored N" each) until
-  it is killed.
+  "committed COMMITS KEYS_JSON" (COMMITS: the tier's commits so far),
+  then stores new requests ("stored N commits COMMITS" each) until it is
+  killed.
 """
 
 import json
@@ -313,13 +314,14 @@ def kill(path):
         store(cache, req, kvs[req["name"]])
     committed(cache)
     keys = sorted({key for req in reqs for key in chunk_keys(cache, req)})
-    print("committed " + json.dumps(keys), flush=True)
+    commits = tier_connector(cache).tier.stats().commits
+    print(f"committed {commits} {json.dumps(keys)}", flush=True)
     number = 0
     while True:
         req, kv = new_request(number, reqs, kvs, chunks=4)
         store(cache, req, kv)
         number += 1
-        print(f"stored {number}", flush=True)
+        print(f"stored {number} commits {tier_connector(cache).tier.stats().commits}", flush=True)
 
 
 if __name__ == "__main__":
