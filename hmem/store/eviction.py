@@ -193,6 +193,9 @@ class Eviction:
         records and their pooled.bin rows, and index.json's growth (evicted entries count until
         compaction)."""
         state = self.state
+        # a shard a put sealed is being written on another thread: its file
+        # counts whole once it is there (what it holds so far would count short)
+        self.writer.settle()
         pending = (state.n - state.committed_n) * state.entry_overhead
         new_shards = len(state.shards) - state.shards_committed
         if state.builder is not None:
