@@ -46,7 +46,9 @@ from hmem.errors import (
     HmemError,
     InvalidArgumentError,
     InvalidTensorError,
+    NotAStoreError,
     StoreExistsError,
+    StoreLockedError,
 )
 from hmem.store.storage import Bf16Rows
 from hmem.store.store import Entry, Store
@@ -212,10 +214,9 @@ class ChunkTier:
                 shard_max_bytes=s.shard_max_bytes,
                 storage_options=self._options,
             ).close()
-        except StoreExistsError:
-            pass  # another process made it first, or it was there
-        with Store.open(self.location, read_only=True, storage_options=self._options) as store:
-            cfg = store.config
+        except (StoreExistsError, StoreLockedError):
+            pass  # it was there, or another process made it first, or is making it (every rank starts at once)
+        cfg = self._made_config()
         wrong = []
         if not cfg.chunks:
             wrong.append("it keeps no chunks (made without chunks=True)")
@@ -230,6 +231,19 @@ class ChunkTier:
                 f"the store at {self.location} cannot be this tier: " + "; ".join(wrong),
                 hint="give the tier a path of its own, or one made for the same model and settings",
             )
+
+    def _made_config(self) -> Any:
+        """The store's config, once the process making it has committed it
+        (waiting up to lock_wait: LMCache's workers start together)."""
+        end = time.monotonic() + self.settings.lock_wait
+        while True:
+            try:
+                with Store.open(self.location, read_only=True, storage_options=self._options) as store:
+                    return store.config
+            except NotAStoreError:
+                if time.monotonic() >= end:
+                    raise
+                time.sleep(0.05)  # another process is making it: its first commit is moments away
 
     # ---- putting -----------------------------------------------------------------------
 

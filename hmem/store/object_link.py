@@ -546,6 +546,13 @@ class ObjectLink:
         except ConditionFailed:
             lease.lost = True
             if create:
+                # another process made the store first: the state object
+                # uploaded for this store that never was is no one's
+                if body is not None:
+                    try:
+                        self.delete_objects([state_list[-1]["key"]])
+                    except Exception:
+                        pass  # left for compaction to remove (an orphan object)
                 raise StoreExistsError(f"{self.url} already holds an hmem store", hint="open it instead") from None
             raise StoreLockedError(
                 f"another writer committed to {self.url} after this writer's lease was "
