@@ -77,7 +77,8 @@ class TierSettings:
     lock_wait: float = 120.0  # how long a commit waits for another writer's
     refresh_seconds: float = 1.0  # other processes' commits are seen within this long
     hdc_dim: int = 1024  # signature bits of a new store's entries
-    shard_max_bytes: int = 1024 * MiB
+    # a commit larger than this seals a shard on another thread while it goes on with the next
+    shard_max_bytes: int = 256 * MiB
 
     def __post_init__(self) -> None:
         validation.number(self.commit_seconds, "commit_seconds", low=0.0)
