@@ -47,6 +47,7 @@ from hmem.errors import (
     InvalidArgumentError,
     InvalidTensorError,
     NotAStoreError,
+    StoreChangedError,
     StoreExistsError,
     StoreLockedError,
 )
@@ -310,9 +311,25 @@ class ChunkTier:
         with self._cond:
             staged = [key in self._staged for key in keys]
         rest = [key for key, held in zip(keys, staged) if not held]
-        found = iter(self._reader.chunks.contains(rest) if rest else [])
+        found = iter(self._committed(rest) if rest else [])
         bad = self._bad
         return [held or (next(found) and key not in bad) for key, held in zip(keys, staged)]
+
+    def _committed(self, keys: list[str]) -> list[bool]:
+        """Which keys the reader's commit holds.  A commit made meanwhile
+        may have removed a shard file the reader has yet to read (`hmem
+        compact`): then the newest commit is taken and asked again; if
+        that keeps failing, the keys count as not held (a miss) until the
+        next refresh, never as an error in LMCache's lookup."""
+        for _ in range(3):
+            try:
+                return self._reader.chunks.contains(keys)
+            except StoreChangedError:
+                self._refresh()
+            except CorruptStoreError as exc:  # a damaged shard header: verify names it
+                log.warning("hmem tier: the key index of %s could not be read: %s", self.location, exc.message)
+                break
+        return [False] * len(keys)
 
     def fetch(self, key: str) -> ChunkRead | None:
         """The chunk under `key`, or None: not held, evicted meanwhile, or
