@@ -3,34 +3,36 @@ remote tier (hmem.lmcache.connector): run by the interpreter of an
 environment where LMCache and hmem are installed (the tests give its path
 in HMEM_LMCACHE_PYTHON), never imported by the tests.
 
-    python tier_driver.py write OUT_DIR              # the caches test_lmcache_tier.py reads
-    python tier_driver.py serve                      # fresh engines reading stores, on request
-    python tier_driver.py loop STORE STOP_FILE COUNTS_JSON
-    python tier_driver.py kill STORE
+    python tier_driver.py        # orders on stdin, one JSON line each
 
 The model, the requests ("a", "b", "c" sharing a prefix, "a-tagged",
 "short") and the stand-in for vLLM's GPU connector are lmcache_writer.py's.
-Every wait is for a condition (LMCache's puts in flight, the tier's
-commit, a line on stdin, a file) and prints a line the test waits for.
+The process prints "loaded" once LMCache is imported, then carries out
+each order, each engine made for it and destroyed after it.  Every wait
+is for a condition (LMCache's puts in flight, the tier's commit, a line on
+stdin, a file) and each order ends with a line the test waits for
+("failed ERROR" when it raised).  Orders ({"mode": ..., ...}):
 
-- write: OUT_DIR/fs (LMCache's own fs connector: the reference),
-  OUT_DIR/hmem (the hmem tier) and OUT_DIR/capped (an hmem tier with a
-  byte cap that its stores exceed), each request stored then committed;
-  OUT_DIR/written.json holds per request its chunk keys, the SHA-256 of
-  each chunk's K/V as stored, and the same engine's lookups.
-- serve: per line on stdin, {"kind": "hmem"|"fs", "store": DIR, "out":
-  JSON}, a fresh engine (never one that wrote) on that store: per request
-  its lookup, retrieve (tokens and the SHA-256 of each retrieved chunk)
-  and a second lookup after the retrieve; answers "done" on stdout.
-- loop: stores the requests, prints "ready", then stores, looks up and
-  retrieves new requests (sharing a's prefix) and the stored ones, a line
-  "iteration N" each, until STOP_FILE exists; COUNTS_JSON holds the counts.
-- kill: stores the requests, waits for the tier's commit, prints
-  "committed COMMITS KEYS_JSON" (COMMITS: the tier's commits so far),
-  then stores new requests ("stored N commits COMMITS" each) until it is
-  killed.
+- write, out: OUT/fs (LMCache's own fs connector: the reference),
+  OUT/hmem (the hmem tier) and OUT/capped (an hmem tier with a byte cap
+  that its stores exceed), each request stored then committed;
+  OUT/written.json holds per request its chunk keys, the SHA-256 of each
+  chunk's K/V as stored, and the writing engines' lookups.  "written".
+- read, kind ("hmem" or "fs"), store, out: an engine on that store: per
+  request its lookup, retrieve (tokens and the SHA-256 of each retrieved
+  chunk) and a second lookup after the retrieve, into the JSON file out.
+  "done".  (A new engine process is one whose process never wrote.)
+- loop, store, stop, counts: stores the requests, prints "ready", then
+  stores, looks up and retrieves new requests (sharing a's prefix) and
+  the stored ones, a line "iteration N" each, until the file stop exists;
+  counts (JSON) holds the counts.  "stopped".
+- kill, store, out: stores the requests, waits for the tier's commit,
+  writes their keys and chunks' SHA-256 to out (JSON), prints "committed
+  COMMITS" (the tier's commits so far), then stores new requests ("stored
+  N commits COMMITS" each) until it is killed.
 """
 
+import functools
 import json
 import os
 import sys
@@ -38,16 +40,23 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import lmcache_writer as W  # noqa: E402  (sets LMCache's log level and telemetry off first)
-import torch  # noqa: E402
-from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402
-from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+import lmcache_writer as W
+import torch
+from lmcache.v1.cache_engine import LMCacheEngineBuilder
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.metadata import LMCacheMetadata
 
 GEOM = W.FULL
 BACKEND = "RemoteBackend-hmem"
 FAST = {"commit_seconds": 0.05, "refresh_seconds": 0.05}  # commits and others' changes seen at once
 CAPPED_CHUNKS = 4  # the capped tier's byte cap holds about this many of the 7 chunks
+
+
+@functools.cache
+def model_kv():
+    """The requests and their K/V (the tiny Llama runs once per process, when first needed)."""
+    reqs = W.requests(GEOM)
+    return reqs, W.request_kv(GEOM, reqs)
 
 
 def hmem_engine(instance, store, **options):
@@ -101,7 +110,9 @@ def tags_of(req):
 
 
 def chunk_keys(cache, req):
-    return [k.to_string() for _, _, k in cache.token_database.process_tokens(req["tokens"], request_configs=configs(req))]
+    return [
+        k.to_string() for _, _, k in cache.token_database.process_tokens(req["tokens"], request_configs=configs(req))
+    ]
 
 
 def chunk_sha256(kv, tokens):
@@ -136,8 +147,7 @@ def retrieve(cache, req, layers=GEOM.layers):
 
 
 def write(out_dir):
-    reqs = W.requests(GEOM)
-    kvs = W.request_kv(GEOM, reqs)
+    reqs, kvs = model_kv()
     out = {"chunk_size": GEOM.chunk, "requests": []}
     fs_dir = os.path.join(out_dir, "fs")
     os.makedirs(fs_dir)
@@ -206,26 +216,29 @@ def read(cache, reqs):
     return out
 
 
-def serve():
-    """Fresh engines on stores, one per line of stdin, until stdin closes."""
-    reqs = W.requests(GEOM)
-    for number, line in enumerate(sys.stdin):
-        order = json.loads(line)
-        instance = f"read-{number}"
-        try:
-            if order["kind"] == "fs":
-                cache = W.engine(instance, GEOM, "fs", order["store"])
-            else:
-                cache = hmem_engine(instance, order["store"], **order.get("options", {}))
-            try:
-                result = {"requests": read(cache, reqs)}
-            finally:
-                LMCacheEngineBuilder.destroy(instance)
-        except Exception:
-            result = {"error": traceback.format_exc()}
-        with open(order["out"], "w") as f:
-            json.dump(result, f)
-        print("done", flush=True)
+def read_store(number, kind, path, out):
+    """A fresh engine on the store at `path`; what it reads, into `out`."""
+    instance = f"read-{number}"
+    if kind == "fs":
+        cache = W.engine(instance, GEOM, "fs", path)
+    else:
+        cache = hmem_engine(instance, path)
+    try:
+        result = {"requests": read(cache, W.requests(GEOM))}
+    finally:
+        LMCacheEngineBuilder.destroy(instance)
+    with open(out, "w") as f:
+        json.dump(result, f)
+    print("done", flush=True)
+
+
+def said(tier, keys):
+    """The tier's answer for `keys` (hmem's ChunkTier.contains, which the
+    connector's lookups call), or what it raised."""
+    try:
+        return tier.contains(keys)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def new_request(number, reqs, kvs, chunks=2):
@@ -240,21 +253,34 @@ def new_request(number, reqs, kvs, chunks=2):
     return {"name": f"new-{number}", "tokens": tokens, "tags": {}}, kv
 
 
-def loop(path, stop_file, counts_path):
+def loop(order, path, stop_file, counts_path):
     """Store, look up and retrieve until `stop_file` exists; every retrieve
     must be bit-exact on the tokens it gives (fewer tokens than the lookup
     said, down to none, is a clean miss: an hmem command evicted them)."""
-    reqs = W.requests(GEOM)
-    kvs = W.request_kv(GEOM, reqs)
-    cache = hmem_engine("loop", path, **FAST)
+    reqs, kvs = model_kv()
+    instance = f"loop-{order}"
+    cache = hmem_engine(instance, path, **FAST)
     counts = dict.fromkeys(
-        ["iterations", "stores", "lookups", "retrieves", "whole", "partial", "missed", "mismatched", "errors"], 0
+        [
+            "iterations",
+            "stores",
+            "lookups",
+            "retrieves",
+            "whole",
+            "partial",
+            "missed",
+            "mismatched",
+            "errors",
+            "tier_errors",
+        ],
+        0,
     )
     failures = []
     for req in reqs:
         store(cache, req, kvs[req["name"]])
     committed(cache)
     print("ready", flush=True)
+    tier = tier_connector(cache).tier
     number = 0
     while not os.path.exists(stop_file):
         req, kv = new_request(number, reqs, kvs)
@@ -265,9 +291,13 @@ def loop(path, stop_file, counts_path):
                     store(cache, one, one_kv)
                     W.wait_until(lambda: not backend(cache).put_tasks, "LMCache's puts")
                     counts["stores"] += 1
+                keys = chunk_keys(cache, one)
+                seen = [said(tier, keys)]  # what the tier said around the lookup, for a failure's message
                 lookup = cache.lookup(one["tokens"], request_configs=configs(one))
+                seen.append(said(tier, keys))
                 counts["lookups"] += 1
                 got, kv_out = retrieve(cache, one)
+                seen.append(said(tier, keys))
                 counts["retrieves"] += 1
                 full = len(one["tokens"]) // GEOM.chunk * GEOM.chunk
                 if not torch.equal(kv_out[:, :, :got], one_kv[:, :, :got]) or got % GEOM.chunk:
@@ -280,10 +310,17 @@ def loop(path, stop_file, counts_path):
                 else:
                     counts["missed"] += 1
                 if got > lookup:
-                    failures.append(f"{one['name']}: {got} tokens retrieved after a lookup of {lookup}")
+                    failures.append(
+                        f"{one['name']}: {got} tokens retrieved after a lookup of {lookup}; "
+                        f"the tier's contains before, after the lookup, after the retrieve: {seen}"
+                    )
+                raised = [answer for answer in seen if isinstance(answer, str)]
+                if raised:
+                    counts["tier_errors"] += 1
+                    failures.append(f"{one['name']}: the tier's contains raised {raised[0]}")
             except Exception:
                 counts["errors"] += 1
-                failures.append(traceback.format_exc())
+                failures.append(traceback.format_exc(limit=-3))
         number += 1
         counts["iterations"] = number
         print(f"iteration {number}", flush=True)
@@ -298,24 +335,30 @@ def loop(path, stop_file, counts_path):
         "failed_commits": stats.failed_commits,
         "bad_chunks": stats.bad_chunks,
     }
-    LMCacheEngineBuilder.destroy("loop")
+    LMCacheEngineBuilder.destroy(instance)
     with open(counts_path, "w") as f:
         json.dump(result, f)
     print("stopped", flush=True)
 
 
-def kill(path):
-    """Store the requests, wait for their commit, say so, then store new
-    requests until killed."""
-    reqs = W.requests(GEOM)
-    kvs = W.request_kv(GEOM, reqs)
+def kill(path, out):
+    """Store the requests, wait for their commit, say so (`out`: their
+    keys and chunks' SHA-256), then store new requests until killed."""
+    reqs, kvs = model_kv()
     cache = hmem_engine("kill", path, **FAST)
     for req in reqs:
         store(cache, req, kvs[req["name"]])
     committed(cache)
-    keys = sorted({key for req in reqs for key in chunk_keys(cache, req)})
+    stored = []
+    for req in reqs:
+        keys = chunk_keys(cache, req)
+        stored.append(
+            {"name": req["name"], "keys": keys, "chunk_sha256": chunk_sha256(kvs[req["name"]], len(keys) * GEOM.chunk)}
+        )
+    with open(out, "w") as f:
+        json.dump({"chunk_size": GEOM.chunk, "requests": stored}, f)
     commits = tier_connector(cache).tier.stats().commits
-    print(f"committed {commits} {json.dumps(keys)}", flush=True)
+    print(f"committed {commits}", flush=True)
     number = 0
     while True:
         req, kv = new_request(number, reqs, kvs, chunks=4)
@@ -324,16 +367,27 @@ def kill(path):
         print(f"stored {number} commits {tier_connector(cache).tier.stats().commits}", flush=True)
 
 
+def main():
+    print("loaded", flush=True)
+    for number, line in enumerate(sys.stdin):
+        order = json.loads(line)
+        mode = order.pop("mode")
+        try:
+            if mode == "write":
+                os.makedirs(order["out"], exist_ok=True)
+                write(os.path.abspath(order["out"]))
+                print("written", flush=True)
+            elif mode == "read":
+                read_store(number, order["kind"], order["store"], order["out"])
+            elif mode == "loop":
+                loop(number, order["store"], order["stop"], order["counts"])
+            elif mode == "kill":
+                kill(order["store"], order["out"])
+            else:
+                raise ValueError(f"no mode {mode!r}")
+        except Exception:
+            print("failed " + json.dumps(traceback.format_exc()), flush=True)
+
+
 if __name__ == "__main__":
-    mode, args = sys.argv[1], sys.argv[2:]
-    if mode == "write":
-        os.makedirs(args[0], exist_ok=True)
-        write(os.path.abspath(args[0]))
-    elif mode == "serve":
-        serve()
-    elif mode == "loop":
-        loop(*args[:3])
-    elif mode == "kill":
-        kill(args[0])
-    else:
-        sys.exit(f"unknown mode {mode!r}")
+    main()
