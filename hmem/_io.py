@@ -29,6 +29,7 @@ import os
 import re
 import signal
 import stat
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -92,7 +93,9 @@ def crash_point(name: str) -> None:
     if _asked_at(CRASH_ENV, name):
         os._exit(CRASH_EXIT_CODE)
     if _asked_at(PAUSE_ENV, name):
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # to this thread: a stop sent to the process may be taken by another
+        # thread while this one runs on past the point
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def _asked_at(variable: str, name: str) -> bool:
@@ -163,6 +166,57 @@ def _write_all(fd: int, path: Path, buffers: Sequence[Buffer], offset: int | Non
     return total
 
 
+# A file's bytes reach the page cache far faster from several threads than
+# from one on some machines (virtual ones: measured 0.13-0.35 GB/s from one
+# thread, 2.4 GB/s from eight, docs/benchmarks.md), so a large run of
+# buffers is written as pieces at their offsets, a thread each.
+_PARALLEL_MIN_BYTES = 64 << 20
+_PARALLEL_PIECE_BYTES = 16 << 20
+_PARALLEL_THREADS = 8
+
+
+def _write_run(fd: int, path: Path, buffers: Sequence[Buffer], at: int) -> int:
+    """Write the buffers, in order, at the current position `at` of a file
+    being made, and leave the position after them; a run of at least
+    _PARALLEL_MIN_BYTES in pieces written at once."""
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+    total = sum(len(v) for v in views)
+    if total < _PARALLEL_MIN_BYTES:
+        return _write_all(fd, path, views)
+    count = min(_PARALLEL_THREADS, total // _PARALLEL_PIECE_BYTES)
+    pieces: list[tuple[int, list[memoryview]]] = []
+    start, piece, room = 0, [], -(-total // count)
+    for view in views:
+        while len(view):
+            take = view[:room]
+            piece.append(take)
+            view, room = view[len(take) :], room - len(take)
+            if not room:
+                pieces.append((start, piece))
+                start += sum(len(v) for v in piece)
+                piece, room = [], -(-total // count)
+    if piece:
+        pieces.append((start, piece))
+    errors: list[BaseException] = []
+
+    def write(offset: int, part: list[memoryview]) -> None:
+        try:
+            _write_all(fd, path, part, at + offset)
+        except BaseException as exc:  # raised by the caller, once every piece is done
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=piece_at, name="hmem-write") for piece_at in pieces]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    with _errors("write", path):
+        os.lseek(fd, at + total, os.SEEK_SET)
+    return total
+
+
 def _fsync(fd: int, path: Path) -> None:
     with _errors("fsync", path):
         os.fsync(fd)
@@ -197,11 +251,11 @@ def write_file(path: Path, parts: Sequence[Buffer | FileRange]) -> int:
         run: list[Buffer] = []
         for part in parts:
             if isinstance(part, FileRange):
-                size += _write_all(fd, tmp, run) + _copy_range(fd, tmp, part)
+                size += _write_run(fd, tmp, run, size) + _copy_range(fd, tmp, part)
                 run = []
             else:
                 run.append(part)
-        size += _write_all(fd, tmp, run)
+        size += _write_run(fd, tmp, run, size)
         _fsync(fd, tmp)
         open_fd = False
         os.close(fd)

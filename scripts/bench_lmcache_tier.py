@@ -5,10 +5,13 @@ engine and the same requests.
 
 Run it with the interpreter LMCache is installed in (hmem importable there)::
 
+    # the comparison: 3 rounds of 64 chunks (about 10 minutes on 2 busy cores)
     nice -n 10 /work/lmvenv/bin/python scripts/bench_lmcache_tier.py --out results.json
-    # a quick check (2 layers, 8 chunks, 1 round: seconds, not minutes)
+    # a quick check of the script (2 layers, 8 chunks, 1 round: about a minute)
     /work/lmvenv/bin/python scripts/bench_lmcache_tier.py --layers 2 --chunks 8 --rounds 1 --out quick.json
-    # where hmem's threads spend their time (a sampler of every thread, in the hmem phases)
+    # where hmem's threads spend their time: a sampler of every thread in hmem's
+    # store and retrieve phases (<phase>.profile.txt); it takes the GIL 200 times a
+    # second, so its figures are slower than a plain run's
     nice -n 10 /work/lmvenv/bin/python scripts/bench_lmcache_tier.py --backends fs,hmem --profile --out p.json
 
 Shape: a real model's chunk, 32 layers x 256 tokens x 1024 hidden (8 KV
@@ -19,8 +22,8 @@ holds the whole request (local_cpu off, so every chunk goes to the tier).
 The "GPU" is a CPU stand-in: storing copies a source chunk (normal values in
 bfloat16, finite: hmem refuses NaN and inf) into LMCache's buffer and stamps
 the chunk's index into its first word; retrieving copies the buffer into a
-scratch chunk, then checks every word (that check is timed apart and left
-out of the retrieve time).
+scratch chunk (timed: the upload's stand-in, the same for every backend),
+then checks every word (timed apart and left out of the retrieve time).
 
 Each round measures every backend in turn (fs, local_disk, hmem, then the
 next round), each phase in a process of its own, from an empty directory,
@@ -66,6 +69,7 @@ import argparse
 import collections
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -452,6 +456,13 @@ def machine(directory: str) -> dict[str, Any]:
         "cpu": sh("grep -m1 'model name' /proc/cpuinfo").split(":")[-1].strip(),
         "python": sys.version.split()[0],
         "hmem": hmem.__version__,
+        # the tier's code changes between runs while it is developed: which one was measured
+        "hmem_tier_sources": {
+            name: hashlib.sha256(
+                open(os.path.join(os.path.dirname(hmem.__file__), "lmcache", name), "rb").read()
+            ).hexdigest()[:12]
+            for name in ("connector.py", "tier.py")
+        },
         "lmcache": sh(f"{sys.executable} -m pip show lmcache 2>/dev/null | grep ^Version").split(":")[-1].strip(),
         "nice": os.nice(0),
     }

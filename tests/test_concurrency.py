@@ -401,8 +401,11 @@ def test_writers_are_refused_while_the_lock_is_held_and_change_nothing(tmp_path,
         assert code == 0, (proc.args, err)
         json.loads(out)
 
-    # a stray temporary file makes verify --repair want to write
-    (path / (_io.TEMP_PREFIX + "index.json.1.0")).write_bytes(b"half a commit")
+    # a damaged record makes verify --repair want to write (a stray temporary
+    # file would not: beside a live writer it is that writer's work in progress)
+    records = bytearray((path / "entries.bin").read_bytes())
+    records[20] ^= 0xFF
+    (path / "entries.bin").write_bytes(bytes(records))
     before = snapshot(path)
     assert f'"pid": {pid}' in before["lock"].decode()  # the holder's owner record
     refused_cli = [

@@ -20,13 +20,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +69,7 @@ class Writer:
             self.proc = subprocess.Popen(
                 [sys.executable, str(WRITER), tier.url, json.dumps(settings), json.dumps(tier.options or {})],
                 cwd=tier.tmp,
-                env={k: v for k, v in os.environ.items() if k not in ("HMEM_CRASH_AT", "HMEM_STORE")},
+                env={k: v for k, v in os.environ.items() if k not in ("HMEM_CRASH_AT", "HMEM_PAUSE_AT")},
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
@@ -102,6 +101,13 @@ class Writer:
         assert item[0] == tag, f"{self.name}: expected {tag!r}, got {item!r}\n{self.stderr()}"
         return item
 
+    def expect_after(self, tag: str, skipped: str) -> list:
+        """The next line tagged `tag`, past any tagged `skipped`."""
+        while (item := self.line())[0] == skipped:
+            pass
+        assert item[0] == tag, f"{self.name}: expected {tag!r}, got {item!r}\n{self.stderr()}"
+        return item
+
     def do(self, tag: str, *command: object) -> list:
         self.send(*command)
         return self.expect(tag)
@@ -110,6 +116,37 @@ class Writer:
         """Stage `keys`, commit; the keys acknowledged."""
         self.do("staged", "stage", keys)
         return self.do("committed", "commit")[1]
+
+    def wait_stopped(self) -> None:
+        """Wait until the process stops itself (SIGSTOP at its HMEM_PAUSE_AT point)."""
+        guard = threading.Timer(HANG_GUARD, self.proc.kill)
+        guard.start()
+        try:
+            _, status = os.waitpid(self.proc.pid, os.WUNTRACED)
+        finally:
+            guard.cancel()
+        assert os.WIFSTOPPED(status), f"{self.name} ended (wait status {status}) instead:\n{self.stderr()}"
+
+    def after_loop(self, until: str | None = None) -> tuple[set[str], int | None]:
+        """Read a "loop" command's lines up to the one tagged `until` (None:
+        to the end of a killed process's output): the keys acknowledged, and
+        the last group it asked to commit."""
+        acknowledged: set[str] = set()
+        last = None
+        while True:
+            item: list | None
+            if until is not None:
+                item = self.line()
+            else:
+                assert self.proc.stdout is not None and self.proc.poll() is not None  # ended: its output is all there
+                text = self.proc.stdout.readline()
+                item = json.loads(text) if text else None
+            if item is None or item[0] == until:
+                return acknowledged, last
+            if item[0] == "committed":
+                acknowledged |= set(item[1])
+            elif item[0] == "committing":
+                last = item[1]
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -132,7 +169,14 @@ class Writer:
                 stream.close()
 
 
-@pytest.fixture(params=["dir", "s3"])
+def on_both(*, quick: tuple[str, ...] = ("dir",)) -> pytest.MarkDecorator:
+    """Run the test on a tier directory and on s3; those not `quick` are
+    left out of the quick subset (each of these tests takes a second or more)."""
+    kinds = [pytest.param(kind, marks=() if kind in quick else pytest.mark.stress) for kind in ("dir", "s3")]
+    return pytest.mark.parametrize("tier", kinds, indirect=True)
+
+
+@pytest.fixture
 def tier(request, tmp_path) -> Iterator[types.SimpleNamespace]:
     """A fresh tier location (a directory, or a prefix on the local S3
     server with a short lease) and ``tier.writer(name, **settings)``, which
@@ -170,7 +214,7 @@ def open_together(writers: list[Writer]) -> None:
 
 
 def check_store(
-    tier: types.SimpleNamespace, acknowledged: set[str], may_hold: set[str] = frozenset(), after_kill: bool = False
+    tier: types.SimpleNamespace, acknowledged: set[str], may_hold: Set[str] = frozenset(), after_kill: bool = False
 ) -> set[str]:
     """A fresh view of the store holds every acknowledged chunk, bit-exact,
     each once; nothing but those and `may_hold` (chunks of a killed writer,
@@ -206,6 +250,7 @@ def check_store(
 # ---- several writers store concurrently ------------------------------------------------
 
 
+@on_both()
 @pytest.mark.parametrize("count", [2, pytest.param(4, marks=pytest.mark.stress)])
 def test_writers_store_concurrently(tier, count):
     """Each writer stages chunks of its own (rank) and chunks every writer
@@ -232,6 +277,7 @@ def test_writers_store_concurrently(tier, count):
     assert check_store(tier, acknowledged) == acknowledged
 
 
+@on_both()
 def test_writers_make_the_store_together(tier):
     """Four tiers opened at once on a location that holds no store yet (as
     LMCache's workers start together): one makes it, all of them come up,
@@ -249,6 +295,7 @@ def test_writers_make_the_store_together(tier):
 # ---- a killed writer costs only its own uncommitted chunks -----------------------------
 
 
+@on_both()
 @pytest.mark.parametrize("window", ["commit", "timer"])
 def test_killed_writer_loses_only_its_uncommitted_chunks(tier, window):
     """The victim commits a first set (by commit(), or by its committer's
@@ -278,39 +325,126 @@ def test_killed_writer_loses_only_its_uncommitted_chunks(tier, window):
         assert not held & set(second), "chunks staged and never committed were stored"
 
 
-@pytest.mark.stress
-@pytest.mark.parametrize("seed", range(int(os.environ.get("KILL_SEEDS", 3))))
-def test_kill_during_commits(tier, seed):
-    """A writer stages and commits group after group; it is killed right
-    after it asks for the commit of group N (N at random): the kill lands
-    in that commit, or in its wait for the lock or lease.  Another writer
-    commits on through it all (on s3, past the dead writer's lease).  Every
-    group acknowledged is there; the group in flight is there whole or not
-    at all; the store verifies clean (on s3: but for the objects the dead
-    writer uploaded and no commit names)."""
-    rng = random.Random(seed)
+# The points of hmem's write path (hmem/_io.py crash_point) a tier's commit
+# passes, in order, and from which one on the commit is durable.  A writer
+# stopped at one (HMEM_PAUSE_AT) is then killed: the kill lands at that
+# exact step (so the thread that passes the point must stop there, not run
+# on while another of the process's threads takes the SIGSTOP).  On s3 the
+# flush is the working copy's: a commit is durable once the manifest names
+# it (remote.committed).
+COMMIT_POINTS = {
+    "dir": ["lock.taken", "flush.shards_written", "flush.records_written", "flush.committed", "flush.updates_written"],
+    "s3": ["lock.taken", "flush.shards_written", "flush.committed", "remote.objects_written", "remote.committed"],
+}
+DURABLE_FROM = {"dir": "flush.committed", "s3": "remote.committed"}
+
+
+QUICK_POINTS = {("dir", "flush.committed")}
+
+
+@pytest.mark.parametrize(
+    ("tier", "point"),
+    [
+        pytest.param(kind, point, marks=() if (kind, point) in QUICK_POINTS else pytest.mark.stress)
+        for kind, points in COMMIT_POINTS.items()
+        for point in points
+    ],
+    indirect=["tier"],
+)
+def test_kill_during_a_commit(tier, point):
+    """A writer stages and commits group after group; in its second commit
+    it is stopped at `point` and killed (SIGKILL).  Another writer commits
+    on through it all (past the dead writer's lock; on s3, its lease,
+    which lapses).  Every group acknowledged is there; the group in flight
+    is there whole once the commit reached its durable step, absent before;
+    the store verifies clean (on s3: but for the objects the dead writer
+    uploaded and no commit names)."""
     make_tier(tier)
     victim = tier.writer("victim", commit_seconds=LONG)
     survivor = tier.writer("survivor", commit_seconds=LONG)
     open_together([victim, survivor])
-    size, kill_at, survivor_groups = 3, rng.randrange(1, 6), 8
+    size, survivor_groups = 3, 4
+    survivor.send("loop", lmcache_key(0, "survivor"), survivor_groups, size)
+    victim.send("loop", lmcache_key(1, "victim"), 1000, size, point)
+    victim.wait_stopped()
+    victim.kill()
+    acknowledged, in_flight = victim.after_loop()
+    assert len(acknowledged) == size and in_flight == 1, (acknowledged, in_flight)
+    in_flight_keys = {f"{lmcache_key(1, 'victim')}-{in_flight}-{j}" for j in range(size)}
+    survivor_keys, _ = survivor.after_loop(until="looped")
+    assert len(survivor_keys) == survivor_groups * size
+    # a commit surely after the kill: the writer's open clears what the dead one left
+    survivor_keys |= set(survivor.stage_and_commit([lmcache_key(0, "after")]))
+    survivor.close()
+    held = check_store(tier, acknowledged | survivor_keys, may_hold=in_flight_keys, after_kill=True)
+    points = COMMIT_POINTS[tier.kind]
+    if points.index(point) >= points.index(DURABLE_FROM[tier.kind]):
+        assert in_flight_keys <= held, "a commit past its durable step was lost"
+    else:
+        assert not held & in_flight_keys, "a commit killed before its durable step was stored"
+
+
+@on_both(quick=())
+def test_kill_after_asking_for_a_commit(tier):
+    """As above, killed as soon as it has asked for the commit of its
+    fourth group: mostly in its wait for the lock or lease, between the
+    other writer's commits.  Each group is stored whole or not at all."""
+    make_tier(tier)
+    victim = tier.writer("victim", commit_seconds=LONG)
+    survivor = tier.writer("survivor", commit_seconds=LONG)
+    open_together([victim, survivor])
+    size, kill_at, survivor_groups = 3, 3, 5
     survivor.send("loop", lmcache_key(0, "survivor"), survivor_groups, size)
     victim.send("loop", lmcache_key(1, "victim"), 1000, size)
     acknowledged: set[str] = set()
-    while True:
-        item = victim.line()
+    while (item := victim.line()) != ["committing", kill_at]:
         if item[0] == "committed":
             acknowledged |= set(item[1])
-        elif item == ["committing", kill_at]:
-            victim.kill()
-            break
-    in_flight = {f"{lmcache_key(1, 'victim')}-{kill_at}-{j}" for j in range(size)}
+    victim.kill()
     assert len(acknowledged) == kill_at * size
-    while (item := survivor.line())[0] != "looped":
-        if item[0] == "committed":
-            acknowledged |= set(item[1])
-    assert len(acknowledged) == (kill_at + survivor_groups) * size
+    in_flight = {f"{lmcache_key(1, 'victim')}-{kill_at}-{j}" for j in range(size)}
+    survivor_keys, _ = survivor.after_loop(until="looped")
+    assert len(survivor_keys) == survivor_groups * size
+    # a commit surely after the kill: the writer's open clears what the dead one left
+    survivor_keys |= set(survivor.stage_and_commit([lmcache_key(0, "after")]))
     survivor.close()
-    held = check_store(tier, acknowledged, may_hold=in_flight, after_kill=True)
-    print("DEBUG", tier.kind, kill_at, len(held & in_flight), hmem.verify(tier.url, storage_options=tier.options).problems)
+    held = check_store(tier, acknowledged | survivor_keys, may_hold=in_flight, after_kill=True)
     assert not held & in_flight or in_flight <= held, f"a commit stored in part: {sorted(held & in_flight)}"
+
+
+# ---- readers see each commit whole --------------------------------------------------------
+
+
+@on_both()
+def test_readers_see_each_commit_whole(tier):
+    """A reader process polls keys() and contains() while two writers commit
+    groups of chunks (a group: staged, then one commit()).  It never sees
+    part of a group, and every chunk it sees reads back bit-exact.  One
+    writer commits freely; the other waits, after each commit, until the
+    reader has seen it: the reader surely sees the store between commits."""
+    make_tier(tier)
+    reader = tier.writer("reader", commit_seconds=LONG, refresh_seconds=0.02)
+    free, stepped = tier.writer("free", commit_seconds=LONG), tier.writer("stepped", commit_seconds=LONG)
+    open_together([reader, free, stepped])
+    size, free_groups, stepped_groups = 4, 8, 4
+    free_prefix = lmcache_key(0, "free")
+    groups = [[f"{free_prefix}-{i}-{j}" for j in range(size)] for i in range(free_groups)]
+    groups += [[lmcache_key(1, f"stepped-{i}-{j}") for j in range(size)] for i in range(stepped_groups)]
+    reader.send("watch", groups)
+    free.send("loop", free_prefix, free_groups, size)
+    seen: set[int] = set()
+    for i in range(stepped_groups):
+        stepped.stage_and_commit(groups[free_groups + i])
+        while free_groups + i not in seen:
+            seen.update(reader.expect("seen")[1])
+    free_keys, _ = free.after_loop(until="looped")
+    assert len(free_keys) == free_groups * size
+    free.close()
+    stepped.close()
+    _, polls, reader_keys, problems = reader.expect_after("watched", "seen")
+    assert not problems, problems
+    everything = {key for group in groups for key in group}
+    assert set(reader_keys) == everything
+    assert polls >= stepped_groups
+    reader.close()
+    check_store(tier, everything)

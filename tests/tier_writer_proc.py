@@ -13,16 +13,19 @@ Commands:
 - ``["stage", keys]``: stage a chunk under each key; ``["staged", keys]``.
 - ``["commit"]``: ``commit()``; ``["committed", keys]``: every key staged
   since the last commit, now acknowledged.
-- ``["loop", prefix, groups, size]``: per group i, stage ``size`` chunks
-  ``prefix-i-j``, say ``["committing", i]``, ``commit()``, say
-  ``["committed", keys]``: a writer a kill may stop anywhere.
+- ``["loop", prefix, groups, size(, point)]``: per group i, stage ``size``
+  chunks ``prefix-i-j``, say ``["committing", i]``, ``commit()``, say
+  ``["committed", keys]``; then ``["looped"]``: a writer a kill may stop
+  anywhere.  With `point`, the second commit stops the process there
+  (SIGSTOP: HMEM_PAUSE_AT, hmem/_io.py) for the test to kill it.
 - ``["wait_own_commit"]``: wait (polling the tier's stats) until the
   committer thread has committed every staged chunk by itself, without a
-  ``commit()``; ``["own_commit", keys]``.
-- ``["watch", groups]``: as a reader, poll ``keys()`` and ``contains()``
-  until a line ``["stop"]`` comes, checking that each group (the chunks one
-  commit stored) is seen whole or not at all and that every chunk seen
-  reads back bit-exact; ``["watched", polls, seen, problems]``.
+  ``commit()``; ``["own_commit", keys, seconds waited]``.
+- ``["watch", groups]``: as a reader, poll ``keys()`` and ``contains()``,
+  checking that each group (the chunks one commit stored) is seen whole or
+  not at all and that every chunk seen reads back bit-exact; say
+  ``["seen", group numbers]`` as groups appear, and once all have (or a
+  line ``["stop"]`` came), ``["watched", polls, keys seen, problems]``.
 - ``["close"]``: ``close()``; ``["closed", stats]`` and the process ends.
 """
 
@@ -100,13 +103,16 @@ class Commands:
 
 
 def watch(tier: ChunkTier, groups: list[list[str]], commands: Commands) -> None:
-    """Poll the tier as a reader until told to stop (see the module docstring)."""
+    """Poll the tier as a reader (see the module docstring)."""
     group_of = {key: n for n, group in enumerate(groups) for key in group}
     seen: set[str] = set()
+    whole: set[int] = set()  # groups seen whole
     problems: list[str] = []
     polls = 0
-    while True:
-        stop = commands.ready()  # the line is read below
+    while len(whole) < len(groups):
+        if commands.ready():
+            commands.next()  # ["stop"]
+            break
         polls += 1
         listed = set(tier.keys())  # one commit's view
         for n in {group_of[key] for key in listed if key in group_of}:
@@ -122,9 +128,10 @@ def watch(tier: ChunkTier, groups: list[list[str]], commands: Commands) -> None:
             if wrong is not None:
                 problems.append(f"{key}: {wrong}")
         seen |= listed
-        if stop:
-            commands.next()
-            break
+        new = sorted(n for n, group in enumerate(groups) if n not in whole and set(group) <= listed)
+        if new:
+            whole.update(new)
+            say("seen", new)
     say("watched", polls, sorted(seen), problems[:20])
 
 
@@ -153,7 +160,8 @@ def main() -> None:
             say("committed", pending)
             pending = []
         elif op == "loop":
-            prefix, groups, size = command[1:]
+            prefix, groups, size = command[1:4]
+            pause_at = command[4] if len(command) > 4 else None
             for i in range(groups):
                 keys = [f"{prefix}-{i}-{j}" for j in range(size)]
                 for key in keys:
@@ -161,12 +169,17 @@ def main() -> None:
                 say("committing", i)
                 tier.commit()
                 say("committed", keys)
+                if pause_at and i == 0:
+                    # from now on (the second commit) the process stops itself at this
+                    # point of hmem's write path (hmem/_io.py crash_point), to be killed there
+                    os.environ["HMEM_PAUSE_AT"] = pause_at
             say("looped")
         elif op == "wait_own_commit":
             # an event (the committer thread's commit), polled: the writer calls no commit()
+            started = time.monotonic()
             while tier.stats().staged_chunks:
                 time.sleep(0.005)
-            say("own_commit", pending)
+            say("own_commit", pending, time.monotonic() - started)
             pending = []
         elif op == "watch":
             watch(tier, command[1], commands)
