@@ -457,15 +457,24 @@ def machine(directory: str) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "hmem": hmem.__version__,
         # the tier's code changes between runs while it is developed: which one was measured
-        "hmem_tier_sources": {
-            name: hashlib.sha256(
-                open(os.path.join(os.path.dirname(hmem.__file__), "lmcache", name), "rb").read()
-            ).hexdigest()[:12]
-            for name in ("connector.py", "tier.py")
-        },
+        "hmem_sources": _sources(os.path.dirname(hmem.__file__)),
         "lmcache": sh(f"{sys.executable} -m pip show lmcache 2>/dev/null | grep ^Version").split(":")[-1].strip(),
         "nice": os.nice(0),
     }
+
+
+def _sources(package: str) -> dict[str, str]:
+    """sha256[:12] of the tier's files and of all hmem's Python sources."""
+    everything = hashlib.sha256()
+    for d, _, names in sorted(os.walk(package)):
+        for name in sorted(n for n in names if n.endswith(".py")):
+            with open(os.path.join(d, name), "rb") as f:
+                everything.update(f.read())
+    out = {"hmem/**/*.py": everything.hexdigest()[:12]}
+    for name in ("lmcache/connector.py", "lmcache/tier.py", "_io.py"):
+        with open(os.path.join(package, name), "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()[:12]
+    return out
 
 
 def _mem_available() -> int:

@@ -707,3 +707,54 @@ def test_threads_read_chunks_while_one_puts_and_flushes(tmp_path):
         assert not errors, errors
         assert all(reads)
         assert store.chunks.keys() == sorted(key_of(s) for s in seeds)
+
+
+# ---- read_into: a chunk straight into the caller's buffers -------------------------------------------
+
+
+@pytest.mark.parametrize("flushed", [True, False])
+def test_read_into_fills_the_callers_buffers_bit_exact(tmp_path, flushed):
+    path = tmp_path / "s"
+    with Store.create(path, **CONFIG) as store:
+        store.chunks.put({key_of(1): chunk(1, parts=3), key_of(2): chunk(2, parts=2)})
+        if flushed:
+            store.flush()
+        stored = store.chunks.get(key_of(1))
+        keys_out = [np.zeros_like(part.keys) for part in stored]
+        values_out = [np.zeros_like(part.values) for part in stored]
+        store.chunks.read_into(key_of(1), keys_out, values_out)
+        for part, k, v in zip(stored, keys_out, values_out):
+            assert np.array_equal(k, part.keys) and np.array_equal(v, part.values)
+
+
+def test_read_into_refuses_wrong_buffers_and_unknown_keys(tmp_path):
+    path = tmp_path / "s"
+    with Store.create(path, **CONFIG) as store:
+        store.chunks.put({key_of(1): chunk(1, parts=2)})
+        store.flush()
+        part = store.chunks.get(key_of(1))[0]
+        good = [np.zeros_like(part.keys) for _ in range(2)]
+        with pytest.raises(hmem.InvalidArgumentError, match="2 parts"):
+            store.chunks.read_into(key_of(1), good[:1], good[:1])
+        with pytest.raises(hmem.InvalidArgumentError, match="bytes"):
+            store.chunks.read_into(key_of(1), [np.zeros(3, np.uint8)] * 2, good)
+        with pytest.raises(hmem.InvalidArgumentError, match="writable"):
+            store.chunks.read_into(key_of(1), [bytes(part.keys.nbytes)] * 2, good)
+        with pytest.raises(hmem.EntryNotFoundError):
+            store.chunks.read_into(key_of(9), good, good)
+
+
+def test_read_into_a_damaged_tensor_raises(tmp_path):
+    path = tmp_path / "s"
+    with Store.create(path, **CONFIG) as store:
+        store.chunks.put({key_of(1): chunk(1, parts=2)})
+        ids = store.chunks.ids(key_of(1))
+        shape = store.chunks.get(key_of(1))[0].keys
+    shard = next(path.glob("shard_*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-200] ^= 0x01  # inside the last tensor data (the last part's values)
+    shard.write_bytes(bytes(data))
+    with Store.open(path, read_only=True) as reader:
+        out = [np.zeros_like(shape) for _ in ids]
+        with pytest.raises(hmem.CorruptStoreError, match="checksum"):
+            reader.chunks.read_into(key_of(1), out, [np.zeros_like(shape) for _ in ids])

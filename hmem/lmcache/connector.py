@@ -109,7 +109,8 @@ class HmemConnector(RemoteConnector):  # LMCache ships no type information: an A
     async def get(self, key: Any) -> Any:
         """The chunk, or None: LMCache then keeps the hit before it."""
         try:
-            read = await self.loop.run_in_executor(self._pool, self.tier.fetch, key.to_string())
+            layout = KV_T2D if hasattr(key, "layer_id") else KV_2LTD  # a layerwise key: one layer's [T, 2, H]
+            read = await self.loop.run_in_executor(self._pool, self.tier.fetch, key.to_string(), layout)
             if read is None:
                 return None
             memory_obj = self.local_cpu_backend.allocate(

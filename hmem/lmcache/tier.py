@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -43,6 +44,7 @@ import numpy as np
 from hmem import memory, validation
 from hmem.errors import (
     CorruptStoreError,
+    EntryNotFoundError,
     HmemError,
     InvalidArgumentError,
     InvalidTensorError,
@@ -121,14 +123,19 @@ class ChunkRead:
 
     layout: str
     shape: tuple[int, ...]
-    _parts: Any  # the staged array, or the stored parts (StoredKV list)
+    _source: Any  # the staged array, or a function that reads the stored chunk into an array
     _staged: _StagedReader | None = None
 
     def copy_into(self, out: np.ndarray) -> None:
         """Write the chunk's values into `out` (a writable array of `shape`,
-        in the tier's dtype), then let the chunk go."""
+        in the tier's dtype), then let the chunk go.  Raises when the stored
+        chunk cannot be read whole (evicted meanwhile, or damaged: then
+        `out` holds no chunk and the tier reports the key no more)."""
         try:
-            self._copy(out)
+            if isinstance(self._source, np.ndarray):
+                out[...] = self._source
+            else:
+                self._source(out)
         finally:
             self.close()
 
@@ -136,17 +143,6 @@ class ChunkRead:
         staged, self._staged = self._staged, None
         if staged is not None:
             staged.release()
-
-    def _copy(self, out: np.ndarray) -> None:
-        if isinstance(self._parts, np.ndarray):
-            out[...] = self._parts
-        elif self.layout == KV_2LTD:
-            for layer, part in enumerate(self._parts):
-                out[0, layer] = part.keys
-                out[1, layer] = part.values
-        else:
-            out[:, 0, :] = self._parts[0].keys
-            out[:, 1, :] = self._parts[0].values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,9 +327,11 @@ class ChunkTier:
                 break
         return [False] * len(keys)
 
-    def fetch(self, key: str) -> ChunkRead | None:
-        """The chunk under `key`, or None: not held, evicted meanwhile, or
-        its bytes fail their checksum (then the key is not reported again)."""
+    def fetch(self, key: str, layout: str = KV_2LTD) -> ChunkRead | None:
+        """The chunk under `key` (held in `layout`), or None: not held,
+        evicted meanwhile, or found damaged before (its key is then not
+        reported again).  Reads nothing of a stored chunk yet: its size comes
+        from the records, its bytes with ChunkRead.copy_into."""
         with self._cond:
             staged = self._staged.get(key)
             if staged is not None:
@@ -341,19 +339,48 @@ class ChunkTier:
                 return ChunkRead(staged.layout, staged.data.shape, staged.data, _StagedReader(staged, self._cond))
         if key in self._bad:
             return None
+        for _ in range(2):
+            try:
+                found = self._reader.chunks.listing([key])
+            except StoreChangedError:  # a shard its index needs was compacted away: take the newest commit
+                self._refresh()
+                continue
+            except HmemError as exc:
+                log.warning("hmem tier: chunk %s could not be looked up: %s", key, exc.message)
+                return None
+            if not found:
+                return None
+            info, width = found[0], self._reader.config.embed_dim
+            if layout == KV_2LTD:
+                shape: tuple[int, ...] = (2, info.parts, info.n_tokens, width)
+            elif info.parts == 1:
+                shape = (info.n_tokens, 2, width)
+            else:
+                log.warning("hmem tier: chunk %s holds %d layers, not the one of a %s chunk", key, info.parts, layout)
+                return None
+            return ChunkRead(layout, shape, functools.partial(self._read_stored, key, layout))
+        return None
+
+    def _read_stored(self, key: str, layout: str, out: np.ndarray) -> None:
+        """A committed chunk's bytes into `out`, from the shard files straight
+        into it (Store.chunks.read_into), each layer's checksum checked."""
         for attempt in range(2):
             try:
-                parts = self._reader.chunks.get(key)
-            except HmemError as exc:
-                if isinstance(exc, CorruptStoreError):
-                    log.warning("hmem tier: chunk %s fails its checks and is a miss (%s)", key, exc.message)
-                    self._bad.add(key)
-                    return None
-                if attempt == 0 and self._reader.refresh():  # a commit meanwhile: evicted, or a shard rewritten
-                    continue
-                return None
-            return _stored_read(parts)
-        return None
+                if layout == KV_2LTD:
+                    layers = range(out.shape[1])
+                    self._reader.chunks.read_into(key, [out[0, i] for i in layers], [out[1, i] for i in layers])
+                else:
+                    (part,) = self._reader.chunks.get(key)
+                    out[:, 0, :] = part.keys
+                    out[:, 1, :] = part.values
+                return
+            except CorruptStoreError as exc:
+                log.warning("hmem tier: chunk %s fails its checks and is a miss (%s)", key, exc.message)
+                self._bad.add(key)
+                raise
+            except (StoreChangedError, EntryNotFoundError):
+                if attempt or not self._reader.refresh():  # a commit meanwhile: a shard rewritten, or evicted
+                    raise
 
     def keys(self) -> list[str]:
         with self._cond:
@@ -528,12 +555,3 @@ def _parts(chunk: _Staged) -> list[Entry]:
 
 def _rows(array: np.ndarray) -> Any:
     return Bf16Rows(array) if array.dtype == np.uint16 else array
-
-
-def _stored_read(parts: list[Any]) -> ChunkRead:
-    first = parts[0]
-    layout = (first.meta or {}).get(FORMAT_FIELD, KV_2LTD)
-    tokens, width = first.keys.shape
-    if layout == KV_T2D:
-        return ChunkRead(KV_T2D, (tokens, 2, width), parts)
-    return ChunkRead(KV_2LTD, (2, len(parts), tokens, width), parts)

@@ -80,6 +80,17 @@ class StoreChunks:
         with self._session.reading() as parts:
             return parts.chunks.get(key)
 
+    def read_into(self, key: str, keys_out: Sequence[Any], values_out: Sequence[Any]) -> None:
+        """The chunk under `key`, as stored, into the caller's buffers: for
+        each part, its keys into keys_out[i] and its values into
+        values_out[i] (writable, of the tensors' bytes: bf16 as words),
+        read from the shard files straight into them and checked against
+        their CRC-32C.  EntryNotFoundError when the store holds no such
+        chunk, CorruptStoreError when a tensor fails its checksum (the
+        buffers then hold what was read)."""
+        with self._session.reading() as parts:
+            parts.chunks.read_into(chunk_keys.check_key(key), keys_out, values_out)
+
     def keys(self) -> list[str]:
         """The keys of the live chunks, sorted."""
         self._session.maybe_refresh()

@@ -134,6 +134,31 @@ class Chunks:
             )
         return [self.reader.stored_kv(self.reader.position(entry_id)) for entry_id in ids]
 
+    def read_into(self, key: str, keys_out: Sequence[Any], values_out: Sequence[Any]) -> None:
+        """Every part's keys and values, as stored, into the caller's
+        writable buffers (one each per part, of the part's bytes): read from
+        the shard files straight into them, a run of adjacent tensors per
+        read (a chunk put in one commit lies in one run), then each checked
+        against its CRC-32C; a chunk held in memory (not sealed yet) or on
+        object storage is copied from where reads find it."""
+        ids = self.ids(key)
+        if ids is None:
+            raise EntryNotFoundError(
+                f"the store at {self.state.path} holds no chunk {key!r}", hint="list them with Store.chunks.keys()"
+            )
+        if len(keys_out) != len(ids) or len(values_out) != len(ids):
+            raise InvalidArgumentError(f"chunk {key!r} has {len(ids)} parts; give a buffer of keys and values for each")
+        reader = self.reader
+        targets = []
+        for entry_id, k_out, v_out in zip(ids, keys_out, values_out):
+            pos = reader.position(entry_id)
+            for kind, out in (("k", k_out), ("v", v_out)):
+                view = memoryview(out).cast("B")
+                if view.readonly:
+                    raise InvalidArgumentError("read_into needs writable buffers")
+                targets.append((pos, kind, view))
+        reader.read_tensors_into(targets)
+
     def keys(self) -> list[str]:
         """The keys of the live chunks, sorted."""
         index = self.index

@@ -14,10 +14,18 @@ from typing import Any
 
 import numpy as np
 
-from hmem import validation
-from hmem.errors import CorruptStoreError, EntryNotFoundError, Hint, HmemError, StoreChangedError
+from hmem import file_reads, validation
+from hmem.errors import (
+    CorruptStoreError,
+    EntryNotFoundError,
+    Hint,
+    HmemError,
+    InvalidArgumentError,
+    StoreChangedError,
+)
 from hmem.formats import shard_file, stamp, store_files
 from hmem.formats.records import EVICTED
+from hmem.kernels import checksum as checksum_kernels
 from hmem.store import storage as storage_codec
 from hmem.store.results import EntryInfo, StoredEntry, StoredKV, StoreHealth
 from hmem.store.shard_builder import ShardBuilder
@@ -25,6 +33,23 @@ from hmem.store.shard_reader import ShardReader
 from hmem.store.state import StoreState
 
 _NOT_REGULAR = -1  # what _file_size gives for a link or anything but a regular file
+_IOV_MAX = 512  # buffers one preadv fills at most
+
+
+def _read_run(fd: int, path: Any, offset: int, views: list[memoryview]) -> None:
+    """Fill `views`, back to back, from the file's bytes at `offset`."""
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n <= 0:
+            raise CorruptStoreError(f"{path.name} ends before the tensors its index names", hint=Hint.VERIFY)
+        offset += n
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views = views[1:]
+            else:
+                views[0] = views[0][n:]
+                n = 0
 
 
 class EntryReader:
@@ -190,6 +215,57 @@ class EntryReader:
                 hint=Hint.VERIFY_FULL,
             )
         return array
+
+    def read_tensors_into(self, targets: list[tuple[int, str, memoryview]]) -> None:
+        """Each (record position, tensor kind, writable byte buffer) filled
+        with that tensor as stored, checked against its CRC-32C (always: the
+        bytes come from the file, not from a map read before).  Tensors of
+        sealed local shards are read with preadv straight into the buffers,
+        adjacent ones of a file in one call (no page of the shard mapped);
+        the others are copied from where tensor() finds them."""
+        state = self.state
+        runs: dict[int, list[tuple[int, memoryview, int, int, str]]] = {}  # shard -> (offset, out, crc, id, kind)
+        for pos, kind, out in targets:
+            entry_id, shard_idx, n_tokens = state.records[["entry_id", "shard_idx", "n_tokens"]][pos].tolist()
+            dtype, shape = shard_file.tensor_spec(
+                kind, n_tokens, state.config.embed_dim, state.config.storage_dtype, state.config.signatures_per_entry
+            )
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            if len(out) != nbytes:
+                raise InvalidArgumentError(f"tensor {kind}_{entry_id} is {nbytes} bytes, its buffer {len(out)}")
+            reader = None if self._in_memory(shard_idx) is not None else self.shard(shard_idx)
+            if reader is None or reader.source is not None:
+                np.frombuffer(out, dtype=np.uint8)[:] = self.tensor(pos, kind).view(np.uint8).reshape(-1)
+                continue
+            begin, _ = reader.span(entry_id, kind, nbytes)
+            runs.setdefault(shard_idx, []).append((begin, out, reader.crc(entry_id, kind), entry_id, kind))
+        for shard_idx, pieces in runs.items():
+            reader = self.shard(shard_idx)
+            pieces.sort(key=lambda piece: piece[0])
+            try:
+                fd = file_reads.open_regular(reader.path)
+            except OSError as exc:
+                raise StoreChangedError(f"{state.path} was changed by a writer since it was opened") from exc
+            try:
+                start = 0
+                while start < len(pieces):
+                    end = start + 1
+                    while (
+                        end < len(pieces)
+                        and end - start < _IOV_MAX
+                        and pieces[end][0] == pieces[end - 1][0] + len(pieces[end - 1][1])
+                    ):
+                        end += 1
+                    _read_run(fd, reader.path, pieces[start][0], [piece[1] for piece in pieces[start:end]])
+                    start = end
+            finally:
+                os.close(fd)
+            for _, out, expected, entry_id, kind in pieces:
+                if checksum_kernels.crc32c(out) != expected:
+                    raise CorruptStoreError(
+                        f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} fails its checksum",
+                        hint=Hint.VERIFY_FULL,
+                    )
 
     def _in_memory(self, shard_idx: int) -> ShardBuilder | None:
         """The builder holding shard `shard_idx` in memory, if one does: the
