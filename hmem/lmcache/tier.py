@@ -175,6 +175,7 @@ class ChunkTier:
         self._options = storage_options
         self._ensure_store(validation.integer(embed_dim, "embed_dim", low=1), DTYPES[dtype][0])
         self._reader = Store.open(self.location, read_only=True, storage_options=storage_options)
+        self._reader.chunks.contains([])  # the key index, built before the first lookup
         self._cond = threading.Condition()
         self._staged: dict[str, _Staged] = {}
         self._staged_bytes = 0
@@ -441,6 +442,7 @@ class ChunkTier:
             try:
                 stored = self._commit(batch)
                 self._reader.refresh()  # the commit, whole, before the chunks leave memory
+                self._reader.chunks.contains([])  # and its key index, before LMCache's next lookup
                 error = None
             except BaseException as exc:  # logged and retried: the staged chunks stay found meanwhile
                 stored, error = 0, exc
@@ -468,7 +470,8 @@ class ChunkTier:
 
     def _refresh(self) -> None:
         try:
-            self._reader.refresh()
+            if self._reader.refresh():
+                self._reader.chunks.contains([])  # its key index built here, not in LMCache's next lookup
         except HmemError as exc:  # the reader keeps the commit it has; the next round tries again
             log.warning("hmem tier: could not take the newest commit of %s: %s", self.location, exc.message)
 
