@@ -80,8 +80,9 @@ class TierSettings:
     lock_wait: float = 120.0  # how long a commit waits for another writer's
     refresh_seconds: float = 1.0  # other processes' commits are seen within this long
     hdc_dim: int = 1024  # signature bits of a new store's entries
-    # a commit larger than this seals a shard on another thread while it goes on with the next
-    shard_max_bytes: int = 256 * MiB
+    # a commit's shards are written several at once (hmem/store/writer.py,
+    # SEALS_IN_FLIGHT): more, smaller files reach the page cache faster
+    shard_max_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
         validation.number(self.commit_seconds, "commit_seconds", low=0.0)

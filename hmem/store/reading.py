@@ -277,9 +277,9 @@ class EntryReader:
         builder = state.builder
         if builder is not None and builder.index == shard_idx:
             return builder
-        sealing = state.sealing
-        if sealing is not None and sealing.builder.index == shard_idx:
-            return sealing.builder
+        for sealing in state.sealing:
+            if sealing.builder.index == shard_idx:
+                return sealing.builder
         return None
 
     def shard(self, shard_idx: int) -> ShardReader:
@@ -326,9 +326,9 @@ class EntryReader:
         bad_shards: list[int] = []
         shard_of = state.records["shard_idx"][: state.n]
         fetcher = state.cache.fetcher  # a store on object storage: shards not fetched are there
-        sealing = state.sealing
+        sealing = {seal.builder.index for seal in state.sealing}
         for idx, info in enumerate(state.shards):
-            if sealing is not None and idx == sealing.builder.index:
+            if idx in sealing:
                 continue  # its file is being made durable (StoreState.sealing); not yet committed
             kept = fetcher.remote_bytes(info.uid) if fetcher is not None else None
             size = kept if kept is not None else self._file_size(info.file)

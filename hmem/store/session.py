@@ -178,8 +178,7 @@ def _release(state: StoreState, placement: Placement) -> None:
     still making durable is waited for first: no file is renamed into the
     store once another writer may have it (the shard itself is not committed)."""
     if state.writer is not None:
-        sealing = state.sealing
-        if sealing is not None:
+        for sealing in state.sealing:
             sealing.wait()
         state.writer.release()
     placement.close()

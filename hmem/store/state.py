@@ -122,7 +122,7 @@ class StoreState:
         self.id_limit = committed.next_entry_id  # ids below this are reserved in index.json
         self.builder: ShardBuilder | None = None
         # a full shard a put sealed, its file still being made durable (writer.py, settle)
-        self.sealing: SealInFlight | None = None
+        self.sealing: tuple[SealInFlight, ...] = ()  # oldest first
         self.builder_dead = DeadBytes()
         self.limits = LimitActivity()  # what the limits made puts do (StoreStats.limits)
         self.removed_at_open = removed_at_open
@@ -197,14 +197,14 @@ class StoreState:
             [*self.shards, info],  # a new list: the one a commit took is never changed
             None,
             DeadBytes(),
-            sealing,
+            self.sealing if sealing is None else (*self.sealing, sealing),
         )
 
-    def seal_settled(self) -> None:
-        """The shard the last seal wrote in the background is durable under
-        its name.  Keeps: while `sealing` is set, readers read that shard
+    def seal_settled(self, done: SealInFlight) -> None:
+        """The shard `done` wrote in the background is durable under its
+        name.  Keeps: while a seal is in `sealing`, readers read its shard
         from memory (hmem/store/reading.py); from now on, from its file."""
-        self.sealing = None
+        self.sealing = tuple(s for s in self.sealing if s is not done)
 
     def unseal(self, shards_mark: int, builder: ShardBuilder | None) -> None:
         """Take back the shards listed since `shards_mark` (a failed put's)
@@ -384,9 +384,9 @@ class StoreState:
     def shut(self) -> None:
         """Mark the state closed, drop the memory maps and let the lock go."""
         self.closed = True
-        sealing, self.sealing = self.sealing, None
-        if sealing is not None:
-            sealing.wait()  # no file is renamed into the store once its lock is let go
+        sealing, self.sealing = self.sealing, ()
+        for seal in sealing:
+            seal.wait()  # no file is renamed into the store once its lock is let go
         self.cache.drop()
         self.pooled.drop()
         self.builder = None  # its arena's segments go to the spares when it is freed (now, as nothing reads)

@@ -45,6 +45,7 @@ from hmem.store.state import StoreState
 
 ROWS_PER_WRITE = 1 << 16  # records (and pooled.bin rows) a flush seals and writes at a time
 ID_LEASE = 4096  # ids reserved per index.json write, at least
+SEALS_IN_FLIGHT = 4  # full shards a bulk put writes at once (several files reach the page cache faster than one)
 ID_LEASE_MAX = 1 << 24  # and at most, past those a batch needs (_reserve_ids)
 
 
@@ -151,10 +152,10 @@ class Writer:
         entries in the open shard from before it (`builder`, which the batch
         sealed nothing of), and the shards sealed for it (not yet committed)."""
         state = self.state
-        sealing = state.sealing
-        if sealing is not None and sealing.builder.index >= shards_mark:
-            sealing.wait()  # a shard of the batch: its file goes below with the others
-            state.seal_settled()
+        for sealing in state.sealing:
+            if sealing.builder.index >= shards_mark:
+                sealing.wait()  # a shard of the batch: its file goes below with the others
+                state.seal_settled(sealing)
         _index_rollback(state.search_index, index_mark)
         if builder is not None and builder_mark is not None:
             builder.rollback(builder_mark)
@@ -214,8 +215,8 @@ class Writer:
         encoded here, then written and made durable on a thread of its own
         while the put goes on (SealInFlight, hmem/store/shard_builder.py): a
         bulk put's writes and fsyncs then overlap its work on the next
-        entries."""
-        self.settle()
+        entries; up to SEALS_IN_FLIGHT such files are written at once."""
+        self.settle(keep=SEALS_IN_FLIGHT - 1 if background else 0)
         state = self.state
         b = state.builder
         if b is None or not b.entries:
@@ -241,25 +242,24 @@ class Writer:
             # One assignment: an interrupt leaves the shard listed and closed, or open and unlisted.
             state.seal(info, sealing)
         except BaseException:
-            if sealing is not None and state.sealing is not sealing:
+            if sealing is not None and sealing not in state.sealing:
                 sealing.discard()  # still open: sealed again later
             raise
         if sealing is not None:
             sealing.start()  # (an interrupt before this: settle starts it)
 
-    def settle(self) -> None:
+    def settle(self, keep: int = 0) -> None:
         """Wait for the shard a put sealed in the background to be durable
         under its name; if that failed, write its file again from memory
         (raising if that fails too: the next settle tries again).  Every
         write of a file and every commit waits here first, so the writer's
         I/O happens in the same order as if the seal had run in the put."""
         state = self.state
-        sealing = state.sealing
-        if sealing is None:
-            return
-        if sealing.wait() is not None:
-            sealing.write_again()
-        state.seal_settled()  # its file is there: readers read it (hmem/store/reading.py)
+        while len(state.sealing) > keep:  # the oldest first: files are made durable in the order they were sealed
+            sealing = state.sealing[0]
+            if sealing.wait() is not None:
+                sealing.write_again()
+            state.seal_settled(sealing)  # its file is there: readers read it (hmem/store/reading.py)
 
     # ---- flushing ---------------------------------------------------------------------
 
