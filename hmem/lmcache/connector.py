@@ -48,7 +48,7 @@ _SETTINGS = {
     "lock_wait": float,
     "refresh_seconds": float,
 }
-_THREADS = 4  # stage and read chunks beside the loop; copies and checksums release the GIL
+_THREADS = 4  # stage and read chunks beside the loop; copies, reads and checksums release the GIL
 
 
 class HmemConnector(RemoteConnector):  # LMCache ships no type information: an Any base
