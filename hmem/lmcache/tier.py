@@ -22,9 +22,11 @@ So several writers share one store through its ordinary commit protocol, a
 commit at a time, each seeing the others' chunks; what a crash loses is
 the chunks staged since the last commit of the crashed process (at most
 `commit_seconds`, or `commit_bytes`, of its puts), and `commit()` waits for
-a commit of everything staged so far.  A chunk whose bytes fail their
-checksum is never handed out: `fetch` gives None and the key stops being
-reported (`verify` names the entry).
+a commit of everything staged so far.  A committed chunk is read from its
+shard files straight into the caller's buffer (``Store.chunks.read_into``)
+and every tensor checked against its CRC-32C: one that fails is never
+handed out (the read raises, the plugin's get gives None) and its key is
+not reported again (`verify --full` names the entry).
 """
 
 from __future__ import annotations
