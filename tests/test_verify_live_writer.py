@@ -31,7 +31,11 @@ def test_a_live_writers_files_are_work_in_progress(tmp_path):
     leftover = path / ".hmem-tmp.shard_0009.safetensors"
     leftover.write_bytes(b"\0" * 64)
     writer = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLD, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,  # not the checkout: the installed hmem, as every test
     )
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "locked"

@@ -94,6 +94,10 @@ class Writer:
                     {int(ids[p]): t for p, t in batch.meta.items() if lo <= p < hi},
                 )
                 shard_of[lo:hi] = b.index
+            # The shards of this batch are written several at once; a put
+            # returns with at most one still in flight, as before, so that a
+            # file that cannot be written fails the put that sealed it.
+            self.settle(keep=1)
             state.grow(count)
             rows = state.records[start : start + count]  # past state.n: not yet part of the store
             rows["entry_id"] = ids

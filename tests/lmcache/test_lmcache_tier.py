@@ -19,6 +19,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -160,7 +161,11 @@ def written(drivers: Drivers, tmp_path_factory: pytest.TempPathFactory) -> tuple
 def hmem_cli(*args: str, ok: tuple[int, ...] = (0,)) -> dict[str, Any]:
     """An hmem command in a process of its own; its JSON document."""
     run = subprocess.run(
-        [sys.executable, "-m", "hmem", *args, "--json"], capture_output=True, text=True, timeout=CEILING
+        [sys.executable, "-m", "hmem", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=CEILING,
+        cwd=tempfile.gettempdir(),  # not the checkout: the installed hmem, as every test
     )
     assert run.returncode in ok, f"hmem {' '.join(args)}: exit {run.returncode}\n{run.stdout}\n{run.stderr}"
     return dict(json.loads(run.stdout))
