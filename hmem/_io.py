@@ -170,8 +170,8 @@ def _write_all(fd: int, path: Path, buffers: Sequence[Buffer], offset: int | Non
 # from one on some machines (virtual ones: measured 0.13-0.35 GB/s from one
 # thread, 2.4 GB/s from eight, docs/benchmarks.md), so a large run of
 # buffers is written as pieces at their offsets, a thread each.
-_PARALLEL_MIN_BYTES = 64 << 20
-_PARALLEL_PIECE_BYTES = 16 << 20
+_PARALLEL_MIN_BYTES = 16 << 20
+_PARALLEL_PIECE_BYTES = 8 << 20
 _PARALLEL_THREADS = 8
 
 

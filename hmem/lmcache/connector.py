@@ -15,8 +15,10 @@ The connector only translates: LMCache's keys to their strings, its memory
 objects to and from the bytes of a `ChunkTier` (hmem/lmcache/tier.py),
 which does the work.  Every coroutine runs on LMCache's storage-manager
 event loop, shared by all requests, so none blocks it: staging a chunk
-(a copy) and reading one (checksums, a copy) run on the connector's own
-threads, and a lookup (`batched_contains`, `exists`) is in memory.
+(which may wait for room) and reading one (checksums, a copy) run on the
+connector's own threads, and a lookup (`batched_contains`, `exists`) is in
+memory.  A put's buffer is kept, by a reference, until its chunk is
+committed, and written to the store from there (no copy of its own).
 Memory for a chunk read is allocated without waiting (a full LMCache pool
 makes the read a miss, never a stalled loop).
 """
@@ -31,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.memory_management import MemoryFormat, TensorMemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from hmem.errors import InvalidArgumentError
@@ -98,12 +100,19 @@ class HmemConnector(RemoteConnector):  # LMCache ships no type information: an A
     # ---- store and retrieve ---------------------------------------------------------------
 
     async def put(self, key: Any, memory_obj: Any) -> None:
-        # LMCache keeps the buffer until this returns: the tier copies it first
         layout = memory_obj.get_memory_format().name
         shape = tuple(memory_obj.get_shapes()[0])
         layer = int(getattr(key, "layer_id", 0) or 0)
+        release = None
+        if isinstance(memory_obj, TensorMemoryObj):
+            # LMCache's buffer is kept, not copied, until the chunk is
+            # committed: a reference of the tier's own keeps LMCache from
+            # freeing or evicting it meanwhile (at most max_staged_bytes).
+            memory_obj.ref_count_up()
+            release = memory_obj.ref_count_down
+        # (Other memory objects are copied: LMCache keeps them until this returns.)
         await self.loop.run_in_executor(
-            self._pool, self.tier.stage, key.to_string(), memory_obj.byte_array, layout, shape, layer
+            self._pool, self.tier.stage, key.to_string(), memory_obj.byte_array, layout, shape, layer, release
         )
 
     async def get(self, key: Any) -> Any:

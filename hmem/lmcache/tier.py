@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -97,11 +97,13 @@ class TierSettings:
 
 @dataclasses.dataclass
 class _Staged:
-    data: np.ndarray  # the chunk's values, copied: [2, L, T, H] or [T, 2, H]
+    data: np.ndarray  # the chunk's values: [2, L, T, H] or [T, 2, H]
     layout: str
     layer: int  # KV_T2D: the layer it holds
-    buffer: np.ndarray  # the pool's memory `data` lies in, given back once committed
-    readers: int = 0  # fetches copying out of it: its buffer is given back after the last
+    # what frees `data` once the chunk is committed: the pool's buffer it was
+    # copied into is given back, or the caller's buffer it lies in released
+    free: Callable[[], None]
+    readers: int = 0  # fetches copying out of it: it is freed after the last
     retired: bool = False  # committed (or removed): nothing new reads it
 
 
@@ -116,7 +118,7 @@ class _StagedReader:
             chunk = self.chunk
             chunk.readers -= 1
             if chunk.retired and not chunk.readers:
-                memory.POOL.give(chunk.buffer)
+                chunk.free()
 
 
 @dataclasses.dataclass
@@ -249,38 +251,64 @@ class ChunkTier:
 
     # ---- putting -----------------------------------------------------------------------
 
-    def stage(self, key: str, data: Any, layout: str, shape: Sequence[int], layer: int = 0) -> bool:
+    def stage(
+        self,
+        key: str,
+        data: Any,
+        layout: str,
+        shape: Sequence[int],
+        layer: int = 0,
+        release: Callable[[], None] | None = None,
+    ) -> bool:
         """Take a chunk (its bytes or array, in `layout` and `shape`) to be
-        committed; returns False when the tier holds it already.  Copies the
-        bytes: the caller may reuse its buffer once this returns.  Waits
-        while max_staged_bytes await their commit."""
-        validation.choice(layout, "layout", LAYOUTS)
-        shape = tuple(int(n) for n in shape)
-        if (layout == KV_2LTD and (len(shape) != 4 or shape[0] != 2)) or (
-            layout == KV_T2D and (len(shape) != 3 or shape[1] != 2)
-        ):
-            raise InvalidArgumentError(f"a {layout} chunk cannot have shape {list(shape)}")
-        if self.contains([key])[0]:
-            return False
-        array = np.frombuffer(data, dtype=self.word_type) if not isinstance(data, np.ndarray) else data
-        if array.size != int(np.prod(shape)):
-            raise InvalidArgumentError(f"chunk {key!r}: {array.size} values for shape {list(shape)}")
-        # Fresh memory costs more than the copy into it (hmem/memory.py):
-        # staged chunks live in the pool's buffers, reused commit after commit.
-        buffer = memory.POOL.take(array.nbytes)
-        copy = buffer[: array.nbytes].view(self.word_type).reshape(shape)
-        np.copyto(copy, array.reshape(shape))
+        committed; returns False when the tier holds it already.  Waits
+        while max_staged_bytes await their commit.
+
+        Without `release`, the bytes are copied: the caller may reuse its
+        buffer once this returns.  With it, the tier keeps `data` itself,
+        which must not change until the tier calls `release()`: once, when
+        the chunk is committed, found held already, removed, or refused
+        (then before this raises).  A put's bytes are then written to the
+        store without a copy of their own (LMCache's buffer, held by its
+        reference count, docs/lmcache.md)."""
+        try:
+            validation.choice(layout, "layout", LAYOUTS)
+            shape = tuple(int(n) for n in shape)
+            if (layout == KV_2LTD and (len(shape) != 4 or shape[0] != 2)) or (
+                layout == KV_T2D and (len(shape) != 3 or shape[1] != 2)
+            ):
+                raise InvalidArgumentError(f"a {layout} chunk cannot have shape {list(shape)}")
+            array = np.frombuffer(data, dtype=self.word_type) if not isinstance(data, np.ndarray) else data
+            if array.size != int(np.prod(shape)):
+                raise InvalidArgumentError(f"chunk {key!r}: {array.size} values for shape {list(shape)}")
+            if self.contains([key])[0]:
+                if release is not None:
+                    release()
+                return False
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if release is not None:
+            kept, free = array.reshape(shape), release
+        else:
+            # Fresh memory costs more than the copy into it (hmem/memory.py):
+            # copies live in the pool's buffers, reused commit after commit.
+            buffer = memory.POOL.take(array.nbytes)
+            kept = buffer[: array.nbytes].view(self.word_type).reshape(shape)
+            np.copyto(kept, array.reshape(shape))
+            free = functools.partial(memory.POOL.give, buffer)
         with self._cond:
             while self._staged_bytes >= self.settings.max_staged_bytes and not self._closing:
                 self._cond.wait()
-            self._check_open()
-            if key in self._staged:
-                memory.POOL.give(buffer)
+            if key in self._staged or self._closing:
+                free()
+                self._check_open()
                 return False
             if not self._staged:
                 self._first_staged = time.monotonic()
-            self._staged[key] = _Staged(copy, layout, layer, buffer)
-            self._staged_bytes += copy.nbytes
+            self._staged[key] = _Staged(kept, layout, layer, free)
+            self._staged_bytes += kept.nbytes
             self._sequence += 1
             self._cond.notify_all()
         return True
@@ -493,11 +521,11 @@ class ChunkTier:
 
     @staticmethod
     def _retire(chunk: _Staged) -> None:
-        """`chunk` left the staged set (under the lock): its buffer goes back
-        to the pool now, or after the last fetch copying out of it."""
+        """`chunk` left the staged set (under the lock): its memory is freed
+        now, or after the last fetch copying out of it."""
         chunk.retired = True
         if not chunk.readers:
-            memory.POOL.give(chunk.buffer)
+            chunk.free()
 
     def _commit(self, batch: dict[str, _Staged]) -> int:
         """Put the chunks of `batch` the store does not hold yet, in one
@@ -536,6 +564,9 @@ class ChunkTier:
         self._reader.close()
         if self._staged:
             log.error("hmem tier: %d chunk(s) staged for %s were not committed", len(self._staged), self.location)
+            with self._cond:
+                for chunk in self._staged.values():
+                    self._retire(chunk)
 
 
 _at_exit = getattr(threading, "_register_atexit", atexit.register)

@@ -295,6 +295,25 @@ def test_chunks_committed_before_a_kill_survive_it(drivers: Drivers, tmp_path: P
         assert_exact(tier[req["name"]], req, whole, chunk)
 
 
+def test_a_put_is_held_by_reference_until_committed(drivers: Drivers, tmp_path: Path) -> None:
+    """No copy of a put: the tier keeps LMCache's buffer by a reference of
+    its own until the chunk is committed, then gives it back; a put of a
+    chunk it holds gives its reference back at once."""
+    out = tmp_path / "hold.json"
+    driver = drivers["writer"]
+    driver.order("hold", store=str(tmp_path / "held"), out=str(out))
+    driver.line("done")
+    counts = json.loads(out.read_text())
+    assert {k: v for k, v in counts.items() if not k.startswith("sha256")} == {
+        "before": 1,
+        "staged": 2,
+        "put_again": 2,
+        "committed": 1,
+        "put_committed": 1,
+    }
+    assert counts["sha256_put"] == counts["sha256_stored"]
+
+
 def flip_tensor_byte(store: Path, tensor: str) -> None:
     """Flip a byte in the middle of `tensor`'s data in whichever shard file
     holds it (a shard is a safetensors file: docs/format.md)."""

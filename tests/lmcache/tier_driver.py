@@ -30,9 +30,16 @@ stdin, a file) and each order ends with a line the test waits for
   writes their keys and chunks' SHA-256 to out (JSON), prints "committed
   COMMITS" (the tier's commits so far), then stores new requests ("stored
   N commits COMMITS" each) until it is killed.
+- hold, store, out: puts one chunk straight through the connector, in a
+  memory object of LMCache's pool, and writes to out (JSON) its reference
+  count: before, once staged, after a second put of it, once committed,
+  after a put of it committed; and the chunk's SHA-256 as put and as the
+  store holds it.  "done".
 """
 
+import asyncio
 import functools
+import hashlib
 import json
 import os
 import sys
@@ -367,6 +374,42 @@ def kill(path, out):
         print(f"stored {number} commits {tier_connector(cache).tier.stats().commits}", flush=True)
 
 
+def hold(path, out):
+    """The tier keeps a put's buffer by a reference of its own until the
+    chunk is committed (no copy), and gives back every reference it does
+    not keep."""
+    import numpy as np
+
+    import hmem
+
+    reqs, kvs = model_kv()
+    cache = hmem_engine("hold", path, commit_seconds=3600, commit_bytes=1 << 40)
+    conn, remote = tier_connector(cache), backend(cache)
+    req = reqs[0]
+    [(_, _, key), *_] = cache.token_database.process_tokens(req["tokens"], request_configs=configs(req))
+    obj = remote.local_cpu_backend.allocate(conn.meta_shapes, conn.meta_dtypes, conn.meta_fmt)
+    obj.tensor.copy_(kvs[req["name"]][:, :, : GEOM.chunk])
+
+    def put():
+        asyncio.run_coroutine_threadsafe(conn.put(key, obj), remote.loop).result(W.WAIT_SECONDS)
+        return obj.get_ref_count()
+
+    counts = {"before": obj.get_ref_count(), "staged": put(), "put_again": put()}
+    conn.commit(W.WAIT_SECONDS)
+    counts["committed"] = obj.get_ref_count()
+    counts["put_committed"] = put()
+    stored = np.zeros((2, GEOM.layers, GEOM.chunk, GEOM.hidden), dtype=np.uint16)
+    with hmem.Store.open(path, read_only=True) as s:
+        s.chunks.read_into(key.to_string(), list(stored[0]), list(stored[1]))
+    counts["sha256_put"] = hashlib.sha256(obj.tensor.view(torch.uint16).numpy().tobytes()).hexdigest()
+    counts["sha256_stored"] = hashlib.sha256(stored.tobytes()).hexdigest()
+    obj.ref_count_down()
+    LMCacheEngineBuilder.destroy("hold")
+    with open(out, "w") as f:
+        json.dump(counts, f)
+    print("done", flush=True)
+
+
 def main():
     print("loaded", flush=True)
     for number, line in enumerate(sys.stdin):
@@ -381,6 +424,8 @@ def main():
                 read_store(number, order["kind"], order["store"], order["out"])
             elif mode == "loop":
                 loop(number, order["store"], order["stop"], order["counts"])
+            elif mode == "hold":
+                hold(order["store"], order["out"])
             elif mode == "kill":
                 kill(order["store"], order["out"])
             else:
