@@ -34,6 +34,26 @@ from hmem.store.state import StoreState
 
 _NOT_REGULAR = -1  # what _file_size gives for a link or anything but a regular file
 _IOV_MAX = 512  # buffers one preadv fills at most
+# Tensors read into the caller's buffers are checked a run of about this
+# many bytes at a time, each run right after its read: its bytes are still
+# in the CPU's cache (a whole chunk read first would be read again from memory).
+_CHECKED_RUN_BYTES = 1 << 20
+
+
+def _read_ahead(fd: int, pieces: list[tuple[int, memoryview, int, int, str]]) -> None:
+    """Ask the kernel to read each run of adjacent pieces (offset-sorted)
+    from the disk now, whole: the reads of a run, a checked piece at a time,
+    then find it in the page cache or arriving, instead of one disk read
+    after another."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    begin = end = pieces[0][0]
+    for offset, view, *_ in pieces:
+        if offset != end:
+            os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
+            begin = offset
+        end = offset + len(view)
+    os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
 
 
 def _read_run(fd: int, path: Any, offset: int, views: list[memoryview]) -> None:
@@ -224,48 +244,75 @@ class EntryReader:
         adjacent ones of a file in one call (no page of the shard mapped);
         the others are copied from where tensor() finds them."""
         state = self.state
-        runs: dict[int, list[tuple[int, memoryview, int, int, str]]] = {}  # shard -> (offset, out, crc, id, kind)
-        for pos, kind, out in targets:
-            entry_id, shard_idx, n_tokens = state.records[["entry_id", "shard_idx", "n_tokens"]][pos].tolist()
-            dtype, shape = shard_file.tensor_spec(
-                kind, n_tokens, state.config.embed_dim, state.config.storage_dtype, state.config.signatures_per_entry
-            )
-            nbytes = int(np.prod(shape)) * dtype.itemsize
+        if not targets:
+            return
+        config = state.config
+        rows = state.records[np.fromiter((pos for pos, _, _ in targets), dtype=np.int64, count=len(targets))]
+        entry_ids = rows["entry_id"].astype(np.int64)
+        sizes: dict[tuple[str, int], int] = {}
+        readers: dict[int, ShardReader | None] = {}
+        # shard -> (kind, bytes) -> the targets read from its file
+        grouped: dict[int, dict[tuple[str, int], list[int]]] = {}
+        for i, ((pos, kind, out), shard_idx, n_tokens) in enumerate(
+            zip(targets, rows["shard_idx"].tolist(), rows["n_tokens"].tolist())
+        ):
+            nbytes = sizes.get((kind, n_tokens))
+            if nbytes is None:
+                dtype, shape = shard_file.tensor_spec(
+                    kind, n_tokens, config.embed_dim, config.storage_dtype, config.signatures_per_entry
+                )
+                nbytes = sizes[kind, n_tokens] = int(np.prod(shape)) * dtype.itemsize
             if len(out) != nbytes:
-                raise InvalidArgumentError(f"tensor {kind}_{entry_id} is {nbytes} bytes, its buffer {len(out)}")
-            reader = None if self._in_memory(shard_idx) is not None else self.shard(shard_idx)
+                raise InvalidArgumentError(f"tensor {kind}_{entry_ids[i]} is {nbytes} bytes, its buffer {len(out)}")
+            if shard_idx not in readers:
+                readers[shard_idx] = None if self._in_memory(shard_idx) is not None else self.shard(shard_idx)
+            reader = readers[shard_idx]
             if reader is None or reader.source is not None:
                 np.frombuffer(out, dtype=np.uint8)[:] = self.tensor(pos, kind).view(np.uint8).reshape(-1)
                 continue
-            begin, _ = reader.span(entry_id, kind, nbytes)
-            runs.setdefault(shard_idx, []).append((begin, out, reader.crc(entry_id, kind), entry_id, kind))
+            grouped.setdefault(shard_idx, {}).setdefault((kind, nbytes), []).append(i)
+        runs: dict[int, list[tuple[int, memoryview, int, int, str]]] = {}  # shard -> (offset, out, crc, id, kind)
+        for shard_idx, groups in grouped.items():
+            reader = readers[shard_idx]
+            assert reader is not None
+            for (kind, nbytes), chosen in groups.items():
+                ids = entry_ids[chosen]
+                begins, crcs = reader.spans(ids, kind, nbytes)
+                runs.setdefault(shard_idx, []).extend(
+                    (begin, targets[i][2], crc, entry_id, kind)
+                    for i, begin, crc, entry_id in zip(chosen, begins.tolist(), crcs.tolist(), ids.tolist())
+                )
         for shard_idx, pieces in runs.items():
-            reader = self.shard(shard_idx)
+            reader = readers[shard_idx]
+            assert reader is not None
             pieces.sort(key=lambda piece: piece[0])
             try:
                 fd = file_reads.open_regular(reader.path)
             except OSError as exc:
                 raise StoreChangedError(f"{state.path} was changed by a writer since it was opened") from exc
             try:
+                _read_ahead(fd, pieces)
                 start = 0
                 while start < len(pieces):
-                    end = start + 1
+                    end, size = start + 1, len(pieces[start][1])
                     while (
                         end < len(pieces)
                         and end - start < _IOV_MAX
+                        and size < _CHECKED_RUN_BYTES
                         and pieces[end][0] == pieces[end - 1][0] + len(pieces[end - 1][1])
                     ):
+                        size += len(pieces[end][1])
                         end += 1
                     _read_run(fd, reader.path, pieces[start][0], [piece[1] for piece in pieces[start:end]])
+                    for _, out, expected, entry_id, kind in pieces[start:end]:  # checked while in the CPU's cache
+                        if checksum_kernels.crc32c(out) != expected:
+                            raise CorruptStoreError(
+                                f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} fails its checksum",
+                                hint=Hint.VERIFY_FULL,
+                            )
                     start = end
             finally:
                 os.close(fd)
-            for _, out, expected, entry_id, kind in pieces:
-                if checksum_kernels.crc32c(out) != expected:
-                    raise CorruptStoreError(
-                        f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} fails its checksum",
-                        hint=Hint.VERIFY_FULL,
-                    )
 
     def _in_memory(self, shard_idx: int) -> ShardBuilder | None:
         """The builder holding shard `shard_idx` in memory, if one does: the
