@@ -37,7 +37,7 @@ from lmcache.v1.memory_management import MemoryFormat, TensorMemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from hmem.errors import InvalidArgumentError
-from hmem.lmcache.tier import DTYPES, KV_2LTD, KV_T2D, ChunkTier, TierSettings
+from hmem.lmcache.tier import DTYPES, KV_2LTD, KV_T2D, ChunkRead, ChunkTier, TierSettings
 
 log = logging.getLogger("hmem.lmcache.connector")
 
@@ -117,28 +117,67 @@ class HmemConnector(RemoteConnector):  # LMCache ships no type information: an A
 
     async def get(self, key: Any) -> Any:
         """The chunk, or None: LMCache then keeps the hit before it."""
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[Any]) -> list[Any]:
+        """The chunks of `keys`, in order, up to the first one the tier
+        cannot give, None from there (LMCache keeps the hit before the
+        first None): found in one job, then read on the connector's threads
+        at once, each straight into the buffer LMCache allocates for it."""
+        names = [key.to_string() for key in keys]
+        # a layerwise key names one layer's [T, 2, H]
+        layouts = [KV_T2D if hasattr(key, "layer_id") else KV_2LTD for key in keys]
+        got: list[Any] = []
         try:
-            layout = KV_T2D if hasattr(key, "layer_id") else KV_2LTD  # a layerwise key: one layer's [T, 2, H]
-            read = await self.loop.run_in_executor(self._pool, self.tier.fetch, key.to_string(), layout)
-            if read is None:
-                return None
-            memory_obj = self.local_cpu_backend.allocate(
-                [torch.Size(read.shape)], [self.torch_dtype], MemoryFormat[read.layout], busy_loop=False
-            )
-            if memory_obj is None:
+            found = await self.loop.run_in_executor(self._pool, self._find, names, layouts)
+            for read in found:
+                memory_obj = self.local_cpu_backend.allocate(
+                    [torch.Size(read.shape)], [self.torch_dtype], MemoryFormat[read.layout], busy_loop=False
+                )
+                if memory_obj is None:
+                    break  # LMCache's pool is full: a miss rather than a wait on its loop
+                got.append((read, memory_obj))
+            for read in found[len(got) :]:
                 read.close()
-                return None  # LMCache's pool is full: a miss rather than a wait on its loop
-            try:
-                out = np.frombuffer(memory_obj.byte_array, dtype=self.tier.word_type).reshape(read.shape)
-                await self.loop.run_in_executor(self._pool, read.copy_into, out)
-            except BaseException:
+            results = await asyncio.gather(
+                *(
+                    self.loop.run_in_executor(self._pool, read.copy_into, self._words(memory_obj, read.shape))
+                    for read, memory_obj in got
+                ),
+                return_exceptions=True,
+            )
+        except Exception as exc:  # never an exception into LMCache's retrieve: a miss
+            log.warning("hmem tier: chunks could not be read: %s", exc)
+            for read, memory_obj in got:
                 read.close()
                 memory_obj.ref_count_down()
-                raise
-            return memory_obj
-        except Exception as exc:  # never an exception into LMCache's retrieve: a miss
-            log.warning("hmem tier: chunk %s could not be read: %s", key.to_string(), exc)
-            return None
+            return [None] * len(keys)
+        out: list[Any] = []
+        for name, (_, memory_obj), result in zip(names, got, results):
+            if isinstance(result, BaseException):  # evicted meanwhile, or damaged: a miss from here on
+                log.warning("hmem tier: chunk %s could not be read: %s", name, result)
+            if isinstance(result, BaseException) or None in out:
+                memory_obj.ref_count_down()
+                out.append(None)
+            else:
+                out.append(memory_obj)
+        return out + [None] * (len(keys) - len(out))
+
+    def _find(self, names: list[str], layouts: list[str]) -> list[ChunkRead]:
+        """The tier's reads of the chunks named, up to the first it does not hold."""
+        found = []
+        for name, layout in zip(names, layouts):
+            read = self.tier.fetch(name, layout)
+            if read is None:
+                break
+            found.append(read)
+        return found
+
+    def _words(self, memory_obj: Any, shape: tuple[int, ...]) -> np.ndarray:
+        return np.frombuffer(memory_obj.byte_array, dtype=self.tier.word_type).reshape(shape)
 
     async def list(self) -> list[str]:
         return await self.loop.run_in_executor(self._pool, self.tier.keys)

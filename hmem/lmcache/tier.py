@@ -5,9 +5,10 @@
 delegates to, in each process that writes or reads the tier.  One hmem
 store of chunks (a directory or s3://...), any number of processes:
 
-- a put is *staged*: its bytes are copied into the tier's memory and the
-  call returns; from then on the chunk is found (`contains`) and read
-  (`fetch`) from there;
+- a put is *staged*: its bytes are copied into the tier's memory, or kept
+  where they are until committed (the plugin keeps LMCache's buffer by a
+  reference), and the call returns; from then on the chunk is found
+  (`contains`) and read (`fetch`) from there;
 - a committer thread stores the staged chunks in groups, every
   `commit_seconds` or once `commit_bytes` are staged: it takes the store's
   writer lock (a lock file, or the lease on object storage) for that commit
