@@ -222,4 +222,5 @@ def test_the_check_sees_a_drifted_stub():
         "active_path",
         "crc32c_rows",
         "crc32c_pieces",
+        "read_checked",
     }

@@ -143,6 +143,85 @@ def test_crc32c_matches_reference_and_is_incremental(data, crc, draw):
     assert ref_checksum.crc32c(data[cut:], ref_checksum.crc32c(data[:cut], crc)) == expected
 
 
+def test_crc32c_folded_lengths_agree_on_every_path():
+    # Around the AVX-512 path's carry-less fold (from 1 KB, 256 bytes a step,
+    # then the crc32 instruction for the rest), from several running checksums.
+    data = np.random.default_rng(5).integers(0, 256, 4096 + 300, dtype=np.uint8)
+    for n in (1023, 1024, 1025, 1279, 1280, 1281, 1535, 1536, 2047, 2048, 2049, 4096 + 255, 4096 + 256, 4096 + 300):
+        for crc in (0, 0xFFFFFFFF, 0x12345678):
+            expected = ref_checksum.crc32c(data[:n], crc)
+            assert set(every_path(lambda: _checksum.crc32c(data[:n], crc)).values()) == {expected}, (n, crc)
+
+
+@pytest.fixture
+def piece_file(tmp_path):
+    """A file of 3 MB of random bytes, open for reading, and its bytes."""
+    data = np.random.default_rng(11).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    path = tmp_path / "pieces.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield fd, data
+    finally:
+        os.close(fd)
+
+
+def pieces_of(data: bytes, spans: list[tuple[int, int]]):
+    offsets = np.array([start for start, _ in spans], dtype=np.int64)
+    crcs = np.array([ref_checksum.crc32c(data[start : start + size]) for start, size in spans], dtype=np.uint32)
+    return offsets, crcs
+
+
+# adjacent runs (one preadv each, split at a megabyte), a gap, a piece read twice, empty ones
+SPANS = [(0, 100), (100, 700 << 10), ((700 << 10) + 100, 600 << 10), (5, 0), (2 << 20, 4096), (7, 33), (7, 33)]
+
+
+@pytest.mark.parametrize("module", [_checksum, ref_checksum], ids=["native", "reference"])
+def test_read_checked_fills_each_buffer_and_checks_it(module, piece_file):
+    fd, data = piece_file
+    offsets, crcs = pieces_of(data, SPANS)
+    buffers = [bytearray(size) for _, size in SPANS]
+    assert module.read_checked(fd, offsets, buffers, crcs) == -1
+    assert [bytes(b) for b in buffers] == [data[start : start + size] for start, size in SPANS]
+    # numpy arrays and views of one buffer, as a chunk's layers are
+    whole = np.zeros((2, 1000), dtype=np.uint16)
+    spans = [(64, 2000), (64 + 2000, 2000)]
+    offsets, crcs = pieces_of(data, spans)
+    assert module.read_checked(fd, offsets, [whole[0], whole[1]], crcs) == -1
+    assert whole.tobytes() == data[64 : 64 + 4000]
+
+
+@pytest.mark.parametrize("module", [_checksum, ref_checksum], ids=["native", "reference"])
+def test_read_checked_names_the_first_piece_that_fails(module, piece_file):
+    fd, data = piece_file
+    offsets, crcs = pieces_of(data, SPANS)
+    for bad in (0, 1, 2, 4, 6):
+        wrong = crcs.copy()
+        wrong[bad] ^= 1
+        if bad < 6:
+            wrong[6] ^= 1  # a later one too: reading stops at the first
+        buffers = [bytearray(size) for _, size in SPANS]
+        assert module.read_checked(fd, offsets, buffers, wrong) == bad
+
+
+@pytest.mark.parametrize("module", [_checksum, ref_checksum], ids=["native", "reference"])
+def test_read_checked_refuses_what_it_cannot_read(module, piece_file):
+    fd, data = piece_file
+    offsets, crcs = pieces_of(data, [(0, 10)])
+    with pytest.raises(EOFError):  # past the end of the file
+        module.read_checked(fd, np.array([len(data) - 5], dtype=np.int64), [bytearray(10)], crcs)
+    with pytest.raises(ValueError, match="one of each"):
+        module.read_checked(fd, offsets, [bytearray(10), bytearray(10)], crcs)
+    with pytest.raises(ValueError, match="negative"):
+        module.read_checked(fd, np.array([-1], dtype=np.int64), [bytearray(10)], crcs)
+    with pytest.raises((BufferError, TypeError)):  # a read-only buffer
+        module.read_checked(fd, offsets, [bytes(10)], crcs)
+    closed = os.dup(fd)
+    os.close(closed)
+    with pytest.raises(OSError):
+        module.read_checked(closed, offsets, [bytearray(10)], crcs)
+
+
 def test_crc32c_large_input_agrees_on_every_path():
     # Two 3 x 64 KB strides of the hardware loop, then 3 x 256-byte ones, words and a byte tail.
     data = np.random.default_rng(3).integers(0, 256, 2 * 3 * 65536 + 3 * 256 * 2 + 77, dtype=np.uint8)

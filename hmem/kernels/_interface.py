@@ -81,6 +81,10 @@ class ChecksumKernels(KernelModule, Protocol):
 
     def crc32c_pieces(self, data: AnyBuffer, bounds: NDArray[np.int64]) -> NDArray[np.uint32]: ...
 
+    def read_checked(
+        self, fd: int, offsets: NDArray[np.int64], buffers: list[Any], crcs: NDArray[np.uint32]
+    ) -> int: ...
+
 
 class EntriesKernels(KernelModule, Protocol):
     def scan_entries(

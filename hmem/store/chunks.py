@@ -148,16 +148,10 @@ class Chunks:
             )
         if len(keys_out) != len(ids) or len(values_out) != len(ids):
             raise InvalidArgumentError(f"chunk {key!r} has {len(ids)} parts; give a buffer of keys and values for each")
+        if not all(_writable(out) for out in (*keys_out, *values_out)):
+            raise InvalidArgumentError("read_into needs writable buffers")
         reader = self.reader
-        targets = []
-        for entry_id, k_out, v_out in zip(ids, keys_out, values_out):
-            pos = reader.position(entry_id)
-            for kind, out in (("k", k_out), ("v", v_out)):
-                view = memoryview(out).cast("B")
-                if view.readonly:
-                    raise InvalidArgumentError("read_into needs writable buffers")
-                targets.append((pos, kind, view))
-        reader.read_tensors_into(targets)
+        reader.read_tensors_into(reader.positions(np.asarray(ids, dtype=np.int64)), {"k": keys_out, "v": values_out})
 
     def keys(self) -> list[str]:
         """The keys of the live chunks, sorted."""
@@ -223,3 +217,9 @@ class Chunks:
         sibling = np.concatenate([np.arange(a, b) for a, b in zip(lo.tolist(), hi.tolist())])
         every = np.union1d(positions, sibling)
         return every[state.records["shard_idx"][every] != EVICTED]
+
+
+def _writable(buffer: Any) -> bool:
+    if isinstance(buffer, np.ndarray):  # no new object for the usual case
+        return bool(buffer.flags.writeable)
+    return not memoryview(buffer).readonly

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -33,43 +34,25 @@ from hmem.store.shard_reader import ShardReader
 from hmem.store.state import StoreState
 
 _NOT_REGULAR = -1  # what _file_size gives for a link or anything but a regular file
-_IOV_MAX = 512  # buffers one preadv fills at most
-# Tensors read into the caller's buffers are checked a run of about this
-# many bytes at a time, each run right after its read: its bytes are still
-# in the CPU's cache (a whole chunk read first would be read again from memory).
-_CHECKED_RUN_BYTES = 1 << 20
 
 
-def _read_ahead(fd: int, pieces: list[tuple[int, memoryview, int, int, str]]) -> None:
-    """Ask the kernel to read each run of adjacent pieces (offset-sorted)
-    from the disk now, whole: the reads of a run, a checked piece at a time,
-    then find it in the page cache or arriving, instead of one disk read
-    after another."""
+def _byte_size(buffer: Any) -> int:
+    size = getattr(buffer, "nbytes", None)  # numpy arrays, memoryviews: no new object
+    return int(size) if size is not None else memoryview(buffer).nbytes
+
+
+def _read_ahead(fd: int, begins: np.ndarray, buffers: list[Any]) -> None:
+    """Ask the kernel to read each run of adjacent pieces (at `begins`,
+    ascending) from the disk now, whole: the reads of a run, a checked
+    megabyte at a time, then find it in the page cache or arriving, instead
+    of one disk read after another."""
     if not hasattr(os, "posix_fadvise"):
         return
-    begin = end = pieces[0][0]
-    for offset, view, *_ in pieces:
-        if offset != end:
-            os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
-            begin = offset
-        end = offset + len(view)
-    os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
-
-
-def _read_run(fd: int, path: Any, offset: int, views: list[memoryview]) -> None:
-    """Fill `views`, back to back, from the file's bytes at `offset`."""
-    while views:
-        n = os.preadv(fd, views, offset)
-        if n <= 0:
-            raise CorruptStoreError(f"{path.name} ends before the tensors its index names", hint=Hint.VERIFY)
-        offset += n
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views = views[1:]
-            else:
-                views[0] = views[0][n:]
-                n = 0
+    ends = begins + np.array([_byte_size(b) for b in buffers], dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], begins[1:] != ends[:-1])))
+    stops = np.concatenate((starts[1:], [len(begins)])) - 1
+    for first, last in zip(begins[starts].tolist(), ends[stops].tolist()):
+        os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_WILLNEED)
 
 
 class EntryReader:
@@ -236,83 +219,103 @@ class EntryReader:
             )
         return array
 
-    def read_tensors_into(self, targets: list[tuple[int, str, memoryview]]) -> None:
-        """Each (record position, tensor kind, writable byte buffer) filled
-        with that tensor as stored, checked against its CRC-32C (always: the
-        bytes come from the file, not from a map read before).  Tensors of
-        sealed local shards are read with preadv straight into the buffers,
-        adjacent ones of a file in one call (no page of the shard mapped);
-        the others are copied from where tensor() finds them."""
+    def positions(self, entry_ids: np.ndarray) -> np.ndarray:
+        """position() of many live entries at once."""
         state = self.state
-        if not targets:
-            return
+        ids = state.records["entry_id"][: state.n]
+        pos = np.searchsorted(ids, entry_ids)
+        found = pos < state.n
+        found[found] = ids[pos[found]] == entry_ids[found]
+        found[found] = state.records["shard_idx"][pos[found]] != EVICTED
+        if not found.all():
+            raise EntryNotFoundError(
+                f"the store at {state.path} holds no entry {int(entry_ids[~found][0])}",
+                hint="list the live ids with Store.entry_ids()",
+            )
+        return pos
+
+    def read_tensors_into(self, positions: np.ndarray, buffers: dict[str, Sequence[Any]]) -> None:
+        """For each tensor kind, its tensor of the entry at each record
+        position, as stored, into the writable buffer beside it
+        (buffers[kind][i] for positions[i]), checked against its CRC-32C
+        (always: the bytes come from the file, not from a map read before).
+        Tensors of sealed local shards are read straight into the buffers
+        without the GIL (the checksum kernels' read_checked: adjacent ones
+        of a file a megabyte per preadv, each checked right after; no page
+        of the shard mapped), a shard's at a time; the others are copied
+        from where tensor() finds them.  Array operations and one list per
+        shard: a chunk of many layers costs few Python objects."""
+        state = self.state
         config = state.config
-        rows = state.records[np.fromiter((pos for pos, _, _ in targets), dtype=np.int64, count=len(targets))]
+        rows = state.records[positions]
         entry_ids = rows["entry_id"].astype(np.int64)
-        sizes: dict[tuple[str, int], int] = {}
-        readers: dict[int, ShardReader | None] = {}
-        # shard -> (kind, bytes) -> the targets read from its file
-        grouped: dict[int, dict[tuple[str, int], list[int]]] = {}
-        for i, ((pos, kind, out), shard_idx, n_tokens) in enumerate(
-            zip(targets, rows["shard_idx"].tolist(), rows["n_tokens"].tolist())
-        ):
-            nbytes = sizes.get((kind, n_tokens))
-            if nbytes is None:
+        kinds = list(buffers)
+        wanted: dict[str, np.ndarray] = {}
+        for kind in kinds:
+            outs = buffers[kind]
+            if len(outs) != len(positions):
+                raise InvalidArgumentError(f"{len(positions)} tensors, {len(outs)} buffers: give one buffer each")
+            sizes = {}
+            for n_tokens in np.unique(rows["n_tokens"]).tolist():
                 dtype, shape = shard_file.tensor_spec(
                     kind, n_tokens, config.embed_dim, config.storage_dtype, config.signatures_per_entry
                 )
-                nbytes = sizes[kind, n_tokens] = int(np.prod(shape)) * dtype.itemsize
-            if len(out) != nbytes:
-                raise InvalidArgumentError(f"tensor {kind}_{entry_ids[i]} is {nbytes} bytes, its buffer {len(out)}")
-            if shard_idx not in readers:
-                readers[shard_idx] = None if self._in_memory(shard_idx) is not None else self.shard(shard_idx)
-            reader = readers[shard_idx]
-            if reader is None or reader.source is not None:
-                np.frombuffer(out, dtype=np.uint8)[:] = self.tensor(pos, kind).view(np.uint8).reshape(-1)
-                continue
-            grouped.setdefault(shard_idx, {}).setdefault((kind, nbytes), []).append(i)
-        runs: dict[int, list[tuple[int, memoryview, int, int, str]]] = {}  # shard -> (offset, out, crc, id, kind)
-        for shard_idx, groups in grouped.items():
-            reader = readers[shard_idx]
-            assert reader is not None
-            for (kind, nbytes), chosen in groups.items():
-                ids = entry_ids[chosen]
-                begins, crcs = reader.spans(ids, kind, nbytes)
-                runs.setdefault(shard_idx, []).extend(
-                    (begin, targets[i][2], crc, entry_id, kind)
-                    for i, begin, crc, entry_id in zip(chosen, begins.tolist(), crcs.tolist(), ids.tolist())
+                sizes[n_tokens] = int(np.prod(shape)) * dtype.itemsize
+            wanted[kind] = np.array([sizes[n] for n in rows["n_tokens"].tolist()], dtype=np.int64)
+            given = np.array([_byte_size(out) for out in outs], dtype=np.int64)
+            if (wanted[kind] != given).any():
+                i = int(np.flatnonzero(wanted[kind] != given)[0])
+                raise InvalidArgumentError(
+                    f"tensor {kind}_{entry_ids[i]} is {wanted[kind][i]} bytes, its buffer {given[i]}"
                 )
-        for shard_idx, pieces in runs.items():
-            reader = readers[shard_idx]
-            assert reader is not None
-            pieces.sort(key=lambda piece: piece[0])
-            try:
-                fd = file_reads.open_regular(reader.path)
-            except OSError as exc:
-                raise StoreChangedError(f"{state.path} was changed by a writer since it was opened") from exc
-            try:
-                _read_ahead(fd, pieces)
-                start = 0
-                while start < len(pieces):
-                    end, size = start + 1, len(pieces[start][1])
-                    while (
-                        end < len(pieces)
-                        and end - start < _IOV_MAX
-                        and size < _CHECKED_RUN_BYTES
-                        and pieces[end][0] == pieces[end - 1][0] + len(pieces[end - 1][1])
-                    ):
-                        size += len(pieces[end][1])
-                        end += 1
-                    _read_run(fd, reader.path, pieces[start][0], [piece[1] for piece in pieces[start:end]])
-                    for _, out, expected, entry_id, kind in pieces[start:end]:  # checked while in the CPU's cache
-                        if checksum_kernels.crc32c(out) != expected:
-                            raise CorruptStoreError(
-                                f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} fails its checksum",
-                                hint=Hint.VERIFY_FULL,
-                            )
-                    start = end
-            finally:
-                os.close(fd)
+        if not len(positions):
+            return
+        shards = rows["shard_idx"]
+        for shard_idx in np.unique(shards).tolist():
+            chosen = np.flatnonzero(shards == shard_idx)
+            reader = None if self._in_memory(shard_idx) is not None else self.shard(shard_idx)
+            if reader is None or reader.source is not None:
+                for kind in kinds:
+                    for i in chosen.tolist():
+                        out = np.frombuffer(buffers[kind][i], dtype=np.uint8)
+                        out[:] = self.tensor(int(positions[i]), kind).view(np.uint8).reshape(-1)
+                continue
+            # every tensor of the shard wanted: its target (kind, index), file offset and CRC-32C
+            parts = []
+            for k, kind in enumerate(kinds):
+                for size in np.unique(wanted[kind][chosen]).tolist():
+                    some = chosen[wanted[kind][chosen] == size]
+                    begins, crcs = reader.spans(entry_ids[some], kind, size)
+                    parts.append((np.full(len(some), k), some, begins, crcs))
+            which, index, begins, crcs = (np.concatenate(column) for column in zip(*parts))
+            sort = np.argsort(begins, kind="stable")
+            which, index, begins = which[sort], index[sort], begins[sort]
+            outs = [buffers[kinds[k]][i] for k, i in zip(which.tolist(), index.tolist())]
+            bad = self._read_checked(reader, begins, outs, crcs[sort].astype(np.uint32))
+            if bad >= 0:
+                kind, entry_id = kinds[int(which[bad])], int(entry_ids[index[bad]])
+                raise CorruptStoreError(
+                    f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} fails its checksum",
+                    hint=Hint.VERIFY_FULL,
+                )
+
+    @staticmethod
+    def _read_checked(reader: ShardReader, begins: np.ndarray, buffers: list[Any], crcs: np.ndarray) -> int:
+        """Fill the buffers from the shard file at `begins` (ascending), each
+        checked against its CRC-32C; the index of the first that fails, or -1."""
+        try:
+            fd = file_reads.open_regular(reader.path)
+        except OSError as exc:
+            raise StoreChangedError(f"{reader.path.parent} was changed by a writer since it was opened") from exc
+        try:
+            _read_ahead(fd, begins, buffers)
+            return int(checksum_kernels.read_checked(fd, begins, buffers, crcs))
+        except EOFError:
+            raise CorruptStoreError(
+                f"{reader.path.name} ends before the tensors its index names", hint=Hint.VERIFY
+            ) from None
+        finally:
+            os.close(fd)
 
     def _in_memory(self, shard_idx: int) -> ShardBuilder | None:
         """The builder holding shard `shard_idx` in memory, if one does: the

@@ -14,7 +14,12 @@
  * instruction has a latency of 3 cycles and a throughput of 1, so one
  * stream leaves two thirds of the unit idle).  The three streams' states
  * are joined by "shifting" a state over the bytes that follow it, a linear
- * map applied through four 256-entry tables.
+ * map applied through four 256-entry tables.  On the AVX-512 path, when the
+ * CPU has VPCLMULQDQ, inputs of HM_CRC_FOLD_MIN bytes and more are folded
+ * 256 bytes a step by carry-less multiplication (four 512-bit accumulators:
+ * a 128-bit lane a times x^(D+32) and x^(D-32) modulo the polynomial, D
+ * the bits it moves forward, keeps the message's remainder), then the
+ * last 16 bytes left are fed to the crc32 instruction.
  */
 #ifndef HMEM_CHECKSUM_H
 #define HMEM_CHECKSUM_H
@@ -80,6 +85,12 @@ static inline uint32_t hm_crc32c_shift(uint32_t t[4][256], uint32_t state)
 static uint32_t hm_crc32c_long[4][256];
 static uint32_t hm_crc32c_short[4][256];
 static int hm_crc32c_has_sse42 = 0;
+static int hm_crc32c_has_vpclmul = 0;
+/* The fold constants (reflected, shifted left by one: 33-bit values) of
+   the distances the VPCLMULQDQ path moves a lane by. */
+static uint64_t hm_crc32c_fold_k[5][2]; /* 2048, 512, 384, 256, 128 bits; [x^(D+32), x^(D-32)] */
+static const size_t hm_crc32c_fold_bits[5] = {2048, 512, 384, 256, 128};
+#define HM_CRC_FOLD_MIN 1024
 
 static void hm_crc32c_init(void)
 {
@@ -98,9 +109,15 @@ static void hm_crc32c_init(void)
     }
     hm_crc32c_shift_tables(hm_crc32c_long, HM_CRC_LONG);
     hm_crc32c_shift_tables(hm_crc32c_short, HM_CRC_SHORT);
+    for (int i = 0; i < 5; i++) {
+        hm_crc32c_fold_k[i][0] = (uint64_t)hm_crc32c_xpow8n((hm_crc32c_fold_bits[i] + 32) / 8) << 1;
+        hm_crc32c_fold_k[i][1] = (uint64_t)hm_crc32c_xpow8n((hm_crc32c_fold_bits[i] - 32) / 8) << 1;
+    }
 #if HM_X86
     __builtin_cpu_init();
     hm_crc32c_has_sse42 = __builtin_cpu_supports("sse4.2") != 0;
+    hm_crc32c_has_vpclmul = hm_crc32c_has_sse42 && __builtin_cpu_supports("avx512f") &&
+                            __builtin_cpu_supports("vpclmulqdq");
 #endif
 }
 
@@ -172,6 +189,63 @@ static uint32_t hm_crc32c_sse42(uint32_t state32, const uint8_t *p, size_t n)
         state = _mm_crc32_u8((uint32_t)state, *p);
     return (uint32_t)state;
 }
+
+#define HM_FOLD_TARGET "avx512f,vpclmulqdq,pclmul,sse4.2"
+
+/* Each 128-bit lane of x moved D bits forward (k: that distance's
+   constants in every lane) and added to d. */
+__attribute__((target(HM_FOLD_TARGET)))
+static inline __m512i hm_crc32c_fold512(__m512i x, __m512i k, __m512i d)
+{
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00),
+                                     _mm512_clmulepi64_epi128(x, k, 0x11), d, 0x96);
+}
+
+__attribute__((target(HM_FOLD_TARGET)))
+static inline __m512i hm_crc32c_fold_constant(int i)
+{
+    return _mm512_set_epi64((long long)hm_crc32c_fold_k[i][1], (long long)hm_crc32c_fold_k[i][0],
+                            (long long)hm_crc32c_fold_k[i][1], (long long)hm_crc32c_fold_k[i][0],
+                            (long long)hm_crc32c_fold_k[i][1], (long long)hm_crc32c_fold_k[i][0],
+                            (long long)hm_crc32c_fold_k[i][1], (long long)hm_crc32c_fold_k[i][0]);
+}
+
+/* n >= 256: the state after the bytes of p. */
+__attribute__((target(HM_FOLD_TARGET)))
+static uint32_t hm_crc32c_vpclmul(uint32_t state, const uint8_t *p, size_t n)
+{
+    __m512i x0 = _mm512_loadu_si512((const void *)p);
+    __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
+    __m512i x2 = _mm512_loadu_si512((const void *)(p + 128));
+    __m512i x3 = _mm512_loadu_si512((const void *)(p + 192));
+    x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)state)));
+    p += 256;
+    n -= 256;
+    const __m512i k2048 = hm_crc32c_fold_constant(0);
+    for (; n >= 256; p += 256, n -= 256) {
+        x0 = hm_crc32c_fold512(x0, k2048, _mm512_loadu_si512((const void *)p));
+        x1 = hm_crc32c_fold512(x1, k2048, _mm512_loadu_si512((const void *)(p + 64)));
+        x2 = hm_crc32c_fold512(x2, k2048, _mm512_loadu_si512((const void *)(p + 128)));
+        x3 = hm_crc32c_fold512(x3, k2048, _mm512_loadu_si512((const void *)(p + 192)));
+    }
+    const __m512i k512 = hm_crc32c_fold_constant(1);
+    x1 = hm_crc32c_fold512(x0, k512, x1);
+    x2 = hm_crc32c_fold512(x1, k512, x2);
+    x3 = hm_crc32c_fold512(x2, k512, x3);
+    /* x3's lanes 0, 1, 2 moved 384, 256, 128 bits forward onto lane 3 */
+    const __m512i lanes = _mm512_set_epi64(
+        0, 0, (long long)hm_crc32c_fold_k[4][1], (long long)hm_crc32c_fold_k[4][0],
+        (long long)hm_crc32c_fold_k[3][1], (long long)hm_crc32c_fold_k[3][0],
+        (long long)hm_crc32c_fold_k[2][1], (long long)hm_crc32c_fold_k[2][0]);
+    __m512i moved = _mm512_xor_si512(_mm512_clmulepi64_epi128(x3, lanes, 0x00),
+                                     _mm512_clmulepi64_epi128(x3, lanes, 0x11));
+    __m128i r = _mm_xor_si128(_mm512_extracti32x4_epi32(x3, 3), _mm512_extracti32x4_epi32(moved, 0));
+    r = _mm_xor_si128(r, _mm512_extracti32x4_epi32(moved, 1));
+    r = _mm_xor_si128(r, _mm512_extracti32x4_epi32(moved, 2));
+    uint64_t folded = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
+    folded = _mm_crc32_u64(folded, (uint64_t)_mm_extract_epi64(r, 1));
+    return hm_crc32c_sse42((uint32_t)folded, p, n);
+}
 #endif
 
 /* Hardware CRC when the selected path is not the portable one and the CPU
@@ -180,6 +254,8 @@ static uint32_t hm_crc32c(uint32_t crc, const uint8_t *p, size_t n)
 {
     uint32_t state = ~crc;
 #if HM_X86
+    if (hm_path == HM_PATH_AVX512 && hm_crc32c_has_vpclmul && n >= HM_CRC_FOLD_MIN)
+        return ~hm_crc32c_vpclmul(state, p, n);
     if (hm_path != HM_PATH_PORTABLE && hm_crc32c_has_sse42)
         return ~hm_crc32c_sse42(state, p, n);
 #endif

@@ -13,6 +13,7 @@ skip_end) of the row.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -105,3 +106,28 @@ def crc32c_pieces(data: _AnyBuffer, bounds: NDArray[np.int64]) -> NDArray[np.uin
         if not 0 <= edges[i] <= edges[i + 1] <= len(view):
             raise ValueError(f"piece {i} [{edges[i]}, {edges[i + 1]}) is not inside {len(view)} bytes in order")
     return np.array([crc32c(view[a:b]) for a, b in zip(edges, edges[1:])], dtype=np.uint32)
+
+
+def read_checked(fd: int, offsets: NDArray[np.int64], buffers: list[Any], crcs: NDArray[np.uint32]) -> int:
+    """Fill each writable buffer i with the bytes of the file `fd` at
+    offsets[i], checking each against crcs[i]; -1 when every piece matched,
+    else the index of the first that did not (nothing after it is read).
+    OSError when a read fails, EOFError when the file ends before a piece."""
+    if len(buffers) != len(offsets) or len(crcs) != len(offsets):
+        raise ValueError(
+            f"{len(offsets)} offsets, {len(buffers)} buffers and {len(crcs)} checksums: give one of each per piece"
+        )
+    for i, offset in enumerate(int(o) for o in offsets):
+        if offset < 0:
+            raise ValueError(f"piece {i}: offset {offset} is negative")
+    views = [memoryview(b).cast("B") for b in buffers]
+    for i, (offset, view) in enumerate(zip((int(o) for o in offsets), views)):
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise EOFError("the file ends before a piece")
+            done += got
+        if crc32c(view) != int(crcs[i]):
+            return i
+    return -1
