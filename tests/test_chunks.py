@@ -740,6 +740,10 @@ def test_read_into_refuses_wrong_buffers_and_unknown_keys(tmp_path):
             store.chunks.read_into(key_of(1), [np.zeros(3, np.uint8)] * 2, good)
         with pytest.raises(hmem.InvalidArgumentError, match="writable"):
             store.chunks.read_into(key_of(1), [bytes(part.keys.nbytes)] * 2, good)
+        wide = np.zeros((part.keys.shape[0], 2 * part.keys.shape[1]), dtype=part.keys.dtype)
+        with pytest.raises(hmem.InvalidArgumentError, match="contiguous"):  # every other column: not one run
+            store.chunks.read_into(key_of(1), [wide[:, ::2]] * 2, good)
+        assert not wide.any()
         with pytest.raises(hmem.EntryNotFoundError):
             store.chunks.read_into(key_of(9), good, good)
 

@@ -148,8 +148,8 @@ class Chunks:
             )
         if len(keys_out) != len(ids) or len(values_out) != len(ids):
             raise InvalidArgumentError(f"chunk {key!r} has {len(ids)} parts; give a buffer of keys and values for each")
-        if not all(_writable(out) for out in (*keys_out, *values_out)):
-            raise InvalidArgumentError("read_into needs writable buffers")
+        if not all(_writable_bytes(out) for out in (*keys_out, *values_out)):
+            raise InvalidArgumentError("read_into needs writable, C-contiguous buffers")
         reader = self.reader
         reader.read_tensors_into(reader.positions(np.asarray(ids, dtype=np.int64)), {"k": keys_out, "v": values_out})
 
@@ -219,7 +219,9 @@ class Chunks:
         return every[state.records["shard_idx"][every] != EVICTED]
 
 
-def _writable(buffer: Any) -> bool:
+def _writable_bytes(buffer: Any) -> bool:
+    """Whether `buffer` can be read into, its bytes in one run."""
     if isinstance(buffer, np.ndarray):  # no new object for the usual case
-        return bool(buffer.flags.writeable)
-    return not memoryview(buffer).readonly
+        return bool(buffer.flags.writeable and buffer.flags.c_contiguous)
+    view = memoryview(buffer)
+    return not view.readonly and view.c_contiguous
