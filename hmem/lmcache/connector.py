@@ -111,9 +111,17 @@ class HmemConnector(RemoteConnector):  # LMCache ships no type information: an A
             memory_obj.ref_count_up()
             release = memory_obj.ref_count_down
         # (Other memory objects are copied: LMCache keeps them until this returns.)
-        await self.loop.run_in_executor(
-            self._pool, self.tier.stage, key.to_string(), memory_obj.byte_array, layout, shape, layer, release
-        )
+        try:
+            staging = self._pool.submit(
+                self.tier.stage, key.to_string(), memory_obj.byte_array, layout, shape, layer, release
+            )
+        except BaseException:  # not taken (the connector closed): the reference goes back
+            if release is not None:
+                release()
+            raise
+        if release is not None:  # a put cancelled before it ran gives its reference back too
+            staging.add_done_callback(lambda done: release() if done.cancelled() else None)
+        await asyncio.wrap_future(staging, loop=self.loop)
 
     async def get(self, key: Any) -> Any:
         """The chunk, or None: LMCache then keeps the hit before it."""
