@@ -762,3 +762,45 @@ def test_read_into_a_damaged_tensor_raises(tmp_path):
         out = [np.zeros_like(shape) for _ in ids]
         with pytest.raises(hmem.CorruptStoreError, match="checksum"):
             reader.chunks.read_into(key_of(1), out, [np.zeros_like(shape) for _ in ids])
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_read_into_reads_the_readers_commit_after_a_writer_compacts(tmp_path, mapped):
+    """A reader that has not refreshed reads its own commit: a shard file
+    compaction replaced under the same name is not read in its place (its
+    tensors lie elsewhere and would fail their checksums)."""
+    path = tmp_path / "s"
+    writer = Store.create(path, shard_max_bytes=4 << 10, **CONFIG)
+    try:
+        writer.chunks.put({key_of(s): chunk(s) for s in range(8)})
+        writer.flush()
+        with Store.open(path, read_only=True) as reader:
+            if mapped:  # the reader's shard files are open before the compaction
+                for s in range(8):
+                    check_chunk(reader, key_of(s), s)
+            names = {p.name: p.stat().st_ino for p in path.glob("shard_*.safetensors")}
+            writer.chunks.delete([key_of(s) for s in range(0, 8, 2)])
+            assert writer.compact(repack=True).performed
+            replaced = {
+                p.name
+                for p in path.glob("shard_*.safetensors")
+                if names.get(p.name, p.stat().st_ino) != p.stat().st_ino
+            }
+            assert replaced, "compaction wrote no shard under a name the reader's commit uses"
+            for s in range(1, 8, 2):
+                parts = reader.chunks.get(key_of(s)) if mapped else None
+                keys_out = [np.zeros((TOKENS, D), np.float32) for _ in range(3)]
+                values_out = [np.zeros((TOKENS, D), np.float32) for _ in range(3)]
+                try:
+                    reader.chunks.read_into(key_of(s), keys_out, values_out)
+                except hmem.StoreChangedError:
+                    assert not mapped  # a file it never opened is gone: it must take the newest commit
+                    assert reader.refresh() is True
+                    reader.chunks.read_into(key_of(s), keys_out, values_out)
+                for p in range(3):
+                    assert keys_out[p].tobytes() == rows(s, p, "k", "f32").tobytes(), (s, p)
+                    assert values_out[p].tobytes() == rows(s, p, "v", "f32").tobytes(), (s, p)
+                    if parts is not None:
+                        assert parts[p].keys.tobytes() == keys_out[p].tobytes()
+    finally:
+        writer.close()

@@ -274,39 +274,75 @@ class EntryReader:
         for shard_idx in np.unique(shards).tolist():
             chosen = np.flatnonzero(shards == shard_idx)
             reader = None if self._in_memory(shard_idx) is not None else self.shard(shard_idx)
-            if reader is None or reader.source is not None:
+            if (
+                reader is None
+                or reader.source is not None
+                or not self._read_from_file(reader, chosen, rows, buffers, wanted)
+            ):
+                # in memory, on object storage, or its file replaced since it was mapped
                 for kind in kinds:
                     for i in chosen.tolist():
                         out = np.frombuffer(buffers[kind][i], dtype=np.uint8)
-                        out[:] = self.tensor(int(positions[i]), kind).view(np.uint8).reshape(-1)
-                continue
-            # every tensor of the shard wanted: its target (kind, index), file offset and CRC-32C
-            parts = []
-            for k, kind in enumerate(kinds):
-                for size in np.unique(wanted[kind][chosen]).tolist():
-                    some = chosen[wanted[kind][chosen] == size]
-                    begins, crcs = reader.spans(entry_ids[some], kind, size)
-                    parts.append((np.full(len(some), k), some, begins, crcs))
-            which, index, begins, crcs = (np.concatenate(column) for column in zip(*parts))
-            sort = np.argsort(begins, kind="stable")
-            which, index, begins = which[sort], index[sort], begins[sort]
-            outs = [buffers[kinds[k]][i] for k, i in zip(which.tolist(), index.tolist())]
-            bad = self._read_checked(reader, begins, outs, crcs[sort].astype(np.uint32))
-            if bad >= 0:
-                kind, entry_id = kinds[int(which[bad])], int(entry_ids[index[bad]])
-                raise CorruptStoreError(
-                    f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} fails its checksum",
-                    hint=Hint.VERIFY_FULL,
-                )
+                        out[:] = self.tensor(int(positions[i]), kind, check=True).view(np.uint8).reshape(-1)
+
+    def _read_from_file(
+        self,
+        reader: ShardReader,
+        chosen: np.ndarray,
+        rows: np.ndarray,
+        buffers: dict[str, Sequence[Any]],
+        wanted: dict[str, np.ndarray],
+    ) -> bool:
+        """read_tensors_into for the `chosen` rows, all of `reader`'s shard,
+        by read_checked; False (nothing read) when the shard's path no
+        longer names the file the reader maps."""
+        kinds = list(buffers)
+        entry_ids = rows["entry_id"].astype(np.int64)
+        # every tensor wanted: its target (kind, index), file offset and CRC-32C
+        parts = []
+        for k, kind in enumerate(kinds):
+            for size in np.unique(wanted[kind][chosen]).tolist():
+                some = chosen[wanted[kind][chosen] == size]
+                begins, crcs = reader.spans(entry_ids[some], kind, size)
+                parts.append((np.full(len(some), k), some, begins, crcs))
+        which, index, begins, crcs = (np.concatenate(column) for column in zip(*parts))
+        sort = np.argsort(begins, kind="stable")
+        which, index, begins = which[sort], index[sort], begins[sort]
+        outs = [buffers[kinds[k]][i] for k, i in zip(which.tolist(), index.tolist())]
+        fd = self._open_mapped(reader)
+        if fd is None:
+            return False
+        bad = self._read_checked(reader, fd, begins, outs, crcs[sort].astype(np.uint32))
+        if bad >= 0:
+            kind, entry_id = kinds[int(which[bad])], int(entry_ids[index[bad]])
+            raise CorruptStoreError(
+                f"entry {entry_id}: tensor {kind}_{entry_id} in {reader.path.name} fails its checksum",
+                hint=Hint.VERIFY_FULL,
+            )
+        return True
 
     @staticmethod
-    def _read_checked(reader: ShardReader, begins: np.ndarray, buffers: list[Any], crcs: np.ndarray) -> int:
-        """Fill the buffers from the shard file at `begins` (ascending), each
-        checked against its CRC-32C; the index of the first that fails, or -1."""
+    def _open_mapped(reader: ShardReader) -> int | None:
+        """A descriptor of the very file `reader` maps, or None when its path
+        names another file now or none (a compaction wrote the shard again
+        under its name, or removed it, after this reader's commit): that
+        commit's tensors are then read through the map, which keeps the old
+        file alive, never from the new one."""
         try:
             fd = file_reads.open_regular(reader.path)
-        except OSError as exc:
-            raise StoreChangedError(f"{reader.path.parent} was changed by a writer since it was opened") from exc
+        except OSError:
+            return None
+        found = os.fstat(fd)
+        if (found.st_dev, found.st_ino) != reader.identity:
+            os.close(fd)
+            return None
+        return fd
+
+    @staticmethod
+    def _read_checked(reader: ShardReader, fd: int, begins: np.ndarray, buffers: list[Any], crcs: np.ndarray) -> int:
+        """Fill the buffers from the shard file open at `fd` (closed here) at
+        `begins` (ascending), each checked against its CRC-32C; the index of
+        the first that fails, or -1."""
         try:
             _read_ahead(fd, begins, buffers)
             return int(checksum_kernels.read_checked(fd, begins, buffers, crcs))

@@ -58,7 +58,11 @@ class ShardReader:
         except OSError as exc:  # permissions, a disk error: docs/reliability.md, "OS errors"
             raise storage_error(exc, "read", path, writing=False) from exc
         try:
-            actual = os.fstat(fd).st_size
+            found = os.fstat(fd)
+            # the file this reader maps (its map keeps it alive): a file
+            # opened by path later is this one only if it has the same identity
+            self.identity = (found.st_dev, found.st_ino)
+            actual = found.st_size
             if actual != info.bytes:
                 raise CorruptStoreError(
                     f"shard {path.name} is {actual} bytes, the store expects {info.bytes}", hint=Hint.VERIFY
