@@ -41,14 +41,14 @@ def _byte_size(buffer: Any) -> int:
     return int(size) if size is not None else memoryview(buffer).nbytes
 
 
-def _read_ahead(fd: int, begins: np.ndarray, buffers: list[Any]) -> None:
+def _read_ahead(fd: int, begins: np.ndarray, sizes: np.ndarray) -> None:
     """Ask the kernel to read each run of adjacent pieces (at `begins`,
-    ascending) from the disk now, whole: the reads of a run, a checked
-    megabyte at a time, then find it in the page cache or arriving, instead
-    of one disk read after another."""
+    ascending, of `sizes` bytes) from the disk now, whole: the reads of a
+    run, a checked megabyte at a time, then find it in the page cache or
+    arriving, instead of one disk read after another."""
     if not hasattr(os, "posix_fadvise"):
         return
-    ends = begins + np.array([_byte_size(b) for b in buffers], dtype=np.int64)
+    ends = begins + sizes
     starts = np.flatnonzero(np.concatenate(([True], begins[1:] != ends[:-1])))
     stops = np.concatenate((starts[1:], [len(begins)])) - 1
     for first, last in zip(begins[starts].tolist(), ends[stops].tolist()):
@@ -309,10 +309,11 @@ class EntryReader:
         sort = np.argsort(begins, kind="stable")
         which, index, begins = which[sort], index[sort], begins[sort]
         outs = [buffers[kinds[k]][i] for k, i in zip(which.tolist(), index.tolist())]
+        sizes = np.stack([wanted[kind] for kind in kinds])[which, index]
         fd = self._open_mapped(reader)
         if fd is None:
             return False
-        bad = self._read_checked(reader, fd, begins, outs, crcs[sort].astype(np.uint32))
+        bad = self._read_checked(reader, fd, begins, sizes, outs, crcs[sort].astype(np.uint32))
         if bad >= 0:
             kind, entry_id = kinds[int(which[bad])], int(entry_ids[index[bad]])
             raise CorruptStoreError(
@@ -339,12 +340,14 @@ class EntryReader:
         return fd
 
     @staticmethod
-    def _read_checked(reader: ShardReader, fd: int, begins: np.ndarray, buffers: list[Any], crcs: np.ndarray) -> int:
-        """Fill the buffers from the shard file open at `fd` (closed here) at
-        `begins` (ascending), each checked against its CRC-32C; the index of
-        the first that fails, or -1."""
+    def _read_checked(
+        reader: ShardReader, fd: int, begins: np.ndarray, sizes: np.ndarray, buffers: list[Any], crcs: np.ndarray
+    ) -> int:
+        """Fill the buffers (of `sizes` bytes) from the shard file open at
+        `fd` (closed here) at `begins` (ascending), each checked against its
+        CRC-32C; the index of the first that fails, or -1."""
         try:
-            _read_ahead(fd, begins, buffers)
+            _read_ahead(fd, begins, sizes)
             return int(checksum_kernels.read_checked(fd, begins, buffers, crcs))
         except EOFError:
             raise CorruptStoreError(
