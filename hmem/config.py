@@ -33,6 +33,9 @@ SPAN_SIGNATURE_BITS = 512
 # starting one part apart (new stores), or "disjoint" equal spans (stores
 # made before span_layout existed, whose config does not name one).
 SPAN_LAYOUTS = ("overlapping", "disjoint")
+# The most candidates a query re-ranks by token-level max-sim: each costs
+# reading its stored keys (docs/format.md, "Token re-rank").
+MAX_TOKEN_RERANK = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,10 @@ class StoreConfig:
                      (Store.put_chunks): found by key without a scan, and
                      evicted and deleted a chunk at a time (docs/format.md,
                      "Chunks")
+    token_rerank     queries re-rank their best token_rerank candidates (by
+                     pooled keys) by token-level max-sim over the stored keys
+                     unless told otherwise; 0 (default): they do not
+                     (docs/format.md, "Token re-rank")
     """
 
     embed_dim: int
@@ -87,6 +94,7 @@ class StoreConfig:
     signatures_per_entry: int = 1
     span_layout: str = "overlapping"
     chunks: bool = False
+    token_rerank: int = 0
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int, high: int) -> None:
@@ -102,6 +110,7 @@ class StoreConfig:
         integer("shard_max_bytes", MIN_SHARD_MAX_BYTES, MAX_SHARD_MAX_BYTES)
         integer("max_open_shards", 1, MAX_OPEN_SHARDS)
         integer("signatures_per_entry", 1, MAX_SIGNATURES_PER_ENTRY)
+        integer("token_rerank", 0, MAX_TOKEN_RERANK)
         validation.flag(self.quantize_stored, "quantize_stored")
         validation.flag(self.chunks, "chunks")
         validation.choice(self.storage_dtype, "storage_dtype", STORAGE_DTYPES)
@@ -147,6 +156,8 @@ class StoreConfig:
             del out["span_layout"]
         if not self.chunks:  # likewise; a store of chunks names it, and an older release refuses it
             del out["chunks"]
+        if not self.token_rerank:  # likewise
+            del out["token_rerank"]
         return out
 
     @classmethod

@@ -1,6 +1,7 @@
 """Similarity queries: rank a layer's entries by signature, re-rank a
-shortlist by the exact cosine of pooled keys, and count accesses
-(docs/format.md, "Signatures").
+shortlist by the exact cosine of pooled keys, and the best of it, when
+asked, by token-level max-sim over their stored keys; count accesses
+(docs/format.md, "Signatures", "Token re-rank").
 
 With ``on_damage="skip"`` a query answers as if its layer held only the
 entries it can read: an entry whose shard is missing, of the wrong size or
@@ -16,6 +17,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from hmem import validation
+from hmem.config import MAX_TOKEN_RERANK
 from hmem.errors import CorruptStoreError, InvalidArgumentError
 from hmem.formats import store_files
 from hmem.store.projection import similarity, span_bounds
@@ -24,6 +26,7 @@ from hmem.store.results import QueryResult, QueryResults, SkippedEntry, as_frame
 from hmem.store.search import SEARCHES
 from hmem.store.state import StoreState
 from hmem.store.tensors import as_rows
+from hmem.store.token_scores import max_sim
 
 FRAMEWORKS = ("numpy", "torch")
 # A span search shortlists SPAN_SHORTLIST times more entries for re-rank
@@ -50,6 +53,7 @@ class QueryOptions(NamedTuple):
     count_access: bool = True
     on_damage: str = "raise"
     search: str = "auto"
+    token_rerank: int | None = None  # None: the store's setting
 
 
 class Queries:
@@ -92,6 +96,8 @@ class Queries:
         skip = validation.choice(options.on_damage, "on_damage", ON_DAMAGE) == "skip"
         factor = validation.integer(options.shortlist_factor, "shortlist_factor", low=1) if rerank else 1
         search = validation.choice(options.search, "search", SEARCHES)
+        tokens = self._token_rerank(options.token_rerank, rerank)
+        n_short = max(k * factor, tokens)  # signature matches ranked again by pooled keys
         if search == "spans" and not state.config.spans:
             raise InvalidArgumentError("search='spans' needs a store with span signatures (signatures_per_entry > 1)")
         if search == "auto" and state.config.spans:
@@ -105,19 +111,20 @@ class Queries:
         # the query's token count for a span re-rank; None: mean keys only
         span_tokens = [len(q) if search == "spans" else None for q in rows]
         if search == "spans":  # one span scan per query (a scan of S rows per entry)
-            shortlists = [
-                self._shortlist(layer, sig, k * factor, search, None, rerank, raw=True) for sig, _ in prepared
-            ]
-            if len(prepared) > 1:
+            shortlists = [self._shortlist(layer, sig, n_short, search, None, rerank, raw=True) for sig, _ in prepared]
+            if len(prepared) > 1 and not tokens:
                 pooled, kvs = self._read_ahead(
                     shortlists, [mean for _, mean in prepared], k, rerank, check, span_tokens
                 )
         elif len(prepared) == 1:
-            shortlists = [state.search_index.search(layer, prepared[0][0], k * factor, search)]
+            shortlists = [state.search_index.search(layer, prepared[0][0], n_short, search)]
         else:
             signatures = np.stack([sig for sig, _ in prepared])
-            shortlists = state.search_index.search_many(layer, signatures, k * factor, search)
-            pooled, kvs = self._read_ahead(shortlists, [mean for _, mean in prepared], k, rerank, check, span_tokens)
+            shortlists = state.search_index.search_many(layer, signatures, n_short, search)
+            if not tokens:  # a token re-rank picks its results from more entries: each query reads its own
+                pooled, kvs = self._read_ahead(
+                    shortlists, [mean for _, mean in prepared], k, rerank, check, span_tokens
+                )
         answers = [
             self._answer(
                 layer,
@@ -125,17 +132,19 @@ class Queries:
                 mean,
                 shortlist,
                 k,
-                factor,
+                n_short,
                 rerank=rerank,
                 skip=skip,
                 search=search,
                 pooled=pooled,
                 kvs=kvs,
                 q_tokens=q_tokens,
+                q_rows=q_rows if tokens else None,
+                tokens=tokens,
             )
-            for (sig, mean), shortlist, q_tokens in zip(prepared, shortlists, span_tokens)
+            for (sig, mean), shortlist, q_tokens, q_rows in zip(prepared, shortlists, span_tokens, rows)
         ]
-        used = self._searched(layer, search, k * factor)
+        used = self._searched(layer, search, n_short)
         # Accesses are counted once every query is answered (a damaged entry
         # that raises leaves no count behind), in order: each query's results
         # show the counts of the queries before it, as one after another.
@@ -144,6 +153,16 @@ class Queries:
             with state.counts_lock:  # other threads' queries count too (hmem/store/rwlock.py)
                 counts = [self.count_access(answer.positions).tolist() for answer in answers]
         return [answer.results(framework, used, now) for answer, now in zip(answers, counts)]
+
+    def _token_rerank(self, asked: int | None, rerank: bool) -> int:
+        """How many candidates a query re-ranks by tokens: `asked`, or the
+        store's token_rerank when None; none without re-rank."""
+        if asked is None:
+            return self.state.config.token_rerank if rerank else 0
+        n = validation.integer(asked, "token_rerank", low=0, high=MAX_TOKEN_RERANK)
+        if n and not rerank:
+            raise InvalidArgumentError("token_rerank re-ranks what the pooled keys ranked: it needs rerank=True")
+        return n
 
     def _searched(self, layer: int, search: str, n: int) -> str:
         """How a search of mode `search` for n rows ran on this layer: what
@@ -217,7 +236,7 @@ class Queries:
         q_mean: np.ndarray,
         shortlist: tuple[np.ndarray, np.ndarray],
         k: int,
-        factor: int,
+        n_short: int,
         *,
         rerank: bool,
         skip: bool,
@@ -225,11 +244,15 @@ class Queries:
         pooled: dict[int, np.ndarray],
         kvs: dict[int, tuple[np.ndarray, np.ndarray]],
         q_tokens: int | None,
+        q_rows: np.ndarray | None,
+        tokens: int,
     ) -> _Answer:
         """One query's answer from its signature shortlist (record
         positions, Hamming distances), re-ranked and read.  `pooled` and
         `kvs` hold tensors already read, by record position; `q_tokens` is
-        the query's token count in a span search."""
+        the query's token count in a span search; with `tokens`, the best
+        `tokens` candidates by pooled keys are ranked again by max-sim of
+        the query's rows `q_rows` over each one's stored keys."""
         state = self.state
         # "skip" checks every tensor it hands out, verify_reads or not: a
         # skipped entry is one whose damage was seen, so one never seen must
@@ -238,28 +261,41 @@ class Queries:
         check = True if skip else None
         positions, dists = shortlist
         sims = np.asarray(similarity(dists, self._bits(search)))
+        ids = state.records["entry_id"]
         while True:  # each pass that finds damage leaves more out, so this ends
             cosines: np.ndarray | None = None
+            token_scores: np.ndarray | None = None
             if rerank and len(positions):
                 keys = self._pooled_keys(positions, pooled, check, skipped)
                 if keys is None:
-                    positions, sims = self._shortlist(layer, signature, k * factor, search, skipped, rerank)
+                    positions, sims = self._shortlist(layer, signature, n_short, search, skipped, rerank)
                     continue
                 cosines = self._rerank_cosines(positions, keys, q_mean, q_tokens)
-                order = np.lexsort((state.records["entry_id"][positions], -cosines))[:k]
+                order = np.lexsort((ids[positions], -cosines))[: max(k, tokens)]
                 positions, sims, cosines = positions[order], sims[order], cosines[order]
+            if tokens and len(positions):
+                assert q_rows is not None
+                rows = self._read_all(positions, lambda pos: self.reader.keys(pos, check=check), skipped)
+                if rows is None:
+                    positions, sims = self._shortlist(layer, signature, n_short, search, skipped, rerank)
+                    continue
+                token_scores = max_sim(q_rows, rows)
+                order = np.lexsort((ids[positions], -token_scores))[:k]
+                positions, sims, token_scores = positions[order], sims[order], token_scores[order]
+                cosines = None if cosines is None else cosines[order]
             self.reader.prefetch(positions[~np.isin(positions, list(kvs))])  # object storage: all at once
             kv = self._read_all(
                 positions, lambda pos: kvs[pos] if pos in kvs else self.reader.kv(pos, check=check), skipped
             )
             if kv is not None:
                 break
-            positions, sims = self._shortlist(layer, signature, k * factor, search, skipped, rerank)
+            positions, sims = self._shortlist(layer, signature, n_short, search, skipped, rerank)
         return _Answer(
             positions,
             self.state.records[list(_RESULT_FIELDS)][positions].tolist(),
             sims.tolist(),
             None if cosines is None else cosines.tolist(),
+            None if token_scores is None else token_scores.tolist(),
             kv,
             () if skipped is None else tuple(skipped.values()),
         )
@@ -403,12 +439,13 @@ _RESULT_FIELDS = ("entry_id", "layer_idx", "n_tokens", "importance", "timestamp"
 class _Answer(NamedTuple):
     """One query's answer before its results are made: its record
     positions and, for each, its _RESULT_FIELDS, similarity, cosine (None
-    without re-rank) and K/V."""
+    without re-rank), token score (None without a token re-rank) and K/V."""
 
     positions: np.ndarray
     rows: list[tuple]
     sims: list[float]
     cosines: list[float] | None
+    token_scores: list[float] | None
     kvs: list[tuple[np.ndarray, np.ndarray]]
     skipped: tuple[SkippedEntry, ...]
 
@@ -419,12 +456,13 @@ class _Answer(NamedTuple):
         for i, (entry_id, layer_idx, n_tokens, importance, timestamp, access_count, shard_idx) in enumerate(self.rows):
             sim = self.sims[i]
             cosine = None if self.cosines is None else self.cosines[i]
+            token_score = None if self.token_scores is None else self.token_scores[i]
             keys, values = self.kvs[i]
             out.append(
                 QueryResult(
                     entry_id=entry_id,
                     layer_idx=layer_idx,
-                    score=sim if cosine is None else cosine,
+                    score=token_score if token_score is not None else sim if cosine is None else cosine,
                     similarity=sim,
                     cosine=cosine,
                     keys=as_framework(keys, framework),
@@ -434,6 +472,7 @@ class _Answer(NamedTuple):
                     timestamp=timestamp,
                     access_count=access_count if access_counts is None else access_counts[i],
                     shard_idx=shard_idx,
+                    token_score=token_score,
                 )
             )
         return QueryResults(out, self.skipped, search)

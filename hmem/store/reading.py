@@ -86,6 +86,12 @@ class EntryReader:
                     )
         return storage_codec.decode(keys, None, storage), storage_codec.decode(values, None, storage)
 
+    def keys(self, pos: int, *, check: bool | None = None) -> np.ndarray:
+        """The keys of the record at `pos` alone, as float32 rows (checked as kv() checks)."""
+        storage = self.state.config.storage_dtype
+        scales = self.tensor(pos, "ks", check=check) if storage == "int8" else None
+        return storage_codec.decode(self.tensor(pos, "k", check=check), scales, storage)
+
     def stored(self, pos: int, *, check: bool | None = None) -> dict[str, np.ndarray]:
         """The K/V tensors of the record at `pos` as the shard holds them, not
         decoded: "k" and "v" in the storage dtype (bf16 as its uint16 words)

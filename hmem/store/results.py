@@ -15,8 +15,9 @@ from hmem.store import policy
 class QueryResult:
     """One retrieved entry.
 
-    ``score`` ranks the results: the cosine of the pooled keys when the query
-    re-ranked its shortlist, else the signature similarity.  ``keys`` and
+    ``score`` ranks the results: the token-level max-sim when the query
+    re-ranked by tokens (``token_score``), else the cosine of the pooled keys
+    when it re-ranked its shortlist, else the signature similarity.  ``keys`` and
     ``values`` are [n_tokens, embed_dim] float32 (read-only views of the
     shard's memory map when stored as F32; torch tensors when the query
     asked for framework="torch").
@@ -34,6 +35,7 @@ class QueryResult:
     timestamp: int  # nanoseconds since the Unix epoch
     access_count: int  # including this query's access
     shard_idx: int
+    token_score: float | None = None  # token-level max-sim, when re-ranked by tokens
 
 
 class SkippedEntry(NamedTuple):

@@ -197,6 +197,7 @@ class Store:
         count_access: bool = True,
         on_damage: str = "raise",
         search: str = "auto",
+        token_rerank: int | None = None,
     ) -> QueryResults:
         """The `top_k` entries of layer `layer_idx` most similar to `query`
         ([n_tokens, embed_dim] or [embed_dim]), best first, ties to the
@@ -215,8 +216,16 @@ class Store:
         ranks each entry by the nearest of its mean and span signatures,
         so that a query of a few tokens finds the entry that holds them
         (docs/format.md, "Span signatures").
+
+        `token_rerank`: re-rank the best `token_rerank` candidates (by pooled
+        keys) by token-level max-sim, each query row's best cosine over the
+        candidate's stored keys, averaged (``QueryResult.token_score``): a
+        query as long as an entry finds the document it continues more
+        often than by its mean (docs/benchmarks.md, "Token re-rank").  None
+        (the default) takes the store's setting (StoreConfig.token_rerank),
+        0 re-ranks by pooled keys alone.
         """
-        options = QueryOptions(rerank, shortlist_factor, framework, count_access, on_damage, search)
+        options = QueryOptions(rerank, shortlist_factor, framework, count_access, on_damage, search, token_rerank)
         self._session.maybe_refresh()
         with self._session.reading() as parts:
             return parts.queries.query(query, layer_idx, top_k, options)
@@ -233,6 +242,7 @@ class Store:
         count_access: bool = True,
         on_damage: str = "raise",
         search: str = "auto",
+        token_rerank: int | None = None,
     ) -> list[QueryResults]:
         """query() of each item of `queries` (a list of [n_tokens, embed_dim]
         or [embed_dim] arrays, or one [n_queries, n_tokens, embed_dim]
@@ -240,7 +250,7 @@ class Store:
         scan of the layer by one thread per core.  Every query is checked
         before any is answered and accesses are counted once all are: a bad
         query, or a damaged entry without on_damage="skip", counts nothing."""
-        options = QueryOptions(rerank, shortlist_factor, framework, count_access, on_damage, search)
+        options = QueryOptions(rerank, shortlist_factor, framework, count_access, on_damage, search, token_rerank)
         self._session.maybe_refresh()
         with self._session.reading() as parts:
             return parts.queries.query_many(queries, layer_idx, top_k, options)
