@@ -485,6 +485,47 @@ def test_query_json_matches_library(filled, kv_files):
         assert doc["search"] == mode and doc["searched"] == lib.search  # short signatures take one stage
 
 
+def test_query_token_rerank_matches_library(filled, kv_files):
+    keys = kv_files[1][2][0]  # layer 0 of c_layers
+    np.save("q.npy", keys[2:5])
+    doc = run_json("query", filled, "--query", "q.npy", "-l", 0, "-k", 3, "--token-rerank", 6)
+    with hmem.Store.open(filled, read_only=True) as s:
+        lib = s.query(keys[2:5], 0, top_k=3, token_rerank=6)
+    assert [(r["entry_id"], r["token_score"], r["score"]) for r in doc["results"]] == [
+        (r.entry_id, r.token_score, r.token_score) for r in lib
+    ]
+    assert doc["token_rerank"] == 6 and doc["results"][0]["token_score"] == pytest.approx(1.0)
+    human = run("query", filled, "--query", "q.npy", "-l", 0, "-k", 3, "--token-rerank", 6)
+    assert human.exit_code == 0 and "ranked by token max-sim" in human.stdout
+    plain = run_json("query", filled, "--query", "q.npy", "-l", 0, "-k", 3)
+    assert plain["token_rerank"] is None and all(r["token_score"] is None for r in plain["results"])
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [(("--token-rerank", -1), "token_rerank"), (("--token-rerank", 3, "--no-rerank"), "needs rerank=True")],
+)
+def test_query_bad_token_rerank_is_a_usage_error(filled, kv_files, args, fragment):
+    np.save("q.npy", kv_files[1][2][0])
+    before = library_stats(filled)
+    assert_one_error_line(run("query", filled, "--query", "q.npy", "-l", 0, *args), ExitCode.USAGE, fragment)
+    assert library_stats(filled) == before
+
+
+def test_init_token_rerank_is_the_stores_default(tmp_path, rng):
+    doc = run_json("init", tmp_path / "t", "--embed-dim", D, "--hdc-dim", HDC, "--token-rerank", 12)
+    assert doc["config"]["token_rerank"] == 12
+    keys = rows(rng, 6)
+    with hmem.Store.open(tmp_path / "t") as s:
+        s.put(keys, keys, 0)
+        s.put(rows(rng, 6), keys, 0)
+    np.save("q.npy", keys[:2])
+    found = run_json("query", tmp_path / "t", "--query", "q.npy", "-l", 0, "-k", 2)
+    assert found["results"][0]["token_score"] == pytest.approx(1.0)
+    stats = run("stats", tmp_path / "t")
+    assert "queries re-rank 12 by tokens" in stats.stdout
+
+
 def test_query_input_file_forms(filled, kv_files):
     keys = kv_files[1][0][0]  # layer 2
     wanted = best(filled, keys, 2)[0]

@@ -61,6 +61,15 @@ def init(
             "and evicted or deleted whole; an hmem tier of LMCache makes its store so itself (docs/lmcache.md).",
         ),
     ] = False,
+    token_rerank: Annotated[
+        int,
+        typer.Option(
+            "--token-rerank",
+            metavar="N",
+            help="Queries re-rank their best N candidates by token-level max-sim over the stored keys unless "
+            "told otherwise (0: they do not; docs/cli.md).",
+        ),
+    ] = 0,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -78,6 +87,7 @@ def init(
         signatures_per_entry=signatures_per_entry,
         span_layout=span_layout,
         chunks=chunks,
+        token_rerank=token_rerank,
     )
     with signals.stoppable():  # creating a store is short: a signal lets it finish (hmem/cli/signals.py)
         with Store.create(path, config) as store:

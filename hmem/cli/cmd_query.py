@@ -102,6 +102,16 @@ def query(
             "more).",
         ),
     ] = "auto",
+    token_rerank: Annotated[
+        int | None,
+        typer.Option(
+            "--token-rerank",
+            metavar="N",
+            help="Re-rank the best N candidates by token-level max-sim over their stored keys (0: off; default: "
+            "the store's setting). A query as long as an entry finds the document it continues more often.",
+            show_default=False,
+        ),
+    ] = None,
     export: Annotated[
         str | None,  # not a Path, which turns "" into ".": check_export_path refuses ""
         typer.Option("--export", metavar="<path>", help="Write the retrieved K/V to this safetensors file."),
@@ -143,7 +153,13 @@ def query(
         damaged_records = report_damaged_records(out, s)
         check_heads(s.config.embed_dim, kv_heads)
         results = s.query(
-            tokens, layer, top_k, rerank=rerank, on_damage="skip" if skip_damaged else "raise", search=search
+            tokens,
+            layer,
+            top_k,
+            rerank=rerank,
+            on_damage="skip" if skip_damaged else "raise",
+            search=search,
+            token_rerank=token_rerank,
         )
         skipped_note = report_skipped(out, results, layer)
         seconds = time.perf_counter() - started
@@ -168,6 +184,7 @@ def query(
             "score": r.score,
             "similarity": r.similarity,
             "cosine": r.cosine,
+            "token_score": r.token_score,
             "n_tokens": r.n_tokens,
             "importance": r.importance,
             "access_count": r.access_count,
@@ -183,6 +200,7 @@ def query(
                 "layer": layer,
                 "top_k": top_k,
                 "rerank": rerank,
+                "token_rerank": token_rerank,
                 "search": search,
                 "searched": results.search,
                 "results": rows,
@@ -208,7 +226,8 @@ def query(
             human_duration(max(0, now - row["timestamp_ns"]) / 1e9),
         )
     out.print(table)
-    ranked = "cosine of pooled keys" if rerank else "signature similarity"
+    by_tokens = bool(results) and results[0].token_score is not None
+    ranked = "token max-sim" if by_tokens else "cosine of pooled keys" if rerank else "signature similarity"
     out.print(
         f"{len(results)} result(s) from layer {layer}, ranked by {ranked}, in {human_duration(seconds)}" + skipped_note,
         soft_wrap=True,

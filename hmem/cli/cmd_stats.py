@@ -79,7 +79,8 @@ def stats(
         "config",
         f"embed_dim {cfg.embed_dim}, hdc_dim {cfg.hdc_dim}, seed {cfg.seed}, "
         f"stored as {cfg.storage_dtype}, shards up to {human_bytes(cfg.shard_max_bytes)}"
-        + (f", {cfg.signatures_per_entry} signatures per entry ({cfg.span_layout} spans)" if cfg.spans else ""),
+        + (f", {cfg.signatures_per_entry} signatures per entry ({cfg.span_layout} spans)" if cfg.spans else "")
+        + (f", queries re-rank {cfg.token_rerank} by tokens" if cfg.token_rerank else ""),
     )
     limits = [
         f"max {cfg.max_entries} entries" if cfg.max_entries else "",
