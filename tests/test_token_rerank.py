@@ -212,3 +212,17 @@ def test_a_damaged_candidate_raises_or_is_skipped(store_factory, tmp_path):
         results = reader.query(query, 0, top_k=3, shortlist_factor=20, token_rerank=41, on_damage="skip")
         assert [s.entry_id for s in results.skipped] == [second]
         assert results[0].entry_id == target and second not in [r.entry_id for r in results]
+
+
+def test_a_store_on_object_storage_re_ranks_as_a_local_one(object_url, tmp_path):
+    keys = _documents()
+    rng = np.random.default_rng(9)
+    query = keys[7][[3, 11, 20, 27]] + rng.standard_normal((4, DIM)).astype(np.float32) * 0.01
+    for where in (object_url, tmp_path / "local"):
+        with Store.create(where, embed_dim=DIM, hdc_dim=256, shard_max_bytes=4 << 10) as store:
+            store.put_many([(k, -k, 0) for k in keys])  # several shards
+    with Store.open(object_url, read_only=True) as remote, Store.open(tmp_path / "local", read_only=True) as local:
+        a = remote.query(query, 0, top_k=5, token_rerank=40)
+        b = local.query(query, 0, top_k=5, token_rerank=40)
+        assert [(r.entry_id, r.token_score) for r in a] == [(r.entry_id, r.token_score) for r in b]
+        assert a[0].entry_id == b[0].entry_id == local.entry_ids()[7]

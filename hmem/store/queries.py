@@ -275,6 +275,8 @@ class Queries:
                 positions, sims, cosines = positions[order], sims[order], cosines[order]
             if tokens and len(positions):
                 assert q_rows is not None
+                int8 = state.config.storage_dtype == "int8"
+                self.reader.prefetch(positions, ("k", "ks") if int8 else ("k",))  # object storage: all at once
                 rows = self._read_all(positions, lambda pos: self.reader.keys(pos, check=check), skipped)
                 if rows is None:
                     positions, sims = self._shortlist(layer, signature, n_short, search, skipped, rerank)
