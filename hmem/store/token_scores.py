@@ -22,8 +22,9 @@ def _unit_rows(rows: np.ndarray) -> np.ndarray:
     """Float32 rows scaled to unit length (a zero row stays zero: its
     cosine with anything is 0)."""
     rows = np.asarray(rows, dtype=np.float32)
-    norms = np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64)).astype(np.float32)
-    return np.divide(rows, norms[:, None], out=np.zeros_like(rows), where=norms[:, None] > 0)
+    norms = np.sqrt(np.einsum("ij,ij->i", rows, rows))
+    norms[norms == 0] = np.inf
+    return rows / norms[:, None]
 
 
 def max_sim(query_rows: np.ndarray, candidates: Sequence[np.ndarray]) -> np.ndarray:
