@@ -513,6 +513,22 @@ def print_variants(variants: list[dict]) -> None:
         )
 
 
+def add_key_options(p: argparse.ArgumentParser) -> None:
+    """The options of the generated keys' structure (KeyGen's weights),
+    shared with the benchmarks that generate keys the same way."""
+    p.add_argument("--dim", type=int, default=64, metavar="D", help="embed_dim (default 64)")
+    p.add_argument("--vocab", type=int, default=50000, help="token identity vectors (default 50000)")
+    p.add_argument("--tok", type=float, default=0.7, help="norm of a token's identity vector (default 0.7)")
+    p.add_argument("--noise", type=float, default=0.7, help="norm of a token's noise (default 0.7)")
+    p.add_argument("--sent", type=float, default=0.2, help="norm of a sentence's vector (default 0.2)")
+    p.add_argument("--topics", type=int, default=10, help="topics (default 10)")
+    p.add_argument("--topic", type=float, default=0.5, help="norm of a topic's vector (default 0.5)")
+    p.add_argument(
+        "--sink", type=float, default=6.0, help="norm of the sink row, the shared component's being 1 (default 6)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the data (default 0)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--entries", type=int, default=100_000, metavar="N", help="entries per store (default 100,000)")
@@ -536,17 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         help="build the stores here (an empty or missing directory) and keep them; "
         "default: a temporary directory, removed at the end",
     )
-    p.add_argument("--dim", type=int, default=64, metavar="D", help="embed_dim (default 64)")
-    p.add_argument("--vocab", type=int, default=50000, help="token identity vectors (default 50000)")
-    p.add_argument("--tok", type=float, default=0.7, help="norm of a token's identity vector (default 0.7)")
-    p.add_argument("--noise", type=float, default=0.7, help="norm of a token's noise (default 0.7)")
-    p.add_argument("--sent", type=float, default=0.2, help="norm of a sentence's vector (default 0.2)")
-    p.add_argument("--topics", type=int, default=10, help="topics (default 10)")
-    p.add_argument("--topic", type=float, default=0.5, help="norm of a topic's vector (default 0.5)")
-    p.add_argument(
-        "--sink", type=float, default=6.0, help="norm of the sink row, the shared component's being 1 (default 6)"
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the data (default 0)")
+    add_key_options(p)
     p.add_argument(
         "--variants",
         action="store_true",

@@ -64,7 +64,7 @@ from pathlib import Path
 
 import benchlib
 import numpy as np
-from bench_span_retrieval import directory_bytes
+from bench_span_retrieval import add_key_options, directory_bytes
 
 import hmem
 
@@ -380,17 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exact-only", action="store_true", help="build no store: the exact figures only")
     p.add_argument("--batch", type=int, default=2000, metavar="N", help="entries per put_many (default ~2000)")
     p.add_argument("--dir", metavar="PATH", help="build the stores here (empty or missing) and keep them")
-    p.add_argument("--dim", type=int, default=64, metavar="D", help="embed_dim (default 64)")
-    p.add_argument("--vocab", type=int, default=50000, help="words of the vocabulary (default 50000)")
+    add_key_options(p)  # the span benchmark's key structure; documents add:
     p.add_argument("--doc-terms", type=int, default=32, help="a document's own terms (default 32)")
     p.add_argument("--term-p", type=float, default=0.32, help="chance a token is a document term (default 0.32)")
-    p.add_argument("--tok", type=float, default=0.7, help="norm of a word's identity vector (default 0.7)")
-    p.add_argument("--noise", type=float, default=0.7, help="norm of a token's noise (default 0.7)")
-    p.add_argument("--sent", type=float, default=0.2, help="norm of a sentence's vector (default 0.2)")
-    p.add_argument("--topics", type=int, default=10, help="topics (default 10)")
-    p.add_argument("--topic", type=float, default=0.5, help="norm of a topic's vector (default 0.5)")
-    p.add_argument("--sink", type=float, default=6.0, help="norm of the sink row (default 6; shared part 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data (default 0)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
     try:
